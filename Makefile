@@ -1,0 +1,33 @@
+# Thin wrapper: the logic lives in tools/setup.sh.
+#   make setup                 idempotent set-up (apt, .venv, project, model, kp)
+#   make run [PROMPT="..."] [N=32]
+#   make test                  whole pytest suite
+#   make bench
+ROOT   := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+VENV   ?= $(ROOT)/.venv
+PROMPT ?= The capital of France is
+N      ?= 32
+# Pass PROMPT through literally (quotes, $, % survive).
+override PROMPT := $(value PROMPT)
+export VENV PROMPT N
+
+STAMP := $(VENV)/.setup/complete
+
+.PHONY: setup run test bench
+.DEFAULT_GOAL := setup
+
+setup:
+	@"$(ROOT)/tools/setup.sh"
+
+# "setup if needed": rerun when the venv is gone or pyproject/setup.sh changed.
+$(STAMP): $(ROOT)/pyproject.toml $(ROOT)/tools/setup.sh
+	@"$(ROOT)/tools/setup.sh"
+
+run: $(STAMP)
+	@cd "$(ROOT)" && "$$VENV/bin/engine" run -p "$$PROMPT" -n "$$N"
+
+test: $(STAMP)
+	@cd "$(ROOT)" && "$$VENV/bin/python" -m pytest -q --tb=short
+
+bench: $(STAMP)
+	@cd "$(ROOT)" && "$$VENV/bin/engine" bench

@@ -1,0 +1,45 @@
+"""Backend registry: name -> constructor. `auto` picks CUDA, then a Vulkan GPU, then CPU."""
+from __future__ import annotations
+
+import sys
+
+from engine.errors import BackendUnavailable, ConfigError
+
+from .base import OPS, Backend, check_complete
+
+NAMES = ("cpu", "vulkan", "cuda", "reference", "auto")
+
+
+def get_backend(name: str = "cpu", threads: int | None = None, quiet: bool = False):
+    """Construct a backend by name; every op is checked present."""
+    if name not in NAMES:
+        raise ConfigError(f"unknown backend '{name}'; choose one of: {', '.join(NAMES)}")
+    if name == "auto":
+        backend = _auto(threads)
+        if not quiet:
+            print(f"engine: backend auto -> {backend.name}", file=sys.stderr)
+    elif name == "cpu":
+        from .cpu import CpuBackend
+        backend = CpuBackend(threads)
+    elif name == "reference":
+        from .reference import ReferenceBackend
+        backend = ReferenceBackend()
+    elif name == "vulkan":
+        raise BackendUnavailable("backend 'vulkan' is not implemented yet in this build; use --backend cpu")
+    else:
+        raise BackendUnavailable("backend 'cuda' is not implemented yet in this build; use --backend cpu")
+    check_complete(backend)
+    return backend
+
+
+def _auto(threads):
+    for name in ("cuda", "vulkan"):
+        try:
+            return get_backend(name, threads, quiet=True)
+        except BackendUnavailable:
+            continue
+    from .cpu import CpuBackend
+    return CpuBackend(threads)
+
+
+__all__ = ["get_backend", "Backend", "OPS", "check_complete", "NAMES"]

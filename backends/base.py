@@ -1,0 +1,105 @@
+"""The Backend interface: memory plus the complete list of ops the forward pass uses.
+
+Every op writes into preallocated outputs (`out=`) and returns nothing unless
+stated. Arrays are backend arrays (numpy arrays for `reference` and `cpu`); the
+forward pass only creates them through `alloc`/`upload` and only reads them back
+through `download`. Activations are float32, row-major, one row per token.
+Column slices of a 2-D activation (`x[:, a:b]`) are valid op inputs and outputs.
+
+The KV cache lives in two page pools per model, allocated with `alloc_kv_pool`:
+    k_pages, v_pages: uint16 [n_pages, n_kv_heads, page_size, head_dim]   (bf16 bits)
+A layer's rows are addressed through its page table:
+    page_table: int32 [max_pages_per_layer]   physical row r lives in page
+    page_table[r // page_size] at offset r % page_size.
+
+A backend that lacks an op fails at load naming it (`check_complete`); it never
+runs the op somewhere else quietly.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from engine.errors import BackendUnavailable
+
+# The complete op list. `check_complete` verifies a backend has every one.
+OPS = (
+    "embedding",          # token rows of a (possibly quantized) table -> f32
+    "rms_norm",
+    "matmul",             # quantized mat-vec (n == 1) and mat-mat (n > 1), optional bias
+    "rope",               # adjacent-pair (llama) or NEOX (qwen2), in place
+    "kv_write",           # K/V rows (f32) -> bf16 pages at physical rows
+    "attention_prefill",  # causal attention of n queries over the paged cache
+    "attention_decode",   # one query over the paged cache
+    "silu_gate",
+    "add",
+    "snapkv_votes",       # SnapKV window votes over the paged cache
+    "kv_gather",          # KV compaction: keep rows -> leading rows
+)
+
+
+class Weight(Protocol):
+    qtype: int              # gguf.GGMLQuantizationType value
+    shape: tuple[int, int]  # (rows, cols); matmul computes x @ W.T: [n, cols] -> [n, rows]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    # -- memory ---------------------------------------------------------------
+    def alloc(self, shape: tuple[int, ...], dtype=np.float32) -> Any: ...
+    def upload(self, host: np.ndarray) -> Any: ...
+    def download(self, arr: Any) -> np.ndarray: ...
+    def load_weight(self, raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Weight:
+        """raw: uint8 [rows, row_bytes] GGUF blocks (may be a read-only memory map)."""
+    def alloc_kv_pool(self, n_pages: int, n_kv_heads: int, page_size: int,
+                      head_dim: int) -> tuple[Any, Any]:
+        """(k_pages, v_pages), each uint16 [n_pages, n_kv_heads, page_size, head_dim]."""
+    def synchronize(self) -> None: ...
+
+    # -- ops ------------------------------------------------------------------
+    def embedding(self, table: Weight, ids: np.ndarray, out) -> None:
+        """ids: int32 [n] (host); out: f32 [n, cols]."""
+    def rms_norm(self, x, weight, eps: float, out) -> None:
+        """x, out: f32 [n, d]; weight: f32 [d]. out = x / sqrt(mean(x^2) + eps) * weight."""
+    def matmul(self, w: Weight, x, out, bias=None) -> None:
+        """x: f32 [n, cols]; out: f32 [n, rows]; bias: f32 [rows] or None."""
+    def rope(self, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int,
+             freq_base: float, neox: bool) -> None:
+        """x: f32 [n, >= n_heads*head_dim], rotated in place; positions: int32 [n] (host).
+        Pair i (i < rot_dim/2) rotates by pos * freq_base^(-2i/rot_dim).
+        Adjacent mode pairs (2i, 2i+1); NEOX pairs (i, i + rot_dim/2)."""
+    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
+        """k, v: f32 [n, n_kv_heads*head_dim] -> bf16 rows start_row .. start_row+n-1."""
+    def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
+                          n_q_heads: int, scale: float, out) -> None:
+        """q, out: f32 [n, n_q_heads*head_dim]. Query i sees physical rows
+        0 .. start_row + i (its own K/V already written). GQA: query head h reads
+        KV head h // (n_q_heads // n_kv_heads)."""
+    def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
+                         n_q_heads: int, scale: float, out) -> None:
+        """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1."""
+    def silu_gate(self, gate, up, out) -> None:
+        """out = silu(gate) * up, all f32 [n, f]."""
+    def add(self, a, b, out) -> None:
+        """out = a + b (out may alias a)."""
+    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:
+        """SnapKV votes. q_window: f32 [n_q_heads, W, head_dim] (post-RoPE queries of the
+        last W of n_rows prompt rows; window query w sits at row n_rows - W + w).
+        Each window query's causal softmax runs over all rows 0..its own row; the
+        probabilities of prefix rows (0 .. n_rows-W-1) are summed over the window and
+        over the query heads of each KV group. Returns host f32 [n_kv_heads, n_rows - W].
+        Transient memory O(n_q_heads * W * n_rows)."""
+    def kv_gather(self, k_pages, v_pages, page_table, keep: np.ndarray) -> None:
+        """keep: int64 [n_kv_heads, n_keep] sorted rows per KV head (host). Row keep[h, j]
+        of head h moves to row j. Rows j < keep[h, j] only move down, so in-order copy
+        is safe in place."""
+
+
+def check_complete(backend) -> None:
+    """Raise BackendUnavailable naming every op the backend lacks."""
+    missing = [op for op in OPS if not callable(getattr(backend, op, None))]
+    if missing:
+        raise BackendUnavailable(f"backend '{backend.name}' lacks op(s): {', '.join(missing)}")

@@ -1,0 +1,49 @@
+"""CpuBackend: numpy arrays in host memory, numba kernels for every op."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import ops, quant
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None):
+        if threads:
+            import numba
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+    # -- memory ---------------------------------------------------------------------
+    def alloc(self, shape, dtype=np.float32):
+        return np.zeros(shape, dtype=dtype)
+
+    def upload(self, host):
+        return np.ascontiguousarray(host)
+
+    def download(self, arr):
+        return np.array(arr, copy=True)
+
+    def load_weight(self, raw, qtype, shape):
+        return quant.load_weight(raw, qtype, shape)
+
+    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim):
+        shape = (n_pages, n_kv_heads, page_size, head_dim)
+        # np.empty: the OS maps pool pages lazily, so unused pages cost no RSS
+        return np.empty(shape, dtype=np.uint16), np.empty(shape, dtype=np.uint16)
+
+    def synchronize(self):
+        pass
+
+    # -- ops ------------------------------------------------------------------------
+    embedding = staticmethod(quant.embedding)
+    matmul = staticmethod(quant.matmul)
+    rms_norm = staticmethod(ops.rms_norm)
+    rope = staticmethod(ops.rope)
+    kv_write = staticmethod(ops.kv_write)
+    attention_prefill = staticmethod(ops.attention_prefill)
+    attention_decode = staticmethod(ops.attention_decode)
+    silu_gate = staticmethod(ops.silu_gate)
+    add = staticmethod(ops.add)
+    snapkv_votes = staticmethod(ops.snapkv_votes)
+    kv_gather = staticmethod(ops.kv_gather)

@@ -1,0 +1,100 @@
+"""Quantized weights for the CPU backend: load (repack), matmul and embedding.
+
+A `QuantWeight` keeps the weight quantized (see `quant_repack` for the tiled
+layouts); F32/F16/BF16 stay in their file layout. The kernels to call are bound at
+load, so `matmul` for one token is one dict-free call into numba.
+
+    n == 1  mat-vec, numba, parallel over 16-row tiles, float activations (no
+            activation quantization: results equal the float64 reference to fp32
+            rounding).
+    n > 1   mat-mat: dequantize a chunk of rows (~1 MB of f32) into a scratch
+            buffer, then one BLAS sgemm of all n tokens against it; the chunk is
+            reused by every token, so dequantization is paid once per call.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from . import quant_kernels as K
+from .quant_repack import INT8, NIBBLE, repack
+
+FLOAT_KIND = {Q.F32: 0, Q.F16: 1, Q.BF16: 2}   # kind code used by mv_float / deq_float
+CHUNK_BYTES = 4 << 20                          # f32 scratch per mat-mat chunk
+
+
+class QuantWeight:
+    """What CpuBackend.load_weight returns. shape = (rows, cols); out = x @ W.T."""
+
+    __slots__ = ("qtype", "shape", "arrays", "_mv", "_mv_args", "_deq", "_deq_args",
+                 "_rowids", "_chunk")
+
+    def __init__(self, qtype, shape, arrays: dict, mv, mv_args: tuple, deq, deq_args: tuple):
+        self.qtype = int(qtype)
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.arrays = arrays                  # the (tiled) quantized arrays, by name
+        self._mv, self._mv_args = mv, mv_args
+        self._deq, self._deq_args = deq, deq_args
+        rows, cols = self.shape
+        self._rowids = np.arange(rows, dtype=np.int64)                     # [rows]
+        self._chunk = max(K.R, CHUNK_BYTES // (4 * cols) // K.R * K.R)     # rows per chunk
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values() if isinstance(a, np.ndarray))
+
+
+def load_weight(raw: np.ndarray, qtype, shape) -> QuantWeight:
+    """raw: uint8 [rows, row_bytes] GGUF blocks (may be a read-only memmap)."""
+    qtype = Q(int(qtype))
+    rows, cols = int(shape[0]), int(shape[1])
+    if qtype in FLOAT_KIND:
+        kind = FLOAT_KIND[qtype]
+        dt = np.float32 if qtype == Q.F32 else np.uint16
+        w = np.asarray(raw).reshape(rows, -1).view(dt)              # [rows, cols], no copy
+        if not w.flags.c_contiguous:
+            w = np.ascontiguousarray(w)
+        return QuantWeight(qtype, (rows, cols), {"w": w}, K.mv_float, (w, kind),
+                           K.deq_float, (w, kind))
+    p = repack(raw, qtype, rows, cols)
+    arrays = {k: p[k] for k in ("qs", "d", "m")}
+    if qtype in NIBBLE:
+        args = (p["qs"], p["d"], p["m"])
+        return QuantWeight(qtype, (rows, cols), arrays, K.mv_nibble, args, K.deq_nibble, args)
+    if qtype in INT8:
+        args = (p["qs"], p["d"], p["m"], p["has_m"])
+        return QuantWeight(qtype, (rows, cols), arrays, K.mv_int8, args, K.deq_int8, args)
+    raise ValueError(f"unsupported weight type {qtype.name}")
+
+
+_scratch = np.empty(0, np.float32)   # shared mat-mat scratch (single-threaded callers)
+
+
+def matmul(w: QuantWeight, x: np.ndarray, out: np.ndarray, bias=None) -> None:
+    """x f32 [n, cols] (rows may be strided); out f32 [n, rows] (may be a column view);
+    bias f32 [rows] or None. out = x @ W.T (+ bias)."""
+    n = x.shape[0]
+    if n == 1:
+        w._mv(*w._mv_args, x[0], out[0])
+    else:
+        _matmat(w, x, out)
+    if bias is not None:
+        out += bias
+
+
+def _matmat(w: QuantWeight, x: np.ndarray, out: np.ndarray) -> None:
+    global _scratch
+    rows, cols = w.shape
+    ch = min(w._chunk, rows)
+    if _scratch.size < ch * cols:
+        _scratch = np.empty(ch * cols, np.float32)
+    for r0 in range(0, rows, ch):
+        r1 = min(rows, r0 + ch)
+        tile = _scratch[:(r1 - r0) * cols].reshape(r1 - r0, cols)    # f32 [r1-r0, cols]
+        w._deq(*w._deq_args, w._rowids[r0:r1], tile)
+        out[:, r0:r1] = x @ tile.T
+
+
+def embedding(table: QuantWeight, ids: np.ndarray, out: np.ndarray) -> None:
+    """ids int [n]; out f32 [n, cols] = dequantized rows ids of table."""
+    table._deq(*table._deq_args, np.asarray(ids), out)

@@ -1,0 +1,190 @@
+"""`engine run|info|bench`: the command line. Errors are one line and exit 1."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import config as config_mod
+from .errors import EngineError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="path to a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--backend", help="cpu | vulkan | cuda | auto (env SHARPI_BACKEND)")
+    p.add_argument("--threads", help="CPU threads (env SHARPI_THREADS)")
+    p.add_argument("--ctx", help="context size in tokens (env SHARPI_CTX)")
+    p.add_argument("--prefill-chunk", dest="prefill_chunk", help="prompt tokens per prefill step")
+
+
+def _add_snapkv_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("SnapKV eviction (after prefill)")
+    g.add_argument("--kv-budget", dest="snapkv_budget", help="KV rows kept per layer; 0 = off (env SHARPI_SNAPKV_BUDGET)")
+    g.add_argument("--kv-window", dest="snapkv_window", help="observation window (env SHARPI_SNAPKV_WINDOW)")
+    g.add_argument("--kv-recency", dest="snapkv_recency", help="always keep the last R tokens")
+    g.add_argument("--kv-sinks", dest="snapkv_sinks", help="always keep the first S tokens")
+    g.add_argument("--kv-kernel", dest="snapkv_kernel", help="vote pooling kernel width (odd)")
+    g.add_argument("--kv-pool", dest="snapkv_pool", help="avg | max")
+    g.add_argument("--kv-granularity", dest="snapkv_granularity", help="head | layer | global")
+    g.add_argument("--kv-min-tokens", dest="snapkv_min_tokens", help="never compact prompts this short")
+
+
+SETTING_ARGS = ("backend", "threads", "ctx", "prefill_chunk", "snapkv_budget", "snapkv_window",
+                "snapkv_recency", "snapkv_sinks", "snapkv_kernel", "snapkv_pool",
+                "snapkv_granularity", "snapkv_min_tokens")
+
+
+def _settings(args) -> config_mod.Settings:
+    cli = {k: getattr(args, k) for k in SETTING_ARGS if getattr(args, k, None) is not None}
+    return config_mod.resolve(cli=cli)
+
+
+def _load(args):
+    from .model import Model
+    from .model_path import default_model_path
+
+    settings = _settings(args)
+    path = args.model or default_model_path()
+    if path is None:
+        raise EngineError("default model not installed: run `make setup` or pass a .gguf path")
+    return Model(path, settings)
+
+
+def cmd_run(args) -> int:
+    if args.prompt is None and args.file is None:
+        raise EngineError("no prompt: pass -p TEXT or -f FILE")
+    prompt = args.prompt
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompt = f.read()
+        except OSError as e:
+            raise EngineError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+    model = _load(args)
+    stats: dict = {}
+    out = sys.stdout
+    for piece in model.stream(prompt, max_tokens=args.n, temperature=args.temp, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat,
+                              ignore_eos=args.ignore_eos, stats=stats):
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    if args.stats:
+        _print_stats(stats)
+    return 0
+
+
+def _print_stats(s: dict) -> None:
+    e = sys.stderr
+    print(f"\n-- {s.get('backend')}: prompt {s['prompt_tokens']} tok, prefill {s['prefill_s']:.3f} s "
+          f"({s['prefill_tok_s']:.1f} tok/s); decode {s['decode_tokens']} tok "
+          f"({s['decode_tok_s']:.1f} tok/s); finish: {s.get('finish_reason', '?')}", file=e)
+    line = (f"-- KV cache: {s['kv_rows']} rows for {s['logical_length']} positions, "
+            f"{s['kv_bytes'] / 2**20:.2f} MiB")
+    if s.get("snapkv"):
+        k = s["snapkv"]
+        line += (f"; SnapKV {k['policy']}: {k['bytes_before'] / 2**20:.2f} -> {k['bytes_after'] / 2**20:.2f} MiB "
+                 f"({k['ratio']:.2f}x), scoring+compaction {k['seconds'] * 1e3:.1f} ms")
+    print(line, file=e)
+    print(f"-- peak RSS {s['peak_rss_mib']:.0f} MiB", file=e)
+
+
+def cmd_info(args) -> int:
+    from .gguf import GgufFile, model_config
+    from .model_path import default_model_path
+    from .tokenizer import Tokenizer
+
+    path = args.model or default_model_path()
+    if path is None:
+        raise EngineError("default model not installed: run `make setup` or pass a .gguf path")
+    g = GgufFile(path)
+    cfg = model_config(g)
+    tok = Tokenizer.from_metadata(g.metadata)
+    types: dict[str, int] = {}
+    n_params = 0
+    n_bytes = 0
+    for t in g.tensors.values():
+        types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
+        n_params += t.shape[0] * t.shape[1]
+        n_bytes += t.raw.nbytes
+    info = {
+        "path": str(path), "name": g.get("general.name"), "architecture": cfg.arch.name,
+        "parameters": n_params, "tensor_bytes": n_bytes, "tensor_types": types,
+        "layers": cfg.n_layers, "dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "heads": cfg.n_heads,
+        "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "rope_base": cfg.rope_base,
+        "rope_mode": "neox" if cfg.arch.rope_neox else "adjacent", "context_length": cfg.context_length,
+        "tied_output": cfg.tied_output,
+        "kv_bytes_per_token_bf16": cfg.kv_bytes_per_token(),
+        "tokenizer": {"model": g.get("tokenizer.ggml.model"), "pre": g.get("tokenizer.ggml.pre"),
+                      "vocab": tok.vocab_size, "bos": tok.bos_id, "eos": tok.eos_id,
+                      "chat_template": g.get("tokenizer.chat_template") is not None},
+    }
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        print(f"{key:>24}: {value}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args, _settings(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engine", description="GGUF inference with SnapKV KV-cache eviction")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text from a prompt")
+    _add_model_args(run)
+    run.add_argument("-p", "--prompt", help="prompt text")
+    run.add_argument("-f", "--file", help="read the prompt from a file")
+    run.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
+    run.add_argument("-n", "--max-tokens", dest="n", type=int, default=128, help="tokens to generate (default 128)")
+    run.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    run.add_argument("--top-k", dest="top_k", type=int, default=0, help="top-k sampling (0 = off)")
+    run.add_argument("--top-p", dest="top_p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    run.add_argument("--seed", type=int, default=None, help="sampling seed")
+    run.add_argument("--stop", action="append", help="stop string (repeatable)")
+    run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    run.add_argument("--stats", action="store_true", help="print timings and KV-cache sizes to stderr")
+    _add_snapkv_args(run)
+    run.set_defaults(func=cmd_run)
+
+    info = sub.add_parser("info", help="describe a GGUF model")
+    info.add_argument("model", nargs="?", help="path to a .gguf file (default model if omitted)")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="prefill/decode throughput, optionally against llama.cpp")
+    _add_model_args(bench)
+    bench.add_argument("--lengths", default="128,512,2048,8000", help="prompt lengths (comma separated)")
+    bench.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32, help="tokens decoded per case")
+    bench.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip llama.cpp even if installed")
+    bench.add_argument("--out", default="results", help="folder for the JSON report")
+    _add_snapkv_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""All configuration read in one place: environment < CLI flag < API argument.
+
+Every setting is declared once in SETTINGS with its env var, CLI flag, parser,
+default and a one-line comment. The rest of the code receives a frozen Settings.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+from .errors import ConfigError
+
+
+def _int(lo=None):
+    def parse(text, name):
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise ConfigError(f"{name} must be an integer, got {text!r}") from None
+        if lo is not None and value < lo:
+            raise ConfigError(f"{name} must be >= {lo}, got {value}")
+        return value
+    return parse
+
+
+def _choice(*options):
+    def parse(text, name):
+        value = str(text).strip().lower()
+        if value not in options:
+            raise ConfigError(f"{name} must be one of {'|'.join(options)}, got {text!r}")
+        return value
+    return parse
+
+
+def _optional_int(lo=None):
+    inner = _int(lo)
+
+    def parse(text, name):
+        if text is None or str(text).strip().lower() in ("", "none"):
+            return None
+        return inner(text, name)
+    return parse
+
+
+@dataclass(frozen=True)
+class Spec:
+    field: str
+    env: str | None
+    flag: str | None
+    parse: object
+    default: object
+    doc: str
+
+
+SETTINGS = (
+    Spec("backend", "SHARPI_BACKEND", "--backend", _choice("cpu", "vulkan", "cuda", "reference", "auto"),
+         "cpu", "compute backend; auto picks CUDA, then a Vulkan GPU, then CPU"),
+    Spec("threads", "SHARPI_THREADS", "--threads", _optional_int(1), None,
+         "CPU threads for numba kernels (default: all cores)"),
+    Spec("ctx", "SHARPI_CTX", "--ctx", _optional_int(1), None,
+         "context size in tokens (default: the model's trained context)"),
+    Spec("prefill_chunk", "SHARPI_PREFILL_CHUNK", "--prefill-chunk", _int(1), 256,
+         "prompt tokens per prefill step"),
+    Spec("snapkv_budget", "SHARPI_SNAPKV_BUDGET", "--kv-budget", _optional_int(0), None,
+         "SnapKV KV budget per layer: N>0 on, 0 off (also disables auto-on), unset = auto policy"),
+    Spec("snapkv_window", "SHARPI_SNAPKV_WINDOW", "--kv-window", _int(1), 64,
+         "observation window: last W prompt tokens whose queries vote"),
+    Spec("snapkv_recency", "SHARPI_SNAPKV_RECENCY", "--kv-recency", _optional_int(1), None,
+         "always keep the last R prompt tokens (default: the window)"),
+    Spec("snapkv_sinks", "SHARPI_SNAPKV_SINKS", "--kv-sinks", _int(0), 4,
+         "always keep the first S prompt tokens (attention sinks)"),
+    Spec("snapkv_kernel", "SHARPI_SNAPKV_KERNEL", "--kv-kernel", _int(1), 5,
+         "pooling kernel width along positions (odd; 1 = no pooling)"),
+    Spec("snapkv_pool", "SHARPI_SNAPKV_POOL", "--kv-pool", _choice("avg", "max"), "avg",
+         "vote pooling: avg (zero padded) or max"),
+    Spec("snapkv_granularity", "SHARPI_SNAPKV_GRANULARITY", "--kv-granularity",
+         _choice("head", "layer", "global"), "head",
+         "keep sets per KV head, per layer, or one for the whole model"),
+    Spec("snapkv_min_tokens", "SHARPI_SNAPKV_MIN_TOKENS", "--kv-min-tokens", _int(0), 128,
+         "prompts this short or shorter are never compacted"),
+    Spec("snapkv_auto_mib", "SHARPI_SNAPKV_AUTO_MIB", None, _int(0), 256,
+         "auto-on threshold: bf16 KV ring for the context above this many MiB"),
+)
+
+_BY_FIELD = {s.field: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    backend: str = "cpu"
+    threads: int | None = None
+    ctx: int | None = None
+    prefill_chunk: int = 256
+    snapkv_budget: int | None = None
+    snapkv_window: int = 64
+    snapkv_recency: int | None = None
+    snapkv_sinks: int = 4
+    snapkv_kernel: int = 5
+    snapkv_pool: str = "avg"
+    snapkv_granularity: str = "head"
+    snapkv_min_tokens: int = 128
+    snapkv_auto_mib: int = 256
+
+    def with_overrides(self, source: str = "argument", **overrides) -> "Settings":
+        """A copy with overrides applied (None values ignored). `source` names where
+        they came from in error messages: 'argument' (API) or 'flag' (CLI)."""
+        clean = {}
+        for key, value in overrides.items():
+            if key not in _BY_FIELD:
+                raise ConfigError(f"unknown setting '{key}'")
+            if value is None:
+                continue
+            spec = _BY_FIELD[key]
+            label = spec.flag if source == "flag" and spec.flag else key
+            clean[key] = spec.parse(value, label)
+        return replace(self, **clean)
+
+
+def from_env(env=None) -> Settings:
+    """Settings from the environment over the defaults."""
+    env = os.environ if env is None else env
+    values = {}
+    for spec in SETTINGS:
+        text = env.get(spec.env) if spec.env else None
+        if text is not None and text.strip() != "":
+            values[spec.field] = spec.parse(text, spec.env)
+    return replace(Settings(), **values)
+
+
+def resolve(cli: dict | None = None, api: dict | None = None, env=None) -> Settings:
+    """env < CLI < API."""
+    settings = from_env(env)
+    if cli:
+        settings = settings.with_overrides("flag", **cli)
+    if api:
+        settings = settings.with_overrides("argument", **api)
+    return settings
+
+
+assert {f.name for f in fields(Settings)} == set(_BY_FIELD), "Settings and SETTINGS disagree"

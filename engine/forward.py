@@ -1,0 +1,259 @@
+"""ForwardPass: chunked prefill and single-token decode of a llama-family model
+over a Backend, writing post-RoPE K/V into a paged bf16 cache.
+
+One generic layer graph; architecture differences come from ArchSpec flags
+(`qkv_bias`, `rope_neox`). Intermediates live in named scratch buffers so a
+divergence can be dumped layer by layer.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gguf import GgufFile, ModelConfig
+from .kv.paged import KvCache
+from .snapkv import SnapKvConfig, SnapKvSelector
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: object        # f32 [dim]
+    qkv: list                # [(Weight, first_col, last_col)] fused when Q/K/V share a type
+    qkv_bias: object | None  # f32 [q_dim + 2*kv_dim]
+    attn_output: object      # Weight [dim, q_dim]
+    ffn_norm: object         # f32 [dim]
+    gate_up: list            # [(Weight, first_col, last_col)] fused when gate/up share a type
+    ffn_down: object         # Weight [dim, ffn_dim]
+
+
+@dataclass
+class ModelWeights:
+    token_embd: object       # Weight [vocab, dim]
+    output_norm: object      # f32 [dim]
+    output: object           # Weight [vocab, dim] (token_embd when tied)
+    layers: list[LayerWeights]
+
+
+def load_weights(g: GgufFile, cfg: ModelConfig, backend) -> ModelWeights:
+    """Upload every tensor once; quantized blocks stay quantized. Q/K/V and gate/up
+    are stacked into one matrix when they share a quantization type, so decode
+    makes one mat-vec instead of three (or two)."""
+
+    def weight(name):
+        t = g.tensors[name]
+        return backend.load_weight(t.raw, t.qtype, t.shape)
+
+    def vector(name):
+        t = g.tensors[name]
+        from gguf.quants import dequantize
+        return backend.upload(np.ascontiguousarray(dequantize(t.raw, t.qtype).reshape(-1), dtype=np.float32))
+
+    def stacked(names):
+        tensors = [g.tensors[n] for n in names]
+        bounds = np.cumsum([0] + [t.shape[0] for t in tensors])
+        if len({t.qtype for t in tensors}) == 1:
+            raw = np.concatenate([t.raw for t in tensors], axis=0)
+            w = backend.load_weight(raw, tensors[0].qtype, (int(bounds[-1]), tensors[0].shape[1]))
+            return [(w, 0, int(bounds[-1]))]
+        return [(weight(n), int(bounds[i]), int(bounds[i + 1])) for i, n in enumerate(names)]
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        bias = None
+        if cfg.arch.qkv_bias:
+            from gguf.quants import dequantize
+            parts = [dequantize(g.tensors[p + n].raw, g.tensors[p + n].qtype).reshape(-1)
+                     for n in cfg.arch.bias_tensors]
+            bias = backend.upload(np.concatenate(parts).astype(np.float32))
+        layers.append(LayerWeights(
+            attn_norm=vector(p + "attn_norm.weight"),
+            qkv=stacked([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+            qkv_bias=bias,
+            attn_output=weight(p + "attn_output.weight"),
+            ffn_norm=vector(p + "ffn_norm.weight"),
+            gate_up=stacked([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+            ffn_down=weight(p + "ffn_down.weight"),
+        ))
+    embd = weight("token_embd.weight")
+    output = embd if cfg.tied_output else weight("output.weight")
+    return ModelWeights(embd, vector("output_norm.weight"), output, layers)
+
+
+class Scratch:
+    """Activation buffers for up to `n` tokens (backend f32 arrays)."""
+
+    def __init__(self, backend, cfg: ModelConfig, n: int):
+        a = backend.alloc
+        qkv_cols = cfg.q_dim + 2 * cfg.kv_dim
+        self.n = n
+        self.x = a((n, cfg.dim))              # residual stream
+        self.h = a((n, cfg.dim))              # normed input of a sublayer
+        self.qkv = a((n, qkv_cols))           # q | k | v, post-RoPE q and k
+        self.attn = a((n, cfg.q_dim))         # attention output (pre-projection)
+        self.proj = a((n, cfg.dim))           # sublayer output before the residual add
+        self.gate_up = a((n, 2 * cfg.ffn_dim))
+        self.act = a((n, cfg.ffn_dim))        # silu(gate) * up
+        self.logits = a((1, cfg.vocab_size))
+
+
+class WindowCapture:
+    """Collects the post-RoPE queries of the last W prompt positions of every layer,
+    whichever prefill chunks they fall in."""
+
+    def __init__(self, cfg: ModelConfig, window: int, first_pos: int):
+        self.cfg, self.window, self.first_pos = cfg, window, first_pos
+        self.q = np.zeros((cfg.n_layers, cfg.n_heads, window, cfg.head_dim), dtype=np.float32)
+
+    def __call__(self, backend, layer: int, q_rows, chunk_pos: int) -> None:
+        """q_rows: backend f32 [n, n_heads*head_dim] at positions chunk_pos .. chunk_pos+n-1."""
+        lo = max(self.first_pos, chunk_pos)
+        hi = min(self.first_pos + self.window, chunk_pos + q_rows.shape[0])
+        if lo >= hi:
+            return
+        rows = backend.download(q_rows[lo - chunk_pos:hi - chunk_pos])        # [m, n_heads*head_dim]
+        rows = rows.reshape(hi - lo, self.cfg.n_heads, self.cfg.head_dim).transpose(1, 0, 2)
+        self.q[layer, :, lo - self.first_pos:hi - self.first_pos] = rows
+
+
+class ForwardPass:
+    """Runs the model on a backend. `prefill` and `decode` advance a KvCache."""
+
+    def __init__(self, g: GgufFile, cfg: ModelConfig, backend, max_ctx: int,
+                 chunk: int = 256, page_size: int = 256):
+        self.cfg, self.backend = cfg, backend
+        self.max_ctx, self.chunk, self.page_size = max_ctx, chunk, page_size
+        self.weights = load_weights(g, cfg, backend)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self._decode_scratch = Scratch(backend, cfg, 1)
+        self._prefill_scratch: Scratch | None = None
+        self.window_capture: WindowCapture | None = None   # set during a SnapKV prefill
+
+    def new_cache(self) -> KvCache:
+        c = self.cfg
+        return KvCache(self.backend, c.n_layers, c.n_kv_heads, c.head_dim, self.max_ctx, self.page_size)
+
+    # -- public steps -------------------------------------------------------------
+    def prefill(self, ids, cache: KvCache, all_logits: bool = False, on_chunk=None,
+                snapkv: SnapKvConfig | None = None, compact_continued: bool = False) -> np.ndarray:
+        """Run prompt tokens through the model in chunks, appending to `cache`.
+        Returns host f32 logits [vocab] of the last token, or [n, vocab] with all_logits.
+        `on_chunk(done, total)` reports progress.
+
+        Post-prefill hook: with `snapkv`, the last W post-RoPE queries of every layer
+        are captured (across chunk boundaries), scored against the cached keys, and
+        every layer is compacted to its keep set. A prompt continued from an existing
+        cache is compacted only with `compact_continued`."""
+        ids = np.asarray(ids, dtype=np.int32)
+        if self._prefill_scratch is None:
+            self._prefill_scratch = Scratch(self.backend, self.cfg, self.chunk)
+        rows_after = cache.length + len(ids)
+        evict = (snapkv is not None and (cache.logical_length == 0 or compact_continued)
+                 and len(ids) >= snapkv.window and snapkv.compacts(rows_after))
+        if evict:
+            self.window_capture = WindowCapture(self.cfg, snapkv.window,
+                                                cache.logical_length + len(ids) - snapkv.window)
+        out = []
+        logits = None
+        try:
+            for start in range(0, len(ids), self.chunk):
+                part = ids[start:start + self.chunk]
+                s = self._prefill_scratch if len(part) > 1 else self._decode_scratch
+                self._forward(part, cache, s)
+                if all_logits:
+                    out.append(self._head(s, len(part), all_rows=True))
+                elif start + self.chunk >= len(ids):
+                    logits = self._head(s, len(part))
+                if on_chunk:
+                    on_chunk(min(start + self.chunk, len(ids)), len(ids))
+            capture = self.window_capture
+        finally:
+            self.window_capture = None
+        if evict:
+            self.evict(cache, capture.q, snapkv)
+        return np.concatenate(out) if all_logits else logits
+
+    def evict(self, cache: KvCache, q_window: np.ndarray, cfg: SnapKvConfig) -> dict:
+        """Score every layer's rows with the window queries and compact.
+        q_window: f32 [n_layers, n_heads, W, head_dim]. Returns the eviction report
+        (also kept as cache.eviction)."""
+        t0 = time.perf_counter()
+        selector = SnapKvSelector(cfg)
+        n_rows = cache.layers[0].length
+        votes = [self.backend.snapkv_votes(q_window[i], cache.pool.k_pages, layer.page_table(), n_rows,
+                                           self.scale) for i, layer in enumerate(cache.layers)]
+        t_scored = time.perf_counter()
+        keeps = selector.keep_from_model_votes(votes, n_rows)
+        bytes_before = cache.bytes
+        cache.compactions = [layer.compact(keep, window=cfg.window) for layer, keep in zip(cache.layers, keeps)]
+        t1 = time.perf_counter()
+        cache.eviction = {
+            "policy": cfg.summary(), "rows_before": n_rows, "rows_after": cache.layers[0].length,
+            "bytes_before": bytes_before, "bytes_after": cache.bytes,
+            "ratio": bytes_before / max(cache.bytes, 1), "seconds": t1 - t0,
+            "scoring_seconds": t_scored - t0,
+        }
+        return cache.eviction
+
+    def decode(self, token: int, cache: KvCache) -> np.ndarray:
+        """One token at position cache.logical_length -> host f32 logits [vocab]."""
+        s = self._decode_scratch
+        self._forward(np.array([token], dtype=np.int32), cache, s)
+        return self._head(s, 1)
+
+    # -- the layer graph ------------------------------------------------------------
+    def _forward(self, ids: np.ndarray, cache: KvCache, s: Scratch) -> None:
+        b, c, w = self.backend, self.cfg, self.weights
+        n = len(ids)
+        x, h, qkv, attn = s.x[:n], s.h[:n], s.qkv[:n], s.attn[:n]
+        proj, gate_up, act = s.proj[:n], s.gate_up[:n], s.act[:n]
+        q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
+        positions = np.arange(cache.logical_length, cache.logical_length + n, dtype=np.int32)
+        b.embedding(w.token_embd, ids, x)
+        for li, (lw, kv) in enumerate(zip(w.layers, cache.layers)):
+            kv.reserve(n)
+            start_row = kv.length
+            table = kv.page_table()
+            # attention block
+            b.rms_norm(x, lw.attn_norm, c.norm_eps, h)
+            for wt, lo, hi in lw.qkv:
+                b.matmul(wt, h, qkv[:, lo:hi], None if lw.qkv_bias is None else lw.qkv_bias[lo:hi])
+            b.rope(qkv[:, :k_end], positions, c.n_heads + c.n_kv_heads, c.head_dim, c.rot_dim,
+                   c.rope_base, c.arch.rope_neox)
+            if self.window_capture is not None:
+                self.window_capture(b, li, qkv[:, :q_end], int(positions[0]))
+            b.kv_write(cache.pool.k_pages, cache.pool.v_pages, table, qkv[:, q_end:k_end],
+                       qkv[:, k_end:], start_row)
+            if n == 1:
+                b.attention_decode(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
+                                   start_row + 1, c.n_heads, self.scale, attn)
+            else:
+                b.attention_prefill(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
+                                    start_row, c.n_heads, self.scale, attn)
+            kv.advance(n)
+            b.matmul(lw.attn_output, attn, proj)
+            b.add(x, proj, x)
+            # feed-forward block
+            b.rms_norm(x, lw.ffn_norm, c.norm_eps, h)
+            for wt, lo, hi in lw.gate_up:
+                b.matmul(wt, h, gate_up[:, lo:hi])
+            b.silu_gate(gate_up[:, :c.ffn_dim], gate_up[:, c.ffn_dim:], act)
+            b.matmul(lw.ffn_down, act, proj)
+            b.add(x, proj, x)
+
+    def _head(self, s: Scratch, n: int, all_rows: bool = False) -> np.ndarray:
+        """Final norm + output projection: logits of the last row (or of all n rows)."""
+        b, w = self.backend, self.weights
+        if all_rows:
+            h = s.h[:n]
+            b.rms_norm(s.x[:n], w.output_norm, self.cfg.norm_eps, h)
+            logits = b.alloc((n, self.cfg.vocab_size))
+            b.matmul(w.output, h, logits)
+            return b.download(logits)
+        h = s.h[n - 1:n]
+        b.rms_norm(s.x[n - 1:n], w.output_norm, self.cfg.norm_eps, h)
+        b.matmul(w.output, h, s.logits)
+        return b.download(s.logits)[0]

@@ -1,0 +1,148 @@
+"""Sampling, stop conditions and the streaming generation loop."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0     # 0 = greedy
+    top_k: int = 0               # 0 = off
+    top_p: float = 1.0           # 1 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()   # stop strings (not included in the output)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ConfigError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ConfigError("stop strings must be non-empty strings")
+
+
+class Sampler:
+    """Greedy, or temperature with optional top-k / top-p, from a seeded generator."""
+
+    def __init__(self, params: SamplingParams):
+        self.p = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """logits: f32 [vocab] -> token id."""
+        p = self.p
+        if p.temperature == 0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / p.temperature
+        if p.top_k and p.top_k < z.size:
+            cut = np.partition(z, -p.top_k)[-p.top_k]
+            z = np.where(z >= cut, z, -np.inf)
+        z -= z.max()
+        probs = np.exp(z)
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            n_keep = int(np.searchsorted(cumulative, p.top_p) + 1)
+            mask = np.zeros_like(probs)
+            mask[order[:n_keep]] = 1.0
+            probs = probs * mask
+            probs /= probs.sum()
+        return int(self.rng.choice(probs.size, p=probs))
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                 # generated ids (prompt excluded)
+    text: str
+    finish_reason: str                # "stop" (EOS or stop string) | "length"
+    stats: dict = field(default_factory=dict)
+
+
+class StopMatcher:
+    """Holds back text that could be the beginning of a stop string."""
+
+    def __init__(self, stops):
+        self.stops = tuple(stops)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """New text -> (text safe to emit, stopped)."""
+        self.pending += text
+        for s in self.stops:
+            at = self.pending.find(s)
+            if at >= 0:
+                out, self.pending = self.pending[:at], ""
+                return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate_stream(model, prompt_ids: list[int], params: SamplingParams, cache, first_logits,
+                    stats: dict):
+    """Yield text pieces, sampling from `first_logits` then decoding one token at a
+    time. Fills `stats` (tokens, timings, finish reason) as it goes."""
+    tok = model.tokenizer
+    sampler = Sampler(params)
+    decoder = tok.stream()
+    stopper = StopMatcher(params.stop)
+    tokens: list[int] = []
+    stats.update(tokens=tokens, finish_reason="length")
+    logits = first_logits
+    t0 = time.perf_counter()
+    n_decoded = 0
+    stopped_by_string = False
+    for i in range(params.max_tokens):
+        token = sampler(logits)
+        if not params.ignore_eos and token in tok.eot_ids:
+            stats["finish_reason"] = "stop"
+            break
+        tokens.append(token)
+        piece, stopped = stopper.feed(decoder.push(token))
+        if piece:
+            yield piece
+        if stopped:
+            stats["finish_reason"] = "stop"
+            stopped_by_string = True
+            break
+        if i + 1 == params.max_tokens:
+            break
+        if cache.logical_length >= cache.max_rows:
+            stats["finish_reason"] = "context"
+            break
+        logits = model.forward.decode(token, cache)
+        n_decoded += 1
+    if not stopped_by_string:
+        rest = stopper.feed(decoder.flush())[0] + stopper.flush()
+        if rest:
+            yield rest
+    elapsed = time.perf_counter() - t0
+    stats["decode_s"] = elapsed
+    stats["decode_tokens"] = n_decoded
+    stats["decode_tok_s"] = n_decoded / elapsed if elapsed > 0 and n_decoded else 0.0

@@ -1,0 +1,178 @@
+"""Paged bf16 KV cache: one page pool per model cache, one page table per layer.
+
+Physical rows (`length`) and logical positions (`logical_length`) are kept
+apart: after SnapKV compaction a layer holds fewer rows than tokens processed,
+the survivors keep their original RoPE rotation, and the next token is rotated
+at `logical_length` but stored at row `length`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import EngineError
+
+
+class KvCacheError(EngineError):
+    """An invalid cache operation (bad keep set, out of capacity)."""
+
+
+class PagePool:
+    """Fixed-size pages on one backend; pages are handed out and returned whole.
+
+    k_pages, v_pages: backend uint16 [n_pages, n_kv_heads, page_size, head_dim] (bf16 bits)
+    """
+
+    def __init__(self, backend, n_pages: int, n_kv_heads: int, page_size: int, head_dim: int):
+        self.backend = backend
+        self.n_pages, self.n_kv_heads, self.page_size, self.head_dim = n_pages, n_kv_heads, page_size, head_dim
+        self.k_pages, self.v_pages = backend.alloc_kv_pool(n_pages, n_kv_heads, page_size, head_dim)
+        self._free = list(range(n_pages - 1, -1, -1))   # stack: lowest page id handed out first
+
+    @property
+    def page_bytes(self) -> int:
+        """bf16 K + V bytes of one page."""
+        return 2 * self.n_kv_heads * self.page_size * self.head_dim * 2
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        if not self._free:
+            raise KvCacheError("KV page pool exhausted: the context is full")
+        return self._free.pop()
+
+    def give(self, page: int) -> None:
+        self._free.append(page)
+
+
+@dataclass(frozen=True)
+class CompactReport:
+    rows_before: int
+    rows_after: int
+    bytes_before: int
+    bytes_after: int
+
+
+class PagedKvCache:
+    """One layer's K/V rows in pages of `pool`."""
+
+    def __init__(self, pool: PagePool, max_rows: int):
+        self.pool = pool
+        self.max_rows = max_rows
+        self.length = 0               # physical rows in use
+        self.logical_length = 0       # tokens processed: the next RoPE position
+        self.pages: list[int] = []    # page ids in row order
+        self._table = np.zeros(-(-max_rows // pool.page_size), dtype=np.int32)   # [max_pages]
+        self._table_dev = None        # backend copy, refreshed when pages change
+        self.last_keep: np.ndarray | None = None   # int64 [n_kv_heads, n_keep] of the last compaction
+
+    # -- capacity ---------------------------------------------------------------
+    def reserve(self, n_new: int) -> None:
+        """Make room for rows length .. length + n_new - 1."""
+        need_rows = self.length + n_new
+        if need_rows > self.max_rows:
+            raise KvCacheError(f"KV cache full: {need_rows} rows exceed the context of {self.max_rows}")
+        need_pages = -(-need_rows // self.pool.page_size)
+        while len(self.pages) < need_pages:
+            page = self.pool.take()
+            self._table[len(self.pages)] = page
+            self.pages.append(page)
+            self._table_dev = None
+
+    def advance(self, n: int) -> None:
+        """n rows at positions logical_length.. were written at rows length..."""
+        self.length += n
+        self.logical_length += n
+
+    def page_table(self):
+        """Backend int32 [max_pages] page table (uploaded when it changed)."""
+        if self._table_dev is None:
+            self._table_dev = self.pool.backend.upload(self._table)
+        return self._table_dev
+
+    @property
+    def bytes(self) -> int:
+        return len(self.pages) * self.pool.page_bytes
+
+    # -- compaction -------------------------------------------------------------
+    def compact(self, keep: np.ndarray, window: int = 0) -> CompactReport:
+        """Keep only the given rows: `keep` int [n_kv_heads, n_keep] (one sorted set per
+        KV head, equal lengths) or [n_keep] (one set for the layer). Survivors move to
+        rows 0..n_keep-1 in order, trailing pages return to the pool. `window`: the last
+        `window` rows must be kept. Invalid sets raise and leave the cache untouched."""
+        keep = self._validated(keep, window)
+        before = CompactReport(self.length, self.length, self.bytes, self.bytes)
+        n_keep = keep.shape[1]
+        if n_keep == self.length:          # keep-all is the identity
+            self.last_keep = keep
+            return before
+        self.pool.backend.kv_gather(self.pool.k_pages, self.pool.v_pages, self.page_table(), keep)
+        self.length = n_keep
+        need_pages = -(-n_keep // self.pool.page_size)
+        while len(self.pages) > need_pages:
+            self.pool.give(self.pages.pop())
+        self._table_dev = None
+        self.last_keep = keep
+        return CompactReport(before.rows_before, n_keep, before.bytes_before, self.bytes)
+
+    def _validated(self, keep, window: int) -> np.ndarray:
+        keep = np.asarray(keep)
+        if keep.ndim == 1:
+            keep = np.broadcast_to(keep, (self.pool.n_kv_heads, keep.shape[0]))
+        if keep.ndim != 2 or keep.shape[0] != self.pool.n_kv_heads:
+            raise KvCacheError(f"keep set must be [n_keep] or [{self.pool.n_kv_heads}, n_keep], "
+                               f"got shape {keep.shape}")
+        if keep.shape[1] == 0:
+            raise KvCacheError("keep set is empty")
+        if not np.issubdtype(keep.dtype, np.integer):
+            raise KvCacheError(f"keep set must hold integers, got {keep.dtype}")
+        keep = keep.astype(np.int64)
+        if keep.min() < 0 or keep.max() >= self.length:
+            raise KvCacheError(f"keep set out of range: rows must lie in 0..{self.length - 1}")
+        if keep.shape[1] > 1 and not (np.diff(keep, axis=1) > 0).all():
+            raise KvCacheError("keep set must be sorted ascending without duplicates")
+        if window:
+            tail = np.arange(self.length - window, self.length)
+            if keep.shape[1] < window or not (keep[:, -window:] == tail).all():
+                raise KvCacheError(f"keep set drops part of the observation window (last {window} rows)")
+        return np.ascontiguousarray(keep)
+
+
+class KvCache:
+    """The whole model's cache: one PagedKvCache per layer sharing one page pool."""
+
+    def __init__(self, backend, n_layers: int, n_kv_heads: int, head_dim: int, max_rows: int,
+                 page_size: int = 256):
+        pages_per_layer = -(-max_rows // page_size)
+        self.pool = PagePool(backend, n_layers * pages_per_layer, n_kv_heads, page_size, head_dim)
+        self.layers = [PagedKvCache(self.pool, max_rows) for _ in range(n_layers)]
+        self.max_rows = max_rows
+        self.compactions: list[CompactReport] = []   # the last compaction, one report per layer
+        self.eviction: dict | None = None             # summary of the last SnapKV eviction
+
+    @property
+    def logical_length(self) -> int:
+        return self.layers[0].logical_length
+
+    @property
+    def length(self) -> int:
+        """Physical rows of the longest layer."""
+        return max(layer.length for layer in self.layers)
+
+    @property
+    def bytes(self) -> int:
+        return sum(layer.bytes for layer in self.layers)
+
+    def stats(self) -> dict:
+        """Per-layer lengths, pages and bytes, and the keep sets of the last compaction."""
+        return {
+            "logical_length": self.logical_length,
+            "bytes": self.bytes,
+            "page_size": self.pool.page_size,
+            "eviction": self.eviction,
+            "layers": [{"length": l.length, "logical_length": l.logical_length, "pages": len(l.pages),
+                        "bytes": l.bytes, "keep": l.last_keep} for l in self.layers],
+        }

