@@ -36,6 +36,7 @@ OPS = (
     "add",
     "snapkv_votes",       # SnapKV window votes over the paged cache
     "kv_gather",          # KV compaction: keep rows -> leading rows
+    "kv_copy_pages",      # branch a cache: copy whole pages between pools
 )
 
 
@@ -96,6 +97,8 @@ class Backend(Protocol):
         """keep: int64 [n_kv_heads, n_keep] sorted rows per KV head (host). Row keep[h, j]
         of head h moves to row j. Rows j < keep[h, j] only move down, so in-order copy
         is safe in place."""
+    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages: np.ndarray) -> None:
+        """pages: int32 [n] (host). dst_*[pages[i]] = src_*[pages[i]] for every listed page."""
 
 
 def check_complete(backend) -> None:

@@ -165,3 +165,7 @@ class ReferenceBackend:
             src_page, src_off = _page_slots(page_table, page_size, keep[h])
             for pages in (k_pages, v_pages):
                 pages[dst_page, h, dst_off, :] = pages[src_page, h, src_off, :]
+
+    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages):
+        dst_k[pages] = src_k[pages]
+        dst_v[pages] = src_v[pages]

@@ -47,3 +47,8 @@ class CpuBackend:
     add = staticmethod(ops.add)
     snapkv_votes = staticmethod(ops.snapkv_votes)
     kv_gather = staticmethod(ops.kv_gather)
+
+    @staticmethod
+    def kv_copy_pages(src_k, src_v, dst_k, dst_v, pages):
+        dst_k[pages] = src_k[pages]
+        dst_v[pages] = src_v[pages]

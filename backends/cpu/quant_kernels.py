@@ -121,12 +121,14 @@ def mv_float(w, kind, x, out):
 
 
 # -- dequantize selected rows (embedding, prefill tiles) ---------------------------------
+# Serial on purpose: the mat-mat path runs these between BLAS calls, and waking the
+# numba thread pool there leaves its workers spinning while BLAS wants the cores.
 
-@njit(parallel=True, **_opts)
+@njit(**_opts)
 def deq_nibble(qs, d, m, ids, out):
     """ids int [k] row numbers; out f32 [k, nb*32]."""
     nb = qs.shape[1]
-    for i in prange(ids.shape[0]):
+    for i in range(ids.shape[0]):
         t, r = ids[i] // R, ids[i] % R
         for b in range(nb):
             db, mb = d[t, b, r], m[t, b, r]
@@ -136,11 +138,11 @@ def deq_nibble(qs, d, m, ids, out):
                 out[i, b * 32 + 16 + j] = db * np.float32(q >> 4) + mb
 
 
-@njit(parallel=True, **_opts)
+@njit(**_opts)
 def deq_int8(qs, d, m, has_m, ids, out):
     """ids int [k]; out f32 [k, nb*L]."""
     nb, L = qs.shape[1], qs.shape[2]
-    for i in prange(ids.shape[0]):
+    for i in range(ids.shape[0]):
         t, r = ids[i] // R, ids[i] % R
         for b in range(nb):
             db = d[t, b, r]
@@ -149,11 +151,11 @@ def deq_int8(qs, d, m, has_m, ids, out):
                 out[i, b * L + j] = db * np.float32(qs[t, b, j, r]) + mb
 
 
-@njit(parallel=True, **_opts)
+@njit(**_opts)
 def deq_float(w, kind, ids, out):
     """w [rows, cols] as in mv_float; ids int [k]; out f32 [k, cols]."""
     cols = w.shape[1]
-    for i in prange(ids.shape[0]):
+    for i in range(ids.shape[0]):
         r = ids[i]
         for k in range(cols):
             if kind == 0:

@@ -153,6 +153,23 @@ class KvCache:
         self.compactions: list[CompactReport] = []   # the last compaction, one report per layer
         self.eviction: dict | None = None             # summary of the last SnapKV eviction
 
+    def copy(self) -> "KvCache":
+        """An independent cache with the same rows (same page ids in a new pool), so one
+        prefill can be branched into several eviction policies."""
+        p = self.pool
+        other = KvCache(p.backend, len(self.layers), p.n_kv_heads, p.head_dim, self.max_rows, p.page_size)
+        used = np.array(sorted(pg for layer in self.layers for pg in layer.pages), dtype=np.int32)
+        if used.size:
+            p.backend.kv_copy_pages(p.k_pages, p.v_pages, other.pool.k_pages, other.pool.v_pages, used)
+        other.pool._free = list(p._free)
+        for mine, theirs in zip(self.layers, other.layers):
+            theirs.pages = list(mine.pages)
+            theirs._table[:] = mine._table
+            theirs.length, theirs.logical_length = mine.length, mine.logical_length
+            theirs.last_keep = mine.last_keep
+        other.eviction = self.eviction
+        return other
+
     @property
     def logical_length(self) -> int:
         return self.layers[0].logical_length

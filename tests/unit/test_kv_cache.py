@@ -120,3 +120,15 @@ def test_capacity_error():
     cache = KvCache(ReferenceBackend(), 1, H, D, max_rows=8, page_size=4)
     with pytest.raises(KvCacheError, match="context"):
         cache.layers[0].reserve(9)
+
+
+def test_copy_is_independent():
+    rng = np.random.default_rng(3)
+    cache = KvCache(ReferenceBackend(), 2, H, D, max_rows=64, page_size=4)
+    k, _ = fill(cache, 10, rng)
+    twin = cache.copy()
+    twin.layers[0].compact(np.array([0, 8, 9]))
+    assert cache.layers[0].length == 10 and twin.layers[0].length == 3
+    np.testing.assert_array_equal(rows(cache, 0, cache.pool.k_pages), k.reshape(10, H, D))
+    np.testing.assert_array_equal(rows(twin, 0, twin.pool.k_pages), k.reshape(10, H, D)[[0, 8, 9]])
+    np.testing.assert_array_equal(rows(twin, 1, twin.pool.k_pages), k.reshape(10, H, D))
