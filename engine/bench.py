@@ -24,10 +24,11 @@ def bench_prompt(tokenizer, n: int) -> list[int]:
     return (ids * reps)[:n]
 
 
-def _engine_case(model, ids, n_decode: int) -> dict:
+def _engine_case(model, ids, n_decode: int, snapkv=None) -> dict:
+    """snapkv: None = the model's policy, False = full cache."""
     cache = model.new_cache()
     t0 = time.perf_counter()
-    cache, logits = model.prefill(ids, cache)
+    cache, logits = model.prefill(ids, cache, snapkv=snapkv)
     prefill_s = time.perf_counter() - t0
     snap = cache.eviction
     token = int(np.argmax(logits))
@@ -89,13 +90,23 @@ def run_bench(args, settings) -> int:
     warm = bench_prompt(model.tokenizer, 64)
     _engine_case(model, warm, 4)     # compile / warm caches once
     rows = []
-    print(f"{'prompt':>7} | {'engine prefill':>14} {'decode':>8} |"
+    evicting = model.snapkv is not None
+    print(f"{'prompt':>7} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
+          + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
           + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if llm else ""))
     for n in lengths:
         ids = bench_prompt(model.tokenizer, n)
-        row = {"prompt_tokens": n, "engine": _engine_case(model, ids, args.decode_tokens)}
+        row = {"prompt_tokens": n, "engine": _engine_case(model, ids, args.decode_tokens, snapkv=False)}
         e = row["engine"]
-        line = f"{n:>7} | {e['prefill_tok_s']:>10.1f} t/s {e['decode_tok_s']:>6.1f} t/s |"
+        line = f"{n:>7} | {e['prefill_tok_s']:>10.1f} t/s {e['decode_tok_s']:>6.1f} t/s {e['kv_bytes'] / 2**20:>7.1f} |"
+        if evicting:
+            row["engine_snapkv"] = k = _engine_case(model, ids, args.decode_tokens)
+            row["snapkv_decode_speedup"] = k["decode_tok_s"] / e["decode_tok_s"]
+            row["snapkv_kv_ratio"] = e["kv_bytes"] / k["kv_bytes"]
+            if k["snapkv"]:
+                row["snapkv_overhead"] = k["snapkv"]["seconds"] / k["prefill_s"]   # share of prefill time
+            line += (f" {k['prefill_tok_s']:>10.1f} t/s {k['decode_tok_s']:>6.1f} t/s "
+                     f"{k['kv_bytes'] / 2**20:>7.1f} |")
         if llm is not None:
             row["llama_cpp"] = l = _llama_cpp_case(llm, ids, args.decode_tokens)
             row["ratio_prefill"] = e["prefill_tok_s"] / l["prefill_tok_s"]
@@ -109,6 +120,7 @@ def run_bench(args, settings) -> int:
         "model": os.path.basename(str(path)), "backend": model.backend.name, "threads": threads,
         "machine": platform.processor() or platform.machine(), "decode_tokens": args.decode_tokens,
         "settings": {k: v for k, v in vars(settings).items()}, "peak_rss_mib": peak_rss_mib(),
+        "snapkv": model.snapkv.summary() if evicting else None,
         "llama_cpp": llm is not None, "cases": rows,
     }
     os.makedirs(args.out, exist_ok=True)
