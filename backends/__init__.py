@@ -10,8 +10,10 @@ from .base import OPS, Backend, check_complete
 NAMES = ("cpu", "vulkan", "cuda", "reference", "auto")
 
 
-def get_backend(name: str = "cpu", threads: int | None = None, quiet: bool = False):
-    """Construct a backend by name; every op is checked present."""
+def get_backend(name: str = "cpu", threads: int | None = None, quiet: bool = False,
+                auto_gpu_only: bool = False):
+    """Construct a backend by name; every op is checked present. `auto_gpu_only`:
+    a Vulkan CPU device (lavapipe) does not count (used by `auto`)."""
     if name not in NAMES:
         raise ConfigError(f"unknown backend '{name}'; choose one of: {', '.join(NAMES)}")
     if name == "auto":
@@ -25,9 +27,11 @@ def get_backend(name: str = "cpu", threads: int | None = None, quiet: bool = Fal
         from .reference import ReferenceBackend
         backend = ReferenceBackend()
     elif name == "vulkan":
-        raise BackendUnavailable("backend 'vulkan' is not implemented yet in this build; use --backend cpu")
+        from .vulkan import VulkanBackend
+        backend = VulkanBackend(allow_cpu=not auto_gpu_only)
     else:
-        raise BackendUnavailable("backend 'cuda' is not implemented yet in this build; use --backend cpu")
+        raise BackendUnavailable("backend 'cuda' is not available in this build (no CUDA backend yet); "
+                                 "use --backend cpu or vulkan")
     check_complete(backend)
     return backend
 
@@ -35,7 +39,7 @@ def get_backend(name: str = "cpu", threads: int | None = None, quiet: bool = Fal
 def _auto(threads):
     for name in ("cuda", "vulkan"):
         try:
-            return get_backend(name, threads, quiet=True)
+            return get_backend(name, threads, quiet=True, auto_gpu_only=True)
         except BackendUnavailable:
             continue
     from .cpu import CpuBackend

@@ -94,6 +94,8 @@ def cmd_info(args) -> int:
     from .model_path import default_model_path
     from .tokenizer import Tokenizer
 
+    if args.devices:
+        return _print_devices()
     path = args.model or default_model_path()
     if path is None:
         raise EngineError("default model not installed: run `make setup` or pass a .gguf path")
@@ -129,6 +131,23 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _print_devices() -> int:
+    import os
+
+    print(f"cpu: {os.cpu_count()} cores (numba)")
+    try:
+        from backends.vulkan import list_devices
+        devices = list_devices()
+    except EngineError as e:
+        print(f"vulkan: unavailable ({e})")
+        return 0
+    if not devices:
+        print("vulkan: no devices")
+    for d in devices:
+        print(f"vulkan {d['index']}: {d['name']} ({d['type']}, {d['vendor']}, Vulkan {d['api_version']})")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import run_bench
 
@@ -158,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="describe a GGUF model")
     info.add_argument("model", nargs="?", help="path to a .gguf file (default model if omitted)")
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--devices", action="store_true", help="list the compute devices found (Vulkan, CPU)")
     info.set_defaults(func=cmd_info)
 
     bench = sub.add_parser("bench", help="prefill/decode throughput, optionally against llama.cpp")
@@ -168,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="results", help="folder for the JSON report")
     _add_snapkv_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from .eval.cli import add_parser as add_eval_parser
+    add_eval_parser(sub)
     return parser
 
 

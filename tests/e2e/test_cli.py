@@ -42,3 +42,9 @@ def test_bench_writes_json(tiny_llama, tmp_path):
     big = report["cases"][1]
     assert big["engine"]["kv_rows"] == 103 and big["engine_snapkv"]["kv_rows"] == 83
     assert big["engine"]["decode_tok_s"] > 0 and "snapkv_overhead" in big
+
+
+def test_info_devices_lists_vulkan():
+    r = cli("info", "--devices")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("cpu: ") and "vulkan" in r.stdout

@@ -1,0 +1,342 @@
+"""VulkanBackend: device-resident arrays and GLSL compute shaders driven through kp.
+
+Execution model: every op records its dispatch(es) into one pending kp.Sequence;
+the sequence is submitted only when the host needs a result (`download`,
+`synchronize`, `snapkv_votes`), so a whole decode token (all layers, the head)
+is one submission and nothing crosses host<->device per token except the token
+id (a push constant) and the logits. Pipelines (kp.Algorithm) are cached by
+(shader variant, bound buffers, grid); the forward pass reuses its scratch
+buffers, so after the first token every dispatch hits the cache.
+
+On GPUs a compute->compute dependency is chained between consecutive dispatches
+(kp 0.9 exposes no OpMemoryBarrier; a 1-word OpTensorSyncLocal records the
+shader->transfer barrier and the next dispatch the transfer->shader one). The
+CPU device (lavapipe) runs dispatches in order and needs none.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+from engine.errors import BackendUnavailable
+
+from . import shaders
+from .arrays import Buffer, DeviceArray, to_words
+from .device import list_devices, manager, pick_device
+from .weights import VulkanWeight, load_weight
+
+try:
+    import kp
+except Exception as _e:   # pragma: no cover - depends on the machine
+    kp = None
+    _KP_ERROR = f"{type(_e).__name__}: {_e}"
+
+F32 = np.dtype(np.float32)
+_MAX_ALGOS = 4096
+_NO_SPEC = np.zeros(0, dtype=np.uint32)
+
+
+def _u32(*values) -> np.ndarray:
+    return np.array(values, dtype=np.uint32)
+
+
+def _fbits(x: float) -> int:
+    return int(np.float32(x).view(np.uint32))
+
+
+class VulkanBackend:
+    """backend name "vulkan". `device`: Vulkan device index (default: discrete GPU,
+    then integrated, ..., CPU/lavapipe last); `allow_cpu=False` refuses a CPU-only
+    Vulkan implementation (for `--backend auto`)."""
+
+    name = "vulkan"
+
+    def __init__(self, device: int | None = None, allow_cpu: bool = True):
+        if kp is None:
+            raise BackendUnavailable(f"backend 'vulkan' needs the Python package 'kp' (Kompute), "
+                                     f"which does not import: {_KP_ERROR}")
+        devices = list_devices()
+        if device is None:
+            info = pick_device(devices, allow_cpu)
+        else:
+            match = [d for d in devices if d["index"] == device]
+            if not match:
+                raise BackendUnavailable(f"backend 'vulkan': no Vulkan device {device} "
+                                         f"({len(devices)} found)")
+            info = match[0]
+        if not shaders.compiler_available() and not shaders.all_cached():
+            shaders.spirv(*shaders.variants()[0])          # raises, naming glslangValidator
+        self.device = info
+        self.mgr = manager(info["index"])
+        self._cpu_device = info["type"] == "cpu"
+        # host-visible buffers on a CPU device (no staging copy); device-local elsewhere
+        self._ttype = kp.TensorTypes.host if self._cpu_device else kp.TensorTypes.device
+        self._chain = not self._cpu_device
+        self._algos: OrderedDict = OrderedDict()           # key -> kp.Algorithm
+        self._by_serial: dict[int, set] = {}               # buffer serial -> cache keys using it
+        self._seq = None
+        self._n_recorded = 0
+        self._keepalive: list = []                         # transient buffers of the pending batch
+        self._fence = self.mgr.tensor_t(np.zeros(1, np.uint32), kp.TensorTypes.device)
+        self._dummy = self._buffer(np.zeros(1, np.uint32))
+        self._rope_tables: dict = {}                       # (base, rot_dim) -> (DeviceArray, max positions)
+        self.bytes_to_device = 0                           # host<->device traffic counters
+        self.bytes_to_host = 0
+
+    # -- buffers ----------------------------------------------------------------------
+    def _buffer(self, words: np.ndarray) -> Buffer:
+        t = self.mgr.tensor_t(np.ascontiguousarray(words, dtype=np.uint32), self._ttype)
+        if self._ttype == kp.TensorTypes.device:
+            self.mgr.sequence().eval(kp.OpTensorSyncDevice([t]))
+        buf = Buffer(t, words.size)
+        weakref.finalize(buf, self._forget, buf.serial)
+        return buf
+
+    def _forget(self, serial: int) -> None:
+        """Drop every cached pipeline that binds a buffer that no longer exists."""
+        for key in self._by_serial.pop(serial, ()):
+            self._algos.pop(key, None)
+
+    def _transient(self, host: np.ndarray) -> DeviceArray:
+        """Upload per-call host data (ids, keep sets, page lists) for the pending batch."""
+        arr = self.upload(host)
+        self._keepalive.append(arr.buffer)
+        return arr
+
+    def _scratch(self, n_words: int) -> Buffer:
+        buf = self._buffer(np.zeros(max(1, n_words), np.uint32))
+        self._keepalive.append(buf)
+        return buf
+
+    # -- memory -----------------------------------------------------------------------
+    def alloc(self, shape, dtype=np.float32) -> DeviceArray:
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        words, dt = to_words(np.zeros(shape, dtype=dtype))
+        return DeviceArray(self._buffer(words), dt, shape)
+
+    def upload(self, host) -> DeviceArray:
+        host = np.asarray(host)
+        words, dt = to_words(host)
+        self.bytes_to_device += words.nbytes
+        return DeviceArray(self._buffer(words), dt, host.shape)
+
+    def download(self, arr) -> np.ndarray:
+        if isinstance(arr, np.ndarray):
+            return np.array(arr, copy=True)
+        self.flush()
+        t = arr.buffer.tensor
+        if self._ttype == kp.TensorTypes.device:
+            self.mgr.sequence().eval(kp.OpTensorSyncLocal([t]))
+        out = arr.host_view(t.data())
+        self.bytes_to_host += out.nbytes
+        return out
+
+    def load_weight(self, raw, qtype, shape) -> VulkanWeight:
+        return load_weight(self, raw, qtype, shape)
+
+    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim):
+        if head_dim % 2:
+            raise BackendUnavailable(f"backend 'vulkan' needs an even head_dim, got {head_dim}")
+        shape = (n_pages, n_kv_heads, page_size, head_dim)
+        return self.alloc(shape, np.uint16), self.alloc(shape, np.uint16)
+
+    def synchronize(self) -> None:
+        self.flush()
+
+    # -- dispatch ---------------------------------------------------------------------
+    def _dispatch(self, shader: str, defines: tuple, buffers: list, grid: tuple, push: np.ndarray) -> None:
+        """Record one dispatch of shaders/<shader>.comp into the pending sequence."""
+        grid = tuple(int(g) for g in grid)
+        if min(grid) == 0:
+            return
+        key = (shader, defines, tuple(b.serial for b in buffers), grid, push.size)
+        algo = self._algos.get(key)
+        if algo is None:
+            algo = self.mgr.algorithm([b.tensor for b in buffers], shaders.spirv(shader, defines),
+                                      list(grid), _NO_SPEC, push)
+            self._algos[key] = algo
+            for b in buffers:
+                self._by_serial.setdefault(b.serial, set()).add(key)
+            if len(self._algos) > _MAX_ALGOS:
+                old, _ = self._algos.popitem(last=False)
+                for s in old[2]:
+                    self._by_serial.get(s, set()).discard(old)
+        else:
+            self._algos.move_to_end(key)
+        if self._seq is None:
+            self._seq = self.mgr.sequence()
+        elif self._chain:
+            self._seq.record(kp.OpTensorSyncLocal([self._fence]))
+        self._seq.record(kp.OpAlgoDispatch(algo, push))
+        self._n_recorded += 1
+
+    def flush(self) -> None:
+        """Submit the pending dispatches and wait for them."""
+        if self._seq is not None:
+            self._seq.eval()
+            self._seq = None
+            self._n_recorded = 0
+        self._keepalive.clear()
+
+    @staticmethod
+    def _f32(a, what: str, ndim: int = 2) -> DeviceArray:
+        if not isinstance(a, DeviceArray):
+            raise TypeError(f"vulkan {what}: expected a backend array (alloc/upload), got {type(a).__name__}")
+        if a.dtype != F32 or a.ndim != ndim:
+            raise TypeError(f"vulkan {what}: expected f32 {ndim}-d, got {a.dtype} {a.shape}")
+        return a
+
+    # -- ops --------------------------------------------------------------------------
+    def embedding(self, table: VulkanWeight, ids, out) -> None:
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        out = self._f32(out, "embedding")
+        n, cols = len(ids), table.shape[1]
+        if out.shape != (n, cols):
+            raise ValueError(f"vulkan embedding: out {out.shape} != ({n}, {cols})")
+        if n == 1:
+            id_buf, id0, use = self._dummy, int(ids[0]), 0
+        else:
+            id_buf, id0, use = self._transient(ids).buffer, 0, 1
+        push = _u32(n, cols, table.row_bytes, id0, use, out.offset, out.row_stride)
+        nsub = -(-cols // 32)
+        self._dispatch("embedding", (table.define,), [table.buffer, id_buf, out.buffer],
+                       (-(-nsub // 64), n, 1), push)
+
+    def rms_norm(self, x, weight, eps: float, out) -> None:
+        x, out, weight = self._f32(x, "rms_norm"), self._f32(out, "rms_norm"), self._f32(weight, "rms_norm", 1)
+        n, d = x.shape
+        push = _u32(n, d, x.offset, x.row_stride, weight.offset, out.offset, out.row_stride, _fbits(eps))
+        self._dispatch("rms_norm", (), [x.buffer, weight.buffer, out.buffer], (n, 1, 1), push)
+
+    def matmul(self, w: VulkanWeight, x, out, bias=None) -> None:
+        x, out = self._f32(x, "matmul"), self._f32(out, "matmul")
+        rows, cols = w.shape
+        n = x.shape[0]
+        if x.shape[1] != cols or out.shape != (n, rows):
+            raise ValueError(f"vulkan matmul: x {x.shape}, W {w.shape}, out {out.shape}")
+        if bias is None:
+            b_buf, b_off, has_b = self._dummy, 0, 0
+        else:
+            bias = self._f32(bias, "matmul bias", 1)
+            b_buf, b_off, has_b = bias.buffer, bias.offset, 1
+        tn = 1 if n == 1 else shaders.MATMUL_TN
+        push = _u32(rows, cols, n, w.row_bytes, x.offset, x.row_stride, out.offset, out.row_stride,
+                    b_off, has_b)
+        self._dispatch("matmul", (w.define, f"TN={tn}u"), [w.buffer, x.buffer, out.buffer, b_buf],
+                       (-(-rows // 256), -(-n // tn), 1), push)
+
+    def _rope_table(self, base: float, rot_dim: int, max_pos: int) -> DeviceArray:
+        """(cos, sin) f32 [cap, rot_dim/2, 2], computed in float64; grown on demand."""
+        key = (float(base), int(rot_dim))
+        have = self._rope_tables.get(key)
+        if have is not None and have[1] > max_pos:
+            return have[0]
+        cap = max(4096, 1 << int(max_pos).bit_length())
+        half = rot_dim // 2
+        inv_freq = float(base) ** (-2.0 * np.arange(half) / rot_dim)
+        angle = np.arange(cap, dtype=np.float64)[:, None] * inv_freq[None, :]
+        table = np.stack([np.cos(angle), np.sin(angle)], axis=-1).astype(np.float32)
+        arr = self.upload(table)
+        self._rope_tables[key] = (arr, cap)
+        return arr
+
+    def rope(self, x, positions, n_heads: int, head_dim: int, rot_dim: int,
+             freq_base: float, neox: bool) -> None:
+        x = self._f32(x, "rope")
+        positions = np.asarray(positions, dtype=np.int32).reshape(-1)
+        n = x.shape[0]
+        if n == 0:
+            return
+        if x.shape[1] < n_heads * head_dim or rot_dim > head_dim or rot_dim % 2:
+            raise ValueError(f"vulkan rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
+        table = self._rope_table(freq_base, rot_dim, int(positions.max()))
+        pos0 = int(positions[0])
+        if np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
+            pos_buf, use = self._dummy, 0
+        else:
+            pos_buf, use = self._transient(positions).buffer, 1
+        push = _u32(n, n_heads, head_dim, rot_dim, int(bool(neox)), x.offset, x.row_stride, pos0, use)
+        self._dispatch("rope", (), [x.buffer, table.buffer, pos_buf], (n_heads, n, 1), push)
+
+    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
+        k, v = self._f32(k, "kv_write"), self._f32(v, "kv_write")
+        _, n_kv, page_size, head_dim = k_pages.shape
+        n = k.shape[0]
+        push = _u32(n, n_kv, head_dim, page_size, start_row, k.offset, k.row_stride, v.offset, v.row_stride)
+        self._dispatch("kv_write", (), [k_pages.buffer, v_pages.buffer, page_table.buffer, k.buffer, v.buffer],
+                       (n_kv, n, 1), push)
+
+    def _attention(self, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out):
+        q, out = self._f32(q, "attention"), self._f32(out, "attention")
+        _, n_kv, page_size, head_dim = k_pages.shape
+        if n_q_heads % n_kv or head_dim > 256:
+            raise ValueError(f"vulkan attention: {n_q_heads} query heads over {n_kv} KV heads, head_dim {head_dim}")
+        n = q.shape[0]
+        push = _u32(n, n_q_heads, n_kv, head_dim, page_size, start_row, q.offset, q.row_stride,
+                    out.offset, out.row_stride, _fbits(scale))
+        self._dispatch("attention", (), [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, out.buffer],
+                       (n_q_heads, n, 1), push)
+
+    def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
+                          n_q_heads: int, scale: float, out) -> None:
+        self._attention(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out)
+
+    def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
+                         n_q_heads: int, scale: float, out) -> None:
+        self._attention(q, k_pages, v_pages, page_table, n_rows - 1, n_q_heads, scale, out)
+
+    def _eltwise(self, op: str, a, b, out) -> None:
+        a, b, out = self._f32(a, op), self._f32(b, op), self._f32(out, op)
+        n, d = a.shape
+        if b.shape != (n, d) or out.shape != (n, d):
+            raise ValueError(f"vulkan {op}: shapes {a.shape}, {b.shape}, {out.shape}")
+        push = _u32(n, d, a.offset, a.row_stride, b.offset, b.row_stride, out.offset, out.row_stride)
+        define = "OP_ADD" if op == "add" else "OP_SILU_GATE"
+        self._dispatch("eltwise", (define,), [a.buffer, b.buffer, out.buffer], (-(-d // 64), n, 1), push)
+
+    def silu_gate(self, gate, up, out) -> None:
+        self._eltwise("silu_gate", gate, up, out)
+
+    def add(self, a, b, out) -> None:
+        self._eltwise("add", a, b, out)
+
+    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:
+        if isinstance(q_window, np.ndarray):
+            q_window = self._transient(np.ascontiguousarray(q_window, dtype=np.float32))
+        n_q_heads, window, head_dim = q_window.shape
+        n_kv, page_size = k_pages.shape[1], k_pages.shape[2]
+        prefix = n_rows - window
+        if prefix <= 0:
+            return np.zeros((n_kv, max(prefix, 0)), np.float32)
+        stats = self._scratch(2 * n_q_heads * window)
+        votes = self._scratch(n_kv * prefix)
+        push = _u32(n_q_heads, n_kv, head_dim, page_size, n_rows, window, q_window.offset, _fbits(scale))
+        bufs = [q_window.buffer, k_pages.buffer, page_table.buffer, stats, votes]
+        self._dispatch("snapkv_votes", ("PASS_STATS",), bufs, (n_q_heads, window, 1), push)
+        self._dispatch("snapkv_votes", ("PASS_VOTES",), bufs, (-(-prefix // 64), n_kv, 1), push)
+        return self.download(DeviceArray(votes, F32, (n_kv, prefix)))
+
+    def kv_gather(self, k_pages, v_pages, page_table, keep) -> None:
+        keep = np.ascontiguousarray(keep, dtype=np.int32)
+        n_kv, n_keep = keep.shape
+        head_dim, page_size = k_pages.shape[3], k_pages.shape[2]
+        keep_dev = self._transient(keep)
+        tmp = self._scratch(2 * n_kv * n_keep * head_dim // 2)
+        push = _u32(n_kv, n_keep, head_dim, page_size)
+        bufs = [k_pages.buffer, v_pages.buffer, page_table.buffer, keep_dev.buffer, tmp]
+        self._dispatch("kv_gather", ("PASS_GATHER",), bufs, (n_keep, n_kv, 1), push)
+        self._dispatch("kv_gather", ("PASS_SCATTER",), bufs, (n_keep, n_kv, 1), push)
+
+    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages) -> None:
+        pages = np.ascontiguousarray(pages, dtype=np.int32).reshape(-1)
+        if pages.size == 0:
+            return
+        _, n_kv, page_size, head_dim = src_k.shape
+        page_words = n_kv * page_size * head_dim // 2
+        pages_dev = self._transient(pages)
+        push = _u32(pages.size, page_words)
+        self._dispatch("kv_copy_pages", (), [src_k.buffer, src_v.buffer, dst_k.buffer, dst_v.buffer,
+                                             pages_dev.buffer], (-(-page_words // 256), pages.size, 1), push)

@@ -1,0 +1,117 @@
+"""GLSL -> SPIR-V: the shader variants the backend uses, compiled with
+glslangValidator on first use and cached by source hash.
+
+A variant is (file in shaders/, defines). The cache key hashes the .comp file,
+every shaders/*.glsl include, the defines and the compiler's version, so an edited
+shader is recompiled and an unchanged one never is. Cache directory:
+$SNAPKV_SPIRV_CACHE, else ~/.cache/snapkv-engine/spirv (falling back to
+backends/vulkan/__pycache__/spirv when the home cache is not writable).
+`tools/build_shaders.py` precompiles every variant.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from engine.errors import BackendUnavailable
+
+SHADER_DIR = Path(__file__).resolve().parents[2] / "shaders"
+
+# qtype name -> #define used by quant.glsl (gguf.GGMLQuantizationType names)
+QTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+MATMUL_TN = 2   # tokens per invocation of the mat-mat variant (best on lavapipe)
+
+
+def variants() -> list[tuple[str, tuple[str, ...]]]:
+    """Every (shader, defines) the backend can dispatch."""
+    out = [("rms_norm", ()), ("eltwise", ("OP_ADD",)), ("eltwise", ("OP_SILU_GATE",)),
+           ("rope", ()), ("kv_write", ()), ("attention", ()),
+           ("snapkv_votes", ("PASS_STATS",)), ("snapkv_votes", ("PASS_VOTES",)),
+           ("kv_gather", ("PASS_GATHER",)), ("kv_gather", ("PASS_SCATTER",)), ("kv_copy_pages", ())]
+    for q in QTYPES:
+        out.append(("embedding", (f"QTYPE_{q}",)))
+        out.append(("matmul", (f"QTYPE_{q}", "TN=1u")))
+        out.append(("matmul", (f"QTYPE_{q}", f"TN={MATMUL_TN}u")))
+    return out
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("SNAPKV_SPIRV_CACHE")
+    candidates = [Path(env)] if env else []
+    candidates += [Path.home() / ".cache" / "snapkv-engine" / "spirv",
+                   Path(__file__).resolve().parent / "__pycache__" / "spirv"]
+    for d in candidates:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    return Path(tempfile.mkdtemp(prefix="snapkv-spirv-"))
+
+
+@lru_cache(maxsize=1)
+def _compiler() -> tuple[str | None, str]:
+    exe = shutil.which("glslangValidator")
+    if exe is None:
+        return None, ""
+    r = subprocess.run([exe, "--version"], capture_output=True, text=True)
+    return exe, r.stdout.strip().splitlines()[0] if r.stdout else ""
+
+
+@lru_cache(maxsize=1)
+def _includes_digest() -> bytes:
+    h = hashlib.sha256()
+    for p in sorted(SHADER_DIR.glob("*.glsl")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.digest()
+
+
+def _key(name: str, defines: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    h.update((SHADER_DIR / f"{name}.comp").read_bytes())
+    h.update(_includes_digest())
+    h.update("\0".join(defines).encode())
+    return f"{name}-{h.hexdigest()[:24]}.spv"
+
+
+def compiler_available() -> bool:
+    return _compiler()[0] is not None
+
+
+def all_cached() -> bool:
+    d = _cache_dir()
+    return all((d / _key(n, defs)).exists() for n, defs in variants())
+
+
+@lru_cache(maxsize=None)
+def spirv(name: str, defines: tuple[str, ...] = ()) -> bytes:
+    """SPIR-V bytes of shaders/<name>.comp with the given defines (cached on disk)."""
+    path = _cache_dir() / _key(name, defines)
+    if path.exists():
+        return path.read_bytes()
+    exe, _ = _compiler()
+    if exe is None:
+        raise BackendUnavailable("backend 'vulkan' needs glslangValidator on PATH to compile "
+                                 "shaders/*.comp (apt-get install glslang-tools), or run "
+                                 "tools/build_shaders.py where it is installed")
+    src = SHADER_DIR / f"{name}.comp"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.spv"
+        cmd = [exe, "-V", "--target-env", "vulkan1.1", "-I" + str(SHADER_DIR)]
+        cmd += [f"-D{d}" for d in defines] + [str(src), "-o", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            msg = " ".join((r.stdout + r.stderr).split())
+            raise RuntimeError(f"glslangValidator failed on {src.name} {defines}: {msg}")
+        data = out.read_bytes()
+    tmp_path = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp_path.write_bytes(data)
+    os.replace(tmp_path, path)       # atomic: concurrent test workers never read half a file
+    return data

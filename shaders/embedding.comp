@@ -1,0 +1,25 @@
+#version 450
+// out[i, :] = dequantized row ids[i] of the table (raw GGUF blocks).
+// ids come from the IDS buffer, or from the push constant id0 when n == 1.
+// Grid: (ceil(ceil(cols/32) / 64), n, 1); one thread per 32-element sub-block.
+#extension GL_GOOGLE_include_directive : require
+layout(local_size_x = 64) in;
+layout(set = 0, binding = 0) readonly buffer WB { uint Wq[]; };
+layout(set = 0, binding = 1) readonly buffer IB { int IDS[]; };
+layout(set = 0, binding = 2) buffer OB { float O[]; };
+layout(push_constant) uniform P {
+    uint n, cols, row_bytes, id0, use_ids, o_off, o_stride;
+} pc;
+#include "quant.glsl"
+
+void main() {
+    uint sub = gl_GlobalInvocationID.x;
+    uint i = gl_WorkGroupID.y;
+    if (sub * 32u >= pc.cols || i >= pc.n) return;
+    uint id = pc.use_ids != 0u ? uint(IDS[i]) : pc.id0;
+    float w[32];
+    dequant32(id * pc.row_bytes, sub, pc.cols, w);
+    uint o = pc.o_off + i * pc.o_stride + sub * 32u;
+    uint cn = min(32u, pc.cols - sub * 32u);
+    for (uint k = 0u; k < cn; k++) O[o + k] = w[k];
+}

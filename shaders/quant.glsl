@@ -1,0 +1,207 @@
+// Dequantization of raw GGUF blocks, 32 consecutive weights at a time.
+// The weight buffer `Wq` (uint words) holds the file's bytes unchanged; a row
+// starts at row * row_bytes. Exactly one QTYPE_* is defined per variant.
+// Layouts follow ggml (ggml-quants.c); K-quant sub-block j of 32 is decoded
+// like dequantize_row_q*_K.
+
+uint rd8(uint off)  { return (Wq[off >> 2] >> ((off & 3u) * 8u)) & 0xFFu; }
+uint rd16(uint off) { return (off & 1u) == 0u ? (Wq[off >> 2] >> ((off & 2u) * 8u)) & 0xFFFFu
+                                              : rd8(off) | (rd8(off + 1u) << 8); }
+uint rd32(uint off) {                      // any alignment
+    uint s = (off & 3u) * 8u;
+    uint lo = Wq[off >> 2];
+    return s == 0u ? lo : (lo >> s) | (Wq[(off >> 2) + 1u] << (32u - s));
+}
+float f16(uint off) { return unpackHalf2x16(rd16(off)).x; }
+
+// N consecutive little-endian words starting at byte offset `off` (any alignment):
+// N + 1 loads instead of 2N (weight buffers carry one word of padding).
+#define READ_WORDS(dst, off, N) {                                            \
+    uint o_ = (off) >> 2, s_ = ((off) & 3u) * 8u, prev_ = Wq[o_];             \
+    for (uint k_ = 0u; k_ < (N); k_++) {                                     \
+        uint next_ = Wq[o_ + k_ + 1u];                                       \
+        dst[k_] = s_ == 0u ? prev_ : (prev_ >> s_) | (next_ << (32u - s_));  \
+        prev_ = next_;                                                       \
+    } }
+
+#if defined(QTYPE_F32) || defined(QTYPE_F16) || defined(QTYPE_BF16)
+#define FLOAT_WEIGHTS                      // rows may end mid sub-block
+#endif
+
+#if defined(QTYPE_F32)
+#define QK 1u
+#define BLOCK_BYTES 4u
+#elif defined(QTYPE_F16) || defined(QTYPE_BF16)
+#define QK 1u
+#define BLOCK_BYTES 2u
+#elif defined(QTYPE_Q4_0)
+#define QK 32u
+#define BLOCK_BYTES 18u
+#elif defined(QTYPE_Q4_1)
+#define QK 32u
+#define BLOCK_BYTES 20u
+#elif defined(QTYPE_Q5_0)
+#define QK 32u
+#define BLOCK_BYTES 22u
+#elif defined(QTYPE_Q5_1)
+#define QK 32u
+#define BLOCK_BYTES 24u
+#elif defined(QTYPE_Q8_0)
+#define QK 32u
+#define BLOCK_BYTES 34u
+#elif defined(QTYPE_Q4_K)
+#define QK 256u
+#define BLOCK_BYTES 144u
+#elif defined(QTYPE_Q5_K)
+#define QK 256u
+#define BLOCK_BYTES 176u
+#elif defined(QTYPE_Q6_K)
+#define QK 256u
+#define BLOCK_BYTES 210u
+#else
+#error "define one QTYPE_*"
+#endif
+
+#if defined(QTYPE_Q4_K) || defined(QTYPE_Q5_K)
+// ggml get_scale_min_k4: 6-bit scale and min of sub-block j from the 12 scale bytes at s.
+void scale_min_k4(uint j, uint s, out float sc, out float mn) {
+    if (j < 4u) {
+        sc = float(rd8(s + j) & 63u);
+        mn = float(rd8(s + j + 4u) & 63u);
+    } else {
+        sc = float((rd8(s + j + 4u) & 0xFu) | ((rd8(s + j - 4u) >> 6) << 4));
+        mn = float((rd8(s + j + 4u) >> 4) | ((rd8(s + j) >> 6) << 4));
+    }
+}
+#endif
+
+// Weights row_base .. of sub-block `sub` (elements sub*32 .. sub*32+31) -> w.
+// `valid`: elements in the row (only float types may end mid sub-block).
+void dequant32(uint row_base, uint sub, uint valid, out float w[32]) {
+#if defined(QTYPE_F32)
+    uint o = (row_base >> 2) + sub * 32u;
+    for (uint i = 0u; i < 32u; i++) w[i] = sub * 32u + i < valid ? uintBitsToFloat(Wq[o + i]) : 0.0;
+#elif defined(QTYPE_F16) || defined(QTYPE_BF16)
+    uint o = row_base + sub * 64u;
+    for (uint i = 0u; i < 32u; i++) {
+        uint h = sub * 32u + i < valid ? rd16(o + 2u * i) : 0u;
+#if defined(QTYPE_F16)
+        w[i] = unpackHalf2x16(h).x;
+#else
+        w[i] = uintBitsToFloat(h << 16);
+#endif
+    }
+#elif defined(QTYPE_Q4_0) || defined(QTYPE_Q4_1)
+    uint b = row_base + sub * BLOCK_BYTES;
+    float d;
+#if defined(QTYPE_Q4_1)
+    vec2 dm = unpackHalf2x16(Wq[b >> 2]);         // 20-byte blocks: word aligned
+    d = dm.x;
+    float m = dm.y;
+    uint qs = b + 4u;
+#else
+    d = f16(b);
+    float m = -8.0 * d;
+    uint qs = b + 2u;
+#endif
+    uint qw[4];
+#if defined(QTYPE_Q4_1)
+    for (uint k = 0u; k < 4u; k++) qw[k] = Wq[(qs >> 2) + k];
+#else
+    READ_WORDS(qw, qs, 4u);
+#endif
+    for (uint k = 0u; k < 4u; k++) {
+        uint q = qw[k];
+        for (uint i = 0u; i < 4u; i++) {
+            uint byte = (q >> (8u * i)) & 0xFFu;
+            w[4u * k + i] = float(byte & 0xFu) * d + m;
+            w[16u + 4u * k + i] = float(byte >> 4) * d + m;
+        }
+    }
+#elif defined(QTYPE_Q5_0) || defined(QTYPE_Q5_1)
+    uint b = row_base + sub * BLOCK_BYTES;
+    float d = f16(b);
+#if defined(QTYPE_Q5_1)
+    float m = f16(b + 2u);
+    uint qh = rd32(b + 4u);
+    uint qs = b + 8u;
+#else
+    float m = -16.0 * d;
+    uint qh = rd32(b + 2u);
+    uint qs = b + 6u;
+#endif
+    uint qw[4];
+    READ_WORDS(qw, qs, 4u);
+    for (uint k = 0u; k < 4u; k++) {
+        uint q = qw[k];
+        for (uint i = 0u; i < 4u; i++) {
+            uint j = 4u * k + i;
+            uint byte = (q >> (8u * i)) & 0xFFu;
+            w[j] = float((byte & 0xFu) | (((qh >> j) & 1u) << 4)) * d + m;
+            w[16u + j] = float((byte >> 4) | (((qh >> (j + 16u)) & 1u) << 4)) * d + m;
+        }
+    }
+#elif defined(QTYPE_Q8_0)
+    uint b = row_base + sub * BLOCK_BYTES;
+    float d = f16(b);
+    uint qw[8];
+    READ_WORDS(qw, b + 2u, 8u);
+    for (uint k = 0u; k < 8u; k++) {
+        uint q = qw[k];
+        for (uint i = 0u; i < 4u; i++) {
+            int v = int(q << (24u - 8u * i)) >> 24;          // sign-extend byte i
+            w[4u * k + i] = float(v) * d;
+        }
+    }
+#elif defined(QTYPE_Q4_K) || defined(QTYPE_Q5_K)
+    uint b = row_base + (sub >> 3) * BLOCK_BYTES;
+    uint j = sub & 7u;
+    float d = f16(b), dmin = f16(b + 2u);
+    float sc, mn;
+    scale_min_k4(j, b + 4u, sc, mn);
+    float d1 = d * sc, m1 = dmin * mn;
+#if defined(QTYPE_Q4_K)
+    uint qs = b + 16u + 32u * (j >> 1);
+#else
+    uint qhb = b + 16u;
+    uint qs = b + 48u + 32u * (j >> 1);
+#endif
+    uint shift = 4u * (j & 1u);
+    for (uint k = 0u; k < 8u; k++) {
+        uint q = Wq[(qs >> 2) + k];                 // K-quant blocks are word aligned
+#if defined(QTYPE_Q5_K)
+        uint h = Wq[(qhb >> 2) + k];
+#endif
+        for (uint i = 0u; i < 4u; i++) {
+            uint v = (q >> (8u * i + shift)) & 0xFu;
+#if defined(QTYPE_Q5_K)
+            v |= ((h >> (8u * i + j)) & 1u) << 4;
+#endif
+            w[4u * k + i] = d1 * float(v) - m1;
+        }
+    }
+#elif defined(QTYPE_Q6_K)
+    uint b = row_base + (sub >> 3) * BLOCK_BYTES;
+    uint j = sub & 7u;
+    uint half_ = j >> 2, kk = j & 3u;
+    uint ql = b + 64u * half_ + 32u * (kk & 1u);
+    uint qh = b + 128u + 32u * half_;
+    uint scb = b + 192u + 8u * half_ + 2u * kk;
+    float d = f16(b + 208u);
+    float s0 = d * float(int(rd8(scb) << 24) >> 24);
+    float s1 = d * float(int(rd8(scb + 1u) << 24) >> 24);
+    uint nshift = 4u * (kk >> 1), hshift = 2u * kk;
+    uint qlw[8], qhw[8];
+    READ_WORDS(qlw, ql, 8u);
+    READ_WORDS(qhw, qh, 8u);
+    for (uint k = 0u; k < 8u; k++) {
+        uint q = qlw[k];
+        uint h = qhw[k];
+        for (uint i = 0u; i < 4u; i++) {
+            uint l = 4u * k + i;
+            int v = int(((q >> (8u * i + nshift)) & 0xFu) | (((h >> (8u * i + hshift)) & 3u) << 4)) - 32;
+            w[l] = (l < 16u ? s0 : s1) * float(v);
+        }
+    }
+#endif
+}

@@ -1,0 +1,27 @@
+#version 450
+// RoPE in place on x[t, h*head_dim ...] for h < n_heads. cos/sin come from a
+// device table [max_pos][rot_dim/2] of (cos, sin) pairs computed in float64 on
+// the host once per (base, rot_dim). Position of row t: POS[t] (use_pos) or pos0 + t.
+// Adjacent pairs (2i, 2i+1), or NEOX pairs (i, i + rot_dim/2). Grid: (n_heads, n, 1).
+layout(local_size_x = 64) in;
+layout(set = 0, binding = 0) buffer XB { float X[]; };
+layout(set = 0, binding = 1) readonly buffer TB { vec2 CS[]; };
+layout(set = 0, binding = 2) readonly buffer PB { int POS[]; };
+layout(push_constant) uniform P {
+    uint n, n_heads, head_dim, rot_dim, neox, x_off, x_stride, pos0, use_pos;
+} pc;
+
+void main() {
+    uint h = gl_WorkGroupID.x, t = gl_WorkGroupID.y;
+    uint half_ = pc.rot_dim / 2u;
+    uint pos = pc.use_pos != 0u ? uint(POS[t]) : pc.pos0 + t;
+    uint base = pc.x_off + t * pc.x_stride + h * pc.head_dim;
+    for (uint i = gl_LocalInvocationID.x; i < half_; i += 64u) {
+        vec2 cs = CS[pos * half_ + i];
+        uint i0 = pc.neox != 0u ? i : 2u * i;
+        uint i1 = pc.neox != 0u ? i + half_ : 2u * i + 1u;
+        float x0 = X[base + i0], x1 = X[base + i1];
+        X[base + i0] = x0 * cs.x - x1 * cs.y;
+        X[base + i1] = x0 * cs.y + x1 * cs.x;
+    }
+}

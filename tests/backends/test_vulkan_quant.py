@@ -1,0 +1,121 @@
+"""Vulkan quantized embedding and matmul for every supported GGUF type, against
+the independent `gguf` package dequantizer (float64 reference).
+
+Tolerances (f32 activations, f32 accumulation in the shader):
+    embedding: |ours - gguf.dequantize| <= 1e-6 * max|w|
+    matmul:    per output |ours - ref64| <= 2e-5 * ||x_t|| * ||w_row|| + 1e-6, NMSE <= 1e-9
+Outputs are written into column slices of a NaN-filled buffer, so a write outside
+the view shows up.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from _backends import available_backends, make_backend
+
+pytestmark = pytest.mark.skipif("vulkan" not in available_backends(), reason="no Vulkan device / kp")
+
+QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+@pytest.fixture(scope="module")
+def vk():
+    return make_backend("vulkan")
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).view(np.uint8).reshape(v.shape + (2,))
+
+
+def make_raw(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row_bytes] blocks of qtype with finite, sane scales."""
+    rng = np.random.default_rng(seed)
+    if qtype in QUANTIZABLE:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(rows, -1)
+    _, bs = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // 256, bs), dtype=np.uint8)
+    d = rng.uniform(1e-3, 2e-2, (rows, cols // 256))
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = _f16_bytes(d)
+    else:
+        raw[..., 0:2] = _f16_bytes(d)
+        raw[..., 2:4] = _f16_bytes(rng.uniform(1e-3, 2e-2, (rows, cols // 256)))
+    return raw.reshape(rows, -1)
+
+
+def check_matmul(vk, w, W, x, bias=None):
+    n, rows = x.shape[0], W.shape[0]
+    big = vk.upload(np.full((n, rows + 5), np.nan, np.float32))
+    vk.matmul(w, vk.upload(x), big[:, 2:2 + rows], None if bias is None else vk.upload(bias))
+    got = vk.download(big)
+    ref = x.astype(np.float64) @ W.astype(np.float64).T
+    if bias is not None:
+        ref += bias
+    out = got[:, 2:2 + rows]
+    tol = 2e-5 * np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :] + 1e-6
+    err = np.abs(out - ref)
+    assert np.all(err <= tol), f"max err/tol {np.max(err / tol):.3g}"
+    assert np.sum(err ** 2) / max(np.sum(ref ** 2), 1e-30) <= 1e-9
+    assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + rows:]))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,cols", [(7, 256), (70, 576)])
+def test_embedding_and_matmul(vk, qtype, rows, cols):
+    if qtype in K_QUANTS and cols % 256:
+        cols = 512
+    raw = make_raw(qtype, rows, cols, seed=rows + cols)
+    W = np.asarray(dequantize(raw, qtype), np.float32).reshape(rows, cols)
+    w = vk.load_weight(raw, qtype, (rows, cols))
+    assert w.shape == (rows, cols) and w.qtype == qtype
+    ids = np.array([0, rows - 1, rows // 2, 0], np.int32)
+    for sel in (ids, ids[1:2]):                      # prefill (ids buffer) and decode (push constant)
+        out = vk.alloc((len(sel), cols))
+        vk.embedding(w, sel, out)
+        np.testing.assert_allclose(vk.download(out), W[sel], rtol=0, atol=1e-6 * np.abs(W).max())
+    rng = np.random.default_rng(1)
+    xbig = rng.standard_normal((9, cols + 3)).astype(np.float32)
+    for n in (1, 9):
+        check_matmul(vk, w, W, xbig[:n, 1:1 + cols])
+    bias = rng.standard_normal(rows).astype(np.float32)
+    check_matmul(vk, w, W, xbig[:1, :cols], bias)
+    check_matmul(vk, w, W, xbig[:3, :cols], bias)
+
+
+def test_matmul_device_views(vk):
+    """x and out as column views of device activations, bias as a 1-D slice (the forward pass's
+    `matmul(w, h, qkv[:, lo:hi], bias[lo:hi])`)."""
+    rng = np.random.default_rng(3)
+    rows, cols, n = 40, 64, 5
+    raw = make_raw(Q.Q8_0, rows, cols, seed=3)
+    W = np.asarray(dequantize(raw, Q.Q8_0), np.float64).reshape(rows, cols)
+    w = vk.load_weight(raw, Q.Q8_0, (rows, cols))
+    xh = rng.standard_normal((n + 2, cols + 10)).astype(np.float32)
+    bias = rng.standard_normal(rows + 30).astype(np.float32)
+    out = vk.upload(np.full((n + 2, 100), 7.0, np.float32))
+    x = vk.upload(xh)
+    vk.matmul(w, x[1:1 + n][:, 4:4 + cols], out[1:1 + n][:, 30:70], vk.upload(bias)[10:50])
+    got = vk.download(out)
+    ref = xh[1:1 + n, 4:4 + cols] @ W.T + bias[10:50]
+    np.testing.assert_allclose(got[1:1 + n, 30:70], ref, rtol=1e-5, atol=1e-5)
+    got[1:1 + n, 30:70] = 7.0
+    assert np.all(got == 7.0)
+
+
+def test_f16_specials(vk):
+    vals = np.array([0.0, -0.0, 1.0, -2.5, 6e-8, -3e-5, 65504.0, np.inf, -np.inf] * 32, np.float16)[:256]
+    w = vk.load_weight(vals.view(np.uint8).reshape(1, -1), Q.F16, (1, 256))
+    out = vk.alloc((1, 256))
+    vk.embedding(w, np.array([0], np.int32), out)
+    np.testing.assert_array_equal(vk.download(out)[0], vals.astype(np.float32))
+
+
+def test_unsupported_type_is_named(vk):
+    from engine.errors import UnsupportedError
+    with pytest.raises(UnsupportedError, match="IQ2_XXS.*supported: F32"):
+        vk.load_weight(np.zeros((1, 66), np.uint8), Q.IQ2_XXS, (1, 256))
