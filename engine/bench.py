@@ -41,28 +41,61 @@ def _engine_case(model, ids, n_decode: int, snapkv=None) -> dict:
             "snapkv": snap}
 
 
+def _llama_cpp_last_logits(llm) -> np.ndarray:
+    """f32 [vocab] logits of the last evaluated token (llama-cpp-python keeps no
+    scores unless logits_all, so read them from the context)."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+
+
 def _llama_cpp_case(llm, ids, n_decode: int) -> dict:
     llm.reset()
     llm._ctx.kv_cache_clear() if hasattr(llm._ctx, "kv_cache_clear") else None
     t0 = time.perf_counter()
     llm.eval(ids)
     prefill_s = time.perf_counter() - t0
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = int(np.argmax(_llama_cpp_last_logits(llm)))
     t0 = time.perf_counter()
     for _ in range(n_decode):
         llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(_llama_cpp_last_logits(llm)))
     decode_s = time.perf_counter() - t0
     return {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s, "prefill_s": prefill_s}
 
 
-def _open_llama_cpp(path: str, ctx: int, threads: int):
+def llama_cpp_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _llama_cpp_worker(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int) -> list[dict]:
+    """Runs in a child process with the default environment (our process sets
+    OMP_WAIT_POLICY for numba, which would also slow llama.cpp's OpenMP pool)."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, logits_all=False, verbose=False)
+    _llama_cpp_case(llm, cases[0][:64], 4)     # warm up
+    return [_llama_cpp_case(llm, ids, n_decode) for ids in cases]
+
+
+def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int) -> list[dict]:
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"path": str(path), "ctx": ctx, "threads": threads, "cases": cases, "n_decode": n_decode}, f)
+        job = f.name
+    code = ("import json,sys; from engine.bench import _llama_cpp_worker; a=json.load(open(sys.argv[1])); "
+            "print(json.dumps(_llama_cpp_worker(a['path'],a['ctx'],a['threads'],a['cases'],a['n_decode'])))")
     try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    return Llama(model_path=str(path), n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
-                 n_batch=512, logits_all=False, verbose=False)
+        r = subprocess.run([sys.executable, "-c", code, job], capture_output=True, text=True, env=env)
+    finally:
+        os.unlink(job)
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EngineError(f"llama.cpp benchmark failed: {tail}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def run_bench(args, settings) -> int:
@@ -86,16 +119,17 @@ def run_bench(args, settings) -> int:
     model = Model(path, settings)
     if need_ctx > model.ctx:
         raise EngineError(f"longest case needs {need_ctx} positions but --ctx is {model.ctx}")
-    llm = _open_llama_cpp(path, model.ctx, threads) if args.llama_cpp else None
+    use_llama_cpp = args.llama_cpp and llama_cpp_available()
     warm = bench_prompt(model.tokenizer, 64)
     _engine_case(model, warm, 4)     # compile / warm caches once
     rows = []
     evicting = model.snapkv is not None
     print(f"{'prompt':>7} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
           + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
-          + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if llm else ""))
-    for n in lengths:
-        ids = bench_prompt(model.tokenizer, n)
+          + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else ""))
+    prompts = [bench_prompt(model.tokenizer, n) for n in lengths]
+    llama_rows = run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens) if use_llama_cpp else None
+    for i, (n, ids) in enumerate(zip(lengths, prompts)):
         row = {"prompt_tokens": n, "engine": _engine_case(model, ids, args.decode_tokens, snapkv=False)}
         e = row["engine"]
         line = f"{n:>7} | {e['prefill_tok_s']:>10.1f} t/s {e['decode_tok_s']:>6.1f} t/s {e['kv_bytes'] / 2**20:>7.1f} |"
@@ -107,8 +141,8 @@ def run_bench(args, settings) -> int:
                 row["snapkv_overhead"] = k["snapkv"]["seconds"] / k["prefill_s"]   # share of prefill time
             line += (f" {k['prefill_tok_s']:>10.1f} t/s {k['decode_tok_s']:>6.1f} t/s "
                      f"{k['kv_bytes'] / 2**20:>7.1f} |")
-        if llm is not None:
-            row["llama_cpp"] = l = _llama_cpp_case(llm, ids, args.decode_tokens)
+        if llama_rows is not None:
+            row["llama_cpp"] = l = llama_rows[i]
             row["ratio_prefill"] = e["prefill_tok_s"] / l["prefill_tok_s"]
             row["ratio_decode"] = e["decode_tok_s"] / l["decode_tok_s"]
             line += (f" {l['prefill_tok_s']:>13.1f} t/s {l['decode_tok_s']:>6.1f} t/s |"
@@ -121,7 +155,7 @@ def run_bench(args, settings) -> int:
         "machine": platform.processor() or platform.machine(), "decode_tokens": args.decode_tokens,
         "settings": {k: v for k, v in vars(settings).items()}, "peak_rss_mib": peak_rss_mib(),
         "snapkv": model.snapkv.summary() if evicting else None,
-        "llama_cpp": llm is not None, "cases": rows,
+        "llama_cpp": use_llama_cpp, "cases": rows,
     }
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"bench-{model.backend.name}.json")

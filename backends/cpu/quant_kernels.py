@@ -1,92 +1,194 @@
 """Numba kernels over the row-tiled weight layouts built by `quant_repack`.
 
-Tiled layouts (R = 16 rows per tile; the last tile is zero-padded):
-    nibble: qs u8 [T, nb, 16, R]   byte (j, r) = code j | code j+16 << 4 of block b, row r
-            d, m f32 [T, nb, R]    value = d * code + m         (Q4_0, Q4_1, Q4_K)
-    int8:   qs i8 [T, nb, L, R]    one code per element, L = block length (32 or 16)
-            d, m f32 [T, nb, R]    value = d * code (+ m)       (Q8_0, Q5_*, Q6_K)
-The inner loops run across the R rows of a tile (one SIMD lane per row), so the
-block scales are per-lane vectors and no horizontal sum happens until a tile ends.
+Tiled layouts (R = 16 rows per tile; the last tile is zero-padded), codes unsigned
+and grouped by 4 so that one 64-byte load holds 4 codes of each of the 16 rows:
+    nibble: qs u8 [T, nb, 4, R, 4]  byte (g, r, i) = code 4g+i | code 16+4g+i << 4
+            d, m f32 [T, nb, R]     value = d * code + m          (Q4_0, Q4_1, Q4_K)
+                 (or uint16 f16 bits where f16 holds every scale exactly: half the bytes)
+    int8:   qs u8 [T, nb, G, R, 4]  byte (g, r, i) = code 4g+i + 128 (L = 4G = 32 or 16)
+            d, m f32 [T, nb, R]     value = d * code (+ m)       (Q8_0, Q5_*, Q6_K)
 Float tensors (F32, F16, BF16) stay in their file layout [rows, cols].
+
+Mat-vec (decode) quantizes the activation per weight block to ACT_PLANES int8 planes
+(x ~ dx1*q1 + dx2*q2: the second plane quantizes the residual of the first, so the
+activation keeps ~15 bits and results stay within ~1e-5 of float activations) and
+takes integer dot products: AVX-512 VNNI `vpdpbusd` through `vnni.make_tile_dot`,
+or the plain-numba twin `_tile_dot_generic` on CPUs without VNNI.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
-R = 16  # rows per tile
+from .vnni import HAVE_VNNI, R, make_tile_dot
 
 _opts = dict(cache=True, fastmath=True, nogil=True)
 
 
 # -- mat-vec (decode) --------------------------------------------------------------
 
+_PLANE_STEP = 254.0   # residual |r| <= 0.5 step of plane p -> codes <= 127 in plane p + 1
+ACT_PLANES = 3     # int8 planes per activation block: 3 ~ fp32 activations (2 moves the tiny-model
+                   # decode-vs-prefill logits ~1e-2, 1 = llama.cpp Q8 activations ~1 logit off HF)
+
+
+@njit(inline="always", **_opts)
+def _quant_act(x, L, code_off, c0):
+    """x f32 [nb*L] -> xq i8 [ACT_PLANES, nb*L], xs f32 [ACT_PLANES + 2, nb]: per block
+    the scale of each plane, corr, and the exact block sum sx. Plane p + 1 codes the
+    rounding residual of plane p in steps _PLANE_STEP times finer. With codes stored as
+    c + code_off (c ~ c0 on average), d * (dot_q + corr) + m * sx is the dot of
+    d * c + m with x up to d * sum (c - c0) * (x - xhat): the rounding error of the
+    activation only meets centred codes."""
+    nb = x.shape[0] // L
+    xq = np.empty((ACT_PLANES, nb * L), np.int8)
+    xs = np.empty((ACT_PLANES + 2, nb), np.float32)
+    res = np.empty(L, np.float32)
+    step = np.float32(_PLANE_STEP)
+    for b in range(nb):
+        o = b * L
+        sx = np.float32(0)
+        amax = np.float32(0)
+        for j in range(L):
+            v = x[o + j]
+            sx += v
+            amax = max(amax, abs(v))
+        dx = amax / np.float32(127)
+        inv = np.float32(1) / dx if dx > 0 else np.float32(0)
+        for j in range(L):
+            res[j] = x[o + j] * inv          # in units of dx, |res| <= 127
+        qsum = np.float32(0)                 # sum of the dequantized codes, in units of dx
+        unit = np.float32(1)
+        for p in range(ACT_PLANES):
+            row = xq[p]
+            psum = np.int32(0)
+            for j in range(L):
+                q = np.rint(res[j])
+                row[o + j] = np.int8(q)
+                psum += np.int32(q)
+                res[j] = (res[j] - q) * step     # |res| <= step / 2 = 127
+            xs[p, b] = dx * unit
+            qsum += np.float32(psum) * unit
+            unit /= step
+        sx_hat = qsum * dx
+        xs[ACT_PLANES, b] = -np.float32(code_off) * sx_hat + np.float32(c0) * (sx - sx_hat)
+        xs[ACT_PLANES + 1, b] = sx
+    return xq, xs
+
+
+@njit(inline="always", **_opts)
+def _tile_dot_generic(qs, d, m, xq, xs, t, out, row0, n_valid, nibble, has_m):
+    """Plain-numba twin of vnni.make_tile_dot (same layouts, same integer sums)."""
+    nb, G = qs.shape[1], qs.shape[2]
+    L = 32 if nibble else 4 * G
+    acc = np.zeros(R, np.float32)
+    isum = np.empty(R, np.int32)
+    for b in range(nb):
+        dot = np.full(R, xs[ACT_PLANES, b], np.float32)
+        for p in range(ACT_PLANES):
+            isum[:] = 0
+            for g in range(G):
+                for r in range(R):
+                    s = np.int32(0)
+                    for i in range(4):
+                        c = np.int32(qs[t, b, g, r, i])
+                        if nibble:
+                            s += (c & 15) * np.int32(xq[p, b * L + 4 * g + i])
+                            s += (c >> 4) * np.int32(xq[p, b * L + 16 + 4 * g + i])
+                        else:
+                            s += c * np.int32(xq[p, b * L + 4 * g + i])
+                    isum[r] += s
+            for r in range(R):
+                dot[r] += np.float32(isum[r]) * xs[p, b]
+        sx = xs[ACT_PLANES + 1, b]
+        for r in range(R):
+            acc[r] += _sc(d[t, b, r]) * dot[r]
+            if has_m:
+                acc[r] += _sc(m[t, b, r]) * sx
+    for r in range(n_valid):
+        out[row0 + r] = acc[r]
+
+
+if HAVE_VNNI:
+    _tile_nibble = make_tile_dot(True, 4, ACT_PLANES, True)
+    _tile_i8_32 = make_tile_dot(False, 8, ACT_PLANES, False)
+    _tile_i8_32m = make_tile_dot(False, 8, ACT_PLANES, True)
+    _tile_i8_16 = make_tile_dot(False, 4, ACT_PLANES, False)
+    _tile_i8_16m = make_tile_dot(False, 4, ACT_PLANES, True)
+
+    @njit(inline="always", **_opts)
+    def _nibble_tile(qs, d, m, xq, xs, t, out):
+        rows = out.shape[0]
+        _tile_nibble(qs, d, m, xq, xs, t, out, t * R, min(R, rows - t * R))
+
+    @njit(inline="always", **_opts)
+    def _int8_tile(qs, d, m, has_m, xq, xs, t, out):
+        row0, G = t * R, qs.shape[2]
+        n_valid = min(R, out.shape[0] - row0)
+        if G == 8:
+            if has_m:
+                _tile_i8_32m(qs, d, m, xq, xs, t, out, row0, n_valid)
+            else:
+                _tile_i8_32(qs, d, m, xq, xs, t, out, row0, n_valid)
+        elif has_m:
+            _tile_i8_16m(qs, d, m, xq, xs, t, out, row0, n_valid)
+        else:
+            _tile_i8_16(qs, d, m, xq, xs, t, out, row0, n_valid)
+else:
+    @njit(inline="always", **_opts)
+    def _nibble_tile(qs, d, m, xq, xs, t, out):
+        rows = out.shape[0]
+        _tile_dot_generic(qs, d, m, xq, xs, t, out, t * R, min(R, rows - t * R), True, True)
+
+    @njit(inline="always", **_opts)
+    def _int8_tile(qs, d, m, has_m, xq, xs, t, out):
+        rows = out.shape[0]
+        _tile_dot_generic(qs, d, m, xq, xs, t, out, t * R, min(R, rows - t * R), False, has_m)
+
+
+# Parallel and serial entry points (QuantWeight picks one by size at load: waking the
+# thread pool costs more than it saves on a matrix of well under a millisecond).
+# out: f32 [rows] with unit stride (a row of a possibly column-sliced 2-D array).
+
 @njit(parallel=True, **_opts)
 def mv_nibble(qs, d, m, x, out):
-    """qs u8 [T, nb, 16, R]; d, m f32 [T, nb, R]; x f32 [nb*32]; out f32 [rows]."""
-    T, nb = qs.shape[0], qs.shape[1]
-    rows = out.shape[0]
-    xs = np.empty(nb, np.float32)          # per-block sums of x (for the m term)
-    for b in range(nb):
-        acc = np.float32(0)
-        for j in range(32):
-            acc += x[b * 32 + j]
-        xs[b] = acc
-    for t in prange(T):
-        acc = np.zeros(R, np.float32)
-        s = np.zeros(R, np.float32)
-        for b in range(nb):
-            for r in range(R):
-                s[r] = 0
-            for j in range(16):
-                xl = x[b * 32 + j]
-                x2 = x[b * 32 + 16 + j] - np.float32(16) * xl
-                for r in range(R):
-                    # q = lo + 16 hi  =>  lo*xl + hi*xh = q*xl + hi*(xh - 16 xl)
-                    fq = np.float32(qs[t, b, j, r])
-                    s[r] += fq * xl + np.floor(fq * np.float32(0.0625)) * x2
-            xsb = xs[b]
-            for r in range(R):
-                acc[r] += d[t, b, r] * s[r] + m[t, b, r] * xsb
-        for r in range(R):
-            row = t * R + r
-            if row < rows:
-                out[row] = acc[r]
+    """qs u8 [T, nb, 4, R, 4]; d, m [T, nb, R]; x f32 [nb*32]; out f32 [rows]."""
+    if out.strides[0] != 4:
+        raise ValueError("mv_nibble: out must have unit stride")
+    xq, xs = _quant_act(x, 32, 0, 8)
+    for t in prange(qs.shape[0]):
+        _nibble_tile(qs, d, m, xq, xs, t, out)
+
+
+@njit(**_opts)
+def mv_nibble_serial(qs, d, m, x, out):
+    """As mv_nibble, on the calling thread."""
+    if out.strides[0] != 4:
+        raise ValueError("mv_nibble: out must have unit stride")
+    xq, xs = _quant_act(x, 32, 0, 8)
+    for t in range(qs.shape[0]):
+        _nibble_tile(qs, d, m, xq, xs, t, out)
 
 
 @njit(parallel=True, **_opts)
 def mv_int8(qs, d, m, has_m, x, out):
-    """qs i8 [T, nb, L, R]; d, m f32 [T, nb, R]; x f32 [nb*L]; out f32 [rows]."""
-    T, nb, L = qs.shape[0], qs.shape[1], qs.shape[2]
-    rows = out.shape[0]
-    xs = np.zeros(nb, np.float32)
-    if has_m:
-        for b in range(nb):
-            acc = np.float32(0)
-            for j in range(L):
-                acc += x[b * L + j]
-            xs[b] = acc
-    for t in prange(T):
-        acc = np.zeros(R, np.float32)
-        s = np.zeros(R, np.float32)
-        for b in range(nb):
-            for r in range(R):
-                s[r] = 0
-            for j in range(L):
-                xj = x[b * L + j]
-                for r in range(R):
-                    s[r] += np.float32(qs[t, b, j, r]) * xj
-            if has_m:
-                xsb = xs[b]
-                for r in range(R):
-                    acc[r] += d[t, b, r] * s[r] + m[t, b, r] * xsb
-            else:
-                for r in range(R):
-                    acc[r] += d[t, b, r] * s[r]
-        for r in range(R):
-            row = t * R + r
-            if row < rows:
-                out[row] = acc[r]
+    """qs u8 [T, nb, G, R, 4]; d, m [T, nb, R]; x f32 [nb*4G]; out f32 [rows]."""
+    if out.strides[0] != 4:
+        raise ValueError("mv_int8: out must have unit stride")
+    xq, xs = _quant_act(x, 4 * qs.shape[2], 128, 16 if has_m else 0)
+    for t in prange(qs.shape[0]):
+        _int8_tile(qs, d, m, has_m, xq, xs, t, out)
+
+
+@njit(**_opts)
+def mv_int8_serial(qs, d, m, has_m, x, out):
+    """As mv_int8, on the calling thread."""
+    if out.strides[0] != 4:
+        raise ValueError("mv_int8: out must have unit stride")
+    xq, xs = _quant_act(x, 4 * qs.shape[2], 128, 16 if has_m else 0)
+    for t in range(qs.shape[0]):
+        _int8_tile(qs, d, m, has_m, xq, xs, t, out)
 
 
 @njit(**_opts)
@@ -100,6 +202,18 @@ def _f16_to_f32(h):
     # exponent/mantissa bits into f32 position, rebias by 2**112 (handles subnormals)
     mag = np.uint32(em << np.uint32(13)).view(np.float32) * np.float32(5.192296858534828e+33)
     return -mag if sign else mag
+
+
+def _sc(v):
+    """A scale read from a d/m array: f32 as is, uint16 as f16 bits."""
+    return np.float32(v)
+
+
+@overload(_sc, jit_options=dict(cache=True))
+def _sc_impl(v):
+    if v == types.uint16:
+        return lambda v: _f16_to_f32(v)
+    return lambda v: np.float32(v)
 
 
 @njit(parallel=True, **_opts)
@@ -131,24 +245,28 @@ def deq_nibble(qs, d, m, ids, out):
     for i in range(ids.shape[0]):
         t, r = ids[i] // R, ids[i] % R
         for b in range(nb):
-            db, mb = d[t, b, r], m[t, b, r]
-            for j in range(16):
-                q = qs[t, b, j, r]
-                out[i, b * 32 + j] = db * np.float32(q & 15) + mb
-                out[i, b * 32 + 16 + j] = db * np.float32(q >> 4) + mb
+            db, mb = _sc(d[t, b, r]), _sc(m[t, b, r])
+            for g in range(4):
+                for j in range(4):
+                    q = qs[t, b, g, r, j]
+                    out[i, b * 32 + 4 * g + j] = db * np.float32(q & 15) + mb
+                    out[i, b * 32 + 16 + 4 * g + j] = db * np.float32(q >> 4) + mb
 
 
 @njit(**_opts)
 def deq_int8(qs, d, m, has_m, ids, out):
-    """ids int [k]; out f32 [k, nb*L]."""
-    nb, L = qs.shape[1], qs.shape[2]
+    """ids int [k]; out f32 [k, nb*L] (codes stored + 128)."""
+    nb, G = qs.shape[1], qs.shape[2]
+    L = 4 * G
     for i in range(ids.shape[0]):
         t, r = ids[i] // R, ids[i] % R
         for b in range(nb):
-            db = d[t, b, r]
-            mb = m[t, b, r] if has_m else np.float32(0)
-            for j in range(L):
-                out[i, b * L + j] = db * np.float32(qs[t, b, j, r]) + mb
+            db = _sc(d[t, b, r])
+            mb = _sc(m[t, b, r]) if has_m else np.float32(0)
+            for g in range(G):
+                for j in range(4):
+                    c = np.float32(np.int32(qs[t, b, g, r, j]) - 128)
+                    out[i, b * L + 4 * g + j] = db * c + mb
 
 
 @njit(**_opts)

@@ -1,7 +1,8 @@
 """GGUF blocks -> the row-tiled layouts of `quant_kernels` (numpy, once at load).
 
 Every quantized type is reduced to codes + per-block f32 scale d and offset m
-(value = d * code + m), then tiled 16 rows at a time:
+(value = d * code + m; kept as f16 bits when exact), then tiled 16 rows at a time with codes grouped by 4 per
+row (the `vpdpbusd` operand layout; int8-family codes are stored + 128, unsigned):
     nibble family: Q4_0 (m = -8d), Q4_1, Q4_K (32-element sub-blocks, d = d*sc, m = -dmin*min)
     int8 family:   Q8_0, Q5_0 (code - 16), Q5_1, Q5_K (sub-blocks of 32), Q6_K (code - 32,
                    sub-blocks of 16). 5- and 6-bit codes take one byte each.
@@ -113,9 +114,22 @@ def repack(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict:
 
 
 def _pack(kind: str, qs: np.ndarray, d: np.ndarray, m) -> dict:
-    """qs [rows, nb, L]; d, m f32 [rows, nb] (m None = no offset) -> tiled arrays."""
-    rows = qs.shape[0]
+    """qs [rows, nb, L] (nibble: L = 16 packed bytes); d, m f32 [rows, nb] (m None = no
+    offset) -> tiled arrays; codes grouped by 4 per row (quant_kernels layouts)."""
+    rows, nb, L = qs.shape
+    if kind == "int8":
+        qs = qs.view(np.uint8) ^ np.uint8(0x80)           # signed code + 128
+    q4 = _tile(qs.reshape(rows, nb, L // 4, 4), rows)        # [T, nb, G, 4, R]
     has_m = m is not None
-    return dict(kind=kind, qs=_tile(qs, rows), d=_tile(d.astype(np.float32), rows),
-                m=_tile(m.astype(np.float32), rows) if has_m else np.zeros((1, 1, R), np.float32),
+    return dict(kind=kind, qs=np.ascontiguousarray(q4.transpose(0, 1, 2, 4, 3)),
+                d=_tile(_scales(d), rows),
+                m=_tile(_scales(m), rows) if has_m else np.zeros((1, 1, R), np.float32),
                 has_m=has_m)
+
+
+def _scales(a: np.ndarray) -> np.ndarray:
+    """f32 [rows, nb] -> uint16 f16 bits when f16 holds every value exactly (scales read
+    straight from the file), else f32 (K-quant products d * sc)."""
+    a = a.astype(np.float32)
+    h = a.astype(np.float16)
+    return h.view(np.uint16) if np.array_equal(h.astype(np.float32), a) else a

@@ -46,8 +46,10 @@ def test_prefill_chunking_and_token_by_token_agree(models, backend):
     chunked = engine.load(models["qwen2-q4_1"], backend=backend, prefill_chunk=16).logits(ids)
     m = engine.load(models["qwen2-q4_1"], backend=backend, prefill_chunk=1)
     one_by_one = m.logits(ids)
-    np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(one_by_one, whole, rtol=1e-4, atol=1e-4)
+    # Chunking changes f32 summation order (BLAS mat-mat vs mat-vec); a last-bit change
+    # can flip a bf16 rounding of a cached K/V element (2^-9 relative), hence 1e-3.
+    np.testing.assert_allclose(chunked, whole, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(one_by_one, whole, rtol=1e-3, atol=1e-3)
 
 
 def test_generation_continues_a_cache(models):
@@ -56,7 +58,7 @@ def test_generation_continues_a_cache(models):
     token = int(np.argmax(logits))
     step = m.forward.decode(token, cache)
     full = m.logits(PROMPT[:40] + [token])
-    np.testing.assert_allclose(step, full, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(step, full, rtol=1e-3, atol=1e-3)
     assert (cache.length, cache.logical_length) == (41, 41)
 
 

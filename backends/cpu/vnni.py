@@ -1,0 +1,153 @@
+"""AVX-512 VNNI tile dot products as numba intrinsics (LLVM IR, `vpdpbusd`).
+
+One call computes the 16 outputs of one weight tile over all its blocks:
+    out[row0 + r] = sum_b  d[t,b,r] * (sum_p dx[p,b] * sum_k code[t,b,k,r] * xq[p, b*L + k]
+                                       + corr[b])  +  m[t,b,r] * sx[b]     for r < n_valid
+with unsigned 8-bit codes (so `vpdpbusd` takes them as its u8 operand) and the
+activation quantized to `planes` signed int8 planes (x ~ sum_p dx[p,b] * xq[p]);
+`corr` (built by the caller) undoes the +128 of int8-family codes and recentres
+the codes so that the activation's rounding error meets codes of mean ~0.
+Layouts (see quant_repack):
+    nibble: qs u8 [T, nb, 4, R, 4]  byte (g, r, i) = code 4g+i | code 16+4g+i << 4
+    int8:   qs u8 [T, nb, G, R, 4]  byte (g, r, i) = code 4g+i + 128, L = 4G codes
+    d, m:   f32 [T, nb, R], or uint16 f16 bits [T, nb, R] where f16 holds them exactly
+    xq:     i8 [planes, nb*L]; xs f32 [planes + 2, nb]: dx per plane, corr, sx (the
+            exact block sums of the activation).
+Each 64-byte load holds 4 codes of each of the 16 rows, so one `vpdpbusd` against
+4 broadcast activation bytes is 64 multiply-adds with no horizontal sum; per block
+the i32 sums are scaled into a <16 x float> accumulator that stays in a register.
+"""
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+R = 16
+
+HAVE_VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
+
+_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_V8, _V32, _VF = ir.VectorType(_I8, 64), ir.VectorType(_I32, R), ir.VectorType(_F32, R)
+_VH = ir.VectorType(ir.IntType(16), R)
+_FAST = ("fast",)
+
+
+def _splat(builder, scalar, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_V32, None))
+
+
+def _load_scales(builder, data, off, half: bool):
+    """16 scales at element `off` of an f32 array, or of f16 bits (uint16) widened."""
+    if not half:
+        p = builder.gep(builder.bitcast(data, _F32.as_pointer()), [off])
+        return builder.load(builder.bitcast(p, _VF.as_pointer()), align=4)
+    p = builder.gep(builder.bitcast(data, ir.IntType(16).as_pointer()), [off])
+    h = builder.load(builder.bitcast(p, _VH.as_pointer()), align=2)
+    return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), R)), _VF)
+
+
+def make_tile_dot(nibble: bool, groups: int, planes: int, has_m: bool):
+    """Intrinsic tile_dot(qs, d, m, xq, xs, t, out, row0, n_valid) for one layout.
+    groups: 64-byte loads per block (4 for nibble = 32 codes; L/4 for int8)."""
+    L = 32 if nibble else 4 * groups
+
+    @intrinsic
+    def tile_dot(typingctx, qs, d, m, xq, xs, t, out, row0, n_valid):
+        sig = types.void(qs, d, m, xq, xs, t, out, row0, n_valid)
+
+        def codegen(ctx, builder, signature, args):
+            a_qs, a_d, a_m, a_xq, a_xs, a_out = (
+                ctx.make_array(ty)(ctx, builder, v)
+                for ty, v in zip((signature.args[:5] + (signature.args[6],)),
+                                 args[:5] + (args[6],)))
+            t_, row0_, nval_ = (builder.sext(v, _I64) if v.type.width < 64 else v
+                                for v in (args[5], args[7], args[8]))
+            nb = cgutils.unpack_tuple(builder, a_d.shape)[1]
+            cols = builder.mul(nb, ir.Constant(_I64, L))
+            dpbusd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V32, [_V32, _V8, _V8]),
+                "llvm.x86.avx512.vpdpbusd.512")
+            qs_p = builder.bitcast(a_qs.data, _I8.as_pointer())
+            d_half = signature.args[1].dtype == types.uint16
+            m_half = signature.args[2].dtype == types.uint16
+            xq_p = builder.bitcast(a_xq.data, _I8.as_pointer())
+            xs_p = builder.bitcast(a_xs.data, _F32.as_pointer())
+            blk0 = builder.mul(t_, nb)
+
+            entry = builder.block
+            loop = builder.append_basic_block("tile.loop")
+            done = builder.append_basic_block("tile.done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            b = builder.phi(_I64)
+            acc = builder.phi(_VF)
+            b.add_incoming(ir.Constant(_I64, 0), entry)
+            acc.add_incoming(ir.Constant(_VF, None), entry)
+
+            blk = builder.add(blk0, b)
+            qbase = builder.gep(qs_p, [builder.mul(blk, ir.Constant(_I64, 64 * groups))])
+            xbase = builder.mul(b, ir.Constant(_I64, L))
+
+            def x4(p, k):        # 4 activation bytes of plane p at code k, broadcast
+                off = builder.add(builder.add(xbase, ir.Constant(_I64, k)),
+                                  builder.mul(cols, ir.Constant(_I64, p)))
+                ptr = builder.bitcast(builder.gep(xq_p, [off]), _I32.as_pointer())
+                w = builder.load(ptr, align=1)
+                return builder.bitcast(_splat(builder, w, _V32), _V8)
+
+            sums = [ir.Constant(_V32, None)] * planes
+            for g in range(groups):
+                ptr = builder.bitcast(builder.gep(qbase, [ir.Constant(_I64, 64 * g)]),
+                                      _V8.as_pointer())
+                v = builder.load(ptr, align=1)
+                if nibble:
+                    lo = builder.and_(v, ir.Constant(_V8, [15] * 64))
+                    hi = builder.and_(builder.lshr(v, ir.Constant(_V8, [4] * 64)),
+                                      ir.Constant(_V8, [15] * 64))
+                    for p in range(planes):
+                        sums[p] = builder.call(dpbusd, [sums[p], lo, x4(p, 4 * g)])
+                        sums[p] = builder.call(dpbusd, [sums[p], hi, x4(p, 16 + 4 * g)])
+                else:
+                    for p in range(planes):
+                        sums[p] = builder.call(dpbusd, [sums[p], v, x4(p, 4 * g)])
+
+            def xs_at(row):      # xs[row, b] splat
+                off = builder.add(builder.mul(nb, ir.Constant(_I64, row)), b)
+                return _splat(builder, builder.load(builder.gep(xs_p, [off])), _VF)
+
+            dot = None
+            for p in range(planes):
+                term = builder.fmul(builder.sitofp(sums[p], _VF), xs_at(p), flags=_FAST)
+                dot = term if dot is None else builder.fadd(dot, term, flags=_FAST)
+            sc_off = builder.mul(blk, ir.Constant(_I64, R))
+            dv = _load_scales(builder, a_d.data, sc_off, d_half)
+            dot = builder.fadd(dot, xs_at(planes), flags=_FAST)
+            new = builder.fadd(acc, builder.fmul(dv, dot, flags=_FAST), flags=_FAST)
+            if has_m:
+                mv = _load_scales(builder, a_m.data, sc_off, m_half)
+                new = builder.fadd(new, builder.fmul(mv, xs_at(planes + 1), flags=_FAST),
+                                   flags=_FAST)
+            b_next = builder.add(b, ir.Constant(_I64, 1))
+            b.add_incoming(b_next, builder.block)
+            acc.add_incoming(new, builder.block)
+            builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
+
+            builder.position_at_end(done)
+            lanes = ir.Constant(_V32, list(range(R)))
+            mask = builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(nval_, _I32), _V32))
+            out_p = builder.gep(builder.bitcast(a_out.data, _F32.as_pointer()), [row0_])
+            mstore = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [_VF, _VF.as_pointer(), _I32, ir.VectorType(ir.IntType(1), R)]),
+                "llvm.masked.store.v16f32.p0")
+            builder.call(mstore, [new, builder.bitcast(out_p, _VF.as_pointer()),
+                                  ir.Constant(_I32, 4), mask])
+            return ctx.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_dot

@@ -1,0 +1,166 @@
+"""`engine eval`: long-context retrieval and fidelity, full cache vs SnapKV policies.
+
+    engine eval [MODEL] --tasks passkey,niah --lengths 1024,2048 --samples 11 --out results/eval
+    engine eval --quick                       # a small subset, minutes on a laptop CPU
+    engine eval --policies full,snapkv-b512-head-avg-k5-w64-s4
+
+`add_parser(subparsers)` registers the subcommand; `cmd_eval(args)` runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+from datetime import datetime, timezone
+
+from ..errors import EngineError
+from . import policies as P
+from .tasks import TASKS
+
+# Defaults of a full run and of --quick; an explicit flag always wins.
+FULL_RUN = {"tasks": ",".join(TASKS), "lengths": "1024,2048,4096,8192", "budgets": "256,512,1024,2048",
+            "samples": 11, "depths": "0,10,20,30,40,50,60,70,80,90,100", "ablation_budget": 1024,
+            "fraction": 8, "policies": None}
+QUICK_RUN = {"tasks": ",".join(TASKS), "lengths": "1024", "budgets": "256,512",
+             "samples": 3, "depths": "0,10,20,30,40,50,60,70,80,90,100", "ablation_budget": 0,
+             "fraction": 8, "policies": None}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("eval", help="long-context quality: full cache vs SnapKV eviction",
+                              description="Passkey / needle-in-a-haystack retrieval and teacher-forced "
+                                          "fidelity, one prefill per prompt branched into every policy.")
+    p.add_argument("model", nargs="?", help="path to a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--backend", help="cpu | vulkan | cuda | auto (env SHARPI_BACKEND)")
+    p.add_argument("--threads", help="CPU threads (env SHARPI_THREADS)")
+    p.add_argument("--tasks", help=f"comma separated, from {','.join(TASKS)} (default: all)")
+    p.add_argument("--lengths", help="prompt lengths in tokens (default 1024,2048,4096,8192; "
+                                     "clipped to fit the context with the answer)")
+    p.add_argument("--budgets", help="SnapKV budgets swept at default settings (default 256,512,1024,2048)")
+    p.add_argument("--budget-fraction", dest="fraction", type=int,
+                   help="also a budget of L/N per prompt (default 8; 0 = none)")
+    p.add_argument("--ablation-budget", dest="ablation_budget", type=int,
+                   help="budget for the granularity/pool/kernel/window/sinks variants (default 1024; 0 = none)")
+    p.add_argument("--policies", help="exact policy list instead of the sweep, e.g. "
+                                      "full,snapkv-b1024-head-avg-k5-w64-s4,snapkv-bL/8-layer-max-k7-w32-s0")
+    p.add_argument("--samples", type=int, help="prompts per task and length; needle depths spread over them "
+                                               "(default 11 = one per depth)")
+    p.add_argument("--depths", help="needle depths in percent (default 0,10,...,100)")
+    p.add_argument("--seed", type=int, default=0, help="task generator seed (default 0)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=12,
+                   help="greedy answer tokens per expected number (default 12)")
+    p.add_argument("--fidelity-tokens", dest="fidelity_tokens", type=int, default=64,
+                   help="teacher-forced continuation length for the fidelity task (default 64)")
+    p.add_argument("--quick", action="store_true",
+                   help="small subset: every task at 1024 tokens, 3 samples (depths 10/50/90%%), full cache and "
+                        "SnapKV at 256, 512 and L/8; about 3-5 minutes on 2 CPU cores")
+    p.add_argument("--out", default="results/eval", help="output folder (default results/eval)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
+    return p
+
+
+def _ints(text, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise EngineError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise EngineError(f"{flag} needs at least one value")
+    return vals
+
+
+def _floats(text, flag: str) -> list[float]:
+    try:
+        vals = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise EngineError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise EngineError(f"{flag} needs at least one value")
+    return vals
+
+
+def resolve(args) -> dict:
+    """Flags over --quick / full-run defaults -> plain values (raises EngineError)."""
+    d = dict(QUICK_RUN if args.quick else FULL_RUN)
+    for k in d:
+        if getattr(args, k, None) is not None:
+            d[k] = getattr(args, k)
+    tasks = [t.strip() for t in str(d["tasks"]).split(",") if t.strip()]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise EngineError(f"unknown task {bad[0] if bad else '(none)'!r}: choose from {', '.join(TASKS)}")
+    lengths = _ints(d["lengths"], "--lengths")
+    if min(lengths) < 64:
+        raise EngineError("--lengths must be at least 64 tokens")
+    if d["policies"]:
+        pols = [P.parse_policy(n) for n in str(d["policies"]).split(",") if n.strip()]
+    else:
+        budgets = _ints(d["budgets"], "--budgets")
+        if min(budgets) < 1:
+            raise EngineError("--budgets must be positive")
+        pols = P.default_policies(budgets, d["ablation_budget"] or None, d["fraction"] or None)
+    if len({p.name for p in pols}) != len(pols):
+        raise EngineError("--policies lists a policy twice")
+    if int(d["samples"]) < 1:
+        raise EngineError("--samples must be >= 1")
+    depths = _floats(d["depths"], "--depths")
+    if min(depths) < 0 or max(depths) > 100:
+        raise EngineError("--depths are percentages in 0..100")
+    if args.max_new_tokens < 1 or args.fidelity_tokens < 1:
+        raise EngineError("--max-new-tokens and --fidelity-tokens must be >= 1")
+    return {"tasks": tasks, "lengths": lengths, "policies": pols, "samples": int(d["samples"]), "depths": depths}
+
+
+def cmd_eval(args) -> int:
+    from .. import config as config_mod
+    from ..gguf import GgufFile, model_config
+    from ..model import Model
+    from ..model_path import default_model_path
+    from . import report
+    from .runner import EvalPlan, Runner
+    from .tasks import N_VALUES
+
+    r = resolve(args)
+    plan = EvalPlan(tasks=r["tasks"], lengths=r["lengths"], policies=r["policies"], samples=r["samples"],
+                    depths=r["depths"], seed=args.seed, max_new_tokens=args.max_new_tokens,
+                    fidelity_tokens=args.fidelity_tokens)
+    path = args.model or default_model_path()
+    if path is None:
+        raise EngineError("default model not installed: run `make setup` or pass a .gguf path")
+    cli = {k: getattr(args, k) for k in ("backend", "threads") if getattr(args, k, None) is not None}
+    settings = config_mod.resolve(cli=cli)
+    # Eviction is applied by the runner per policy; the model itself never evicts.
+    settings = settings.with_overrides(snapkv_budget=0)
+    need = max(r["lengths"]) + max(args.max_new_tokens * N_VALUES, args.fidelity_tokens) + 1
+    model_ctx = settings.ctx or model_config(GgufFile(path)).context_length
+    # no larger context than the longest case needs: smaller cache pools to copy per policy
+    model = Model(path, settings.with_overrides(ctx=min(model_ctx, need)))
+    runner = Runner(model, plan)
+    os.makedirs(args.out, exist_ok=True)
+    partial = os.path.join(args.out, "samples.partial.jsonl")
+    if os.path.exists(partial):
+        os.remove(partial)
+    rows = runner.run(progress=args.progress, partial_path=partial)
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": os.path.basename(str(path)), "backend": model.backend.name,
+        "threads": settings.threads or os.cpu_count(), "machine": platform.processor() or platform.machine(),
+        "ctx": model.ctx, "model_ctx": model_ctx, "seed": args.seed, "tasks": plan.tasks,
+        "lengths": plan.lengths, "samples": plan.samples, "depths": list(plan.depths),
+        "max_new_tokens": plan.max_new_tokens, "fidelity_tokens": plan.fidelity_tokens,
+        "n_samples": len(rows) // max(len(plan.policies), 1),
+        "policies": {p.name: p.describe() for p in plan.policies},
+        "defaults": {k: getattr(P.DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
+        "timings": runner.timings.as_dict(), "quick": bool(args.quick),
+    }
+    paths = report.write_all(args.out, meta, rows, plan.lengths, plan.tasks)
+    os.remove(partial)                       # results.json holds every row now
+    summary = report.summarize(rows, list(meta["policies"]))
+    for name, s in summary.items():
+        acc = "-" if s["retrieval_acc"] is None else f"{100 * s['retrieval_acc']:.0f}%"
+        fid = "" if s["kl"] is None else f"  KL {s['kl']:.4f}  top-1 {100 * s['top1']:.0f}%"
+        print(f"{name:<40} retrieval {acc:>4}{fid}")
+    print(f"wrote {paths['json']}, {paths['markdown']} and 3 plots "
+          f"({runner.timings.wall_s:.0f} s)")
+    return 0

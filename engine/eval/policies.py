@@ -1,0 +1,119 @@
+"""Eviction policies compared by the evaluation, named so a run can pick a subset.
+
+Names: `full` (no eviction) or `snapkv-b<B>-<granularity>-<pool>-k<K>-w<W>-s<S>`
+where <B> is a row budget (`b1024`) or a fraction of the prompt (`bL/8`), e.g.
+`snapkv-b1024-head-avg-k5-w64-s4` (the SnapKvConfig defaults at budget 1024).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import ConfigError, EngineError
+from ..snapkv import GRANULARITIES, POOLS, SnapKvConfig
+
+DEFAULT = SnapKvConfig()
+_NAME = re.compile(r"^snapkv-b(?P<budget>\d+|L/\d+)-(?P<gran>[a-z]+)-(?P<pool>[a-z]+)"
+                   r"-k(?P<kernel>\d+)-w(?P<window>\d+)-s(?P<sinks>\d+)$")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One cache policy. budget: rows (int) or, with `fraction`, L // fraction."""
+    name: str
+    budget: int | None = None          # None: full cache
+    fraction: int | None = None        # budget = prompt_len // fraction (the `bL/8` policies)
+    granularity: str = DEFAULT.granularity
+    pool: str = DEFAULT.pool
+    kernel: int = DEFAULT.kernel
+    window: int = DEFAULT.window
+    sinks: int = DEFAULT.sinks
+
+    @property
+    def is_full(self) -> bool:
+        return self.budget is None and self.fraction is None
+
+    def budget_for(self, n_tokens: int) -> int | None:
+        if self.is_full:
+            return None
+        if self.fraction is not None:
+            return max(n_tokens // self.fraction, self.window + self.sinks + 1)
+        return self.budget
+
+    def config(self, n_tokens: int) -> SnapKvConfig | None:
+        """The SnapKvConfig for a prompt of n_tokens (None for the full cache)."""
+        if self.is_full:
+            return None
+        return SnapKvConfig(budget=self.budget_for(n_tokens), window=self.window, sinks=self.sinks,
+                            kernel=self.kernel, pool=self.pool, granularity=self.granularity)
+
+    def compacts(self, n_tokens: int) -> bool:
+        cfg = self.config(n_tokens)
+        return cfg is not None and cfg.compacts(n_tokens)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "budget": self.budget, "budget_fraction": self.fraction,
+                "granularity": self.granularity, "pool": self.pool, "kernel": self.kernel,
+                "window": self.window, "sinks": self.sinks}
+
+
+FULL = Policy("full")
+
+
+def snapkv(budget: int | None = None, fraction: int | None = None, granularity: str = DEFAULT.granularity,
+           pool: str = DEFAULT.pool, kernel: int = DEFAULT.kernel, window: int = DEFAULT.window,
+           sinks: int = DEFAULT.sinks) -> Policy:
+    b = f"L/{fraction}" if fraction is not None else str(budget)
+    name = f"snapkv-b{b}-{granularity}-{pool}-k{kernel}-w{window}-s{sinks}"
+    return Policy(name, budget, fraction, granularity, pool, kernel, window, sinks)
+
+
+def parse_policy(name: str) -> Policy:
+    """`full` or a snapkv-... name (see the module docstring)."""
+    name = name.strip()
+    if name == "full":
+        return FULL
+    m = _NAME.match(name)
+    if not m:
+        raise EngineError(f"bad policy name {name!r}: expected 'full' or like "
+                          f"'snapkv-b1024-head-avg-k5-w64-s4' (budget b<N> or bL/<N>)")
+    if m["gran"] not in GRANULARITIES:
+        raise EngineError(f"policy {name!r}: granularity must be one of {', '.join(GRANULARITIES)}")
+    if m["pool"] not in POOLS:
+        raise EngineError(f"policy {name!r}: pool must be one of {', '.join(POOLS)}")
+    b = m["budget"]
+    fraction = int(b[2:]) if b.startswith("L/") else None
+    if fraction is not None and fraction < 1:
+        raise EngineError(f"policy {name!r}: budget fraction L/{fraction} must divide by at least 1")
+    p = snapkv(None if fraction else int(b), fraction, m["gran"], m["pool"], int(m["kernel"]),
+               int(m["window"]), int(m["sinks"]))
+    try:
+        p.config(10 ** 6)                           # validates kernel, window, budget vs window + sinks
+    except ConfigError as e:
+        raise EngineError(f"policy {name!r}: {e}") from None
+    return p
+
+
+def default_policies(budgets, ablation_budget: int | None = 1024, fraction: int | None = 8) -> list[Policy]:
+    """full; SnapKV defaults at each budget (and at L/fraction); and, at `ablation_budget`,
+    one change at a time: granularity layer/global, max pooling, kernel 1/7, window 16/32,
+    sinks 0."""
+    out = [FULL] + [snapkv(int(b)) for b in budgets]
+    if fraction:
+        out.append(snapkv(fraction=fraction))
+    if ablation_budget:
+        b = int(ablation_budget)
+        out += [snapkv(b, granularity="layer"), snapkv(b, granularity="global"), snapkv(b, pool="max"),
+                snapkv(b, kernel=1), snapkv(b, kernel=7), snapkv(b, window=16), snapkv(b, window=32),
+                snapkv(b, sinks=0)]
+    seen, unique = set(), []
+    for p in out:
+        if p.name not in seen:
+            seen.add(p.name)
+            unique.append(p)
+    for p in unique:
+        try:
+            p.config(10 ** 6)
+        except ConfigError as e:
+            raise EngineError(f"policy {p.name}: {e}") from None
+    return unique

@@ -1,0 +1,234 @@
+"""Evaluation output: results.json (every sample), summary.md, and PNG plots."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+
+import numpy as np
+
+from .tasks import RETRIEVAL_TASKS
+
+SCHEMA_VERSION = 1
+SAMPLE_KEYS = ("task", "length", "prompt_tokens", "index", "seed", "depth", "depth_actual", "key",
+               "expected", "policy", "budget", "compacted", "generated", "score", "correct",
+               "kv_rows", "kv_bytes", "kv_bytes_full", "prefill_s", "evict_s")
+
+
+# -- aggregation ----------------------------------------------------------------------
+def _mean(xs) -> float | None:
+    xs = [float(x) for x in xs if x is not None]
+    return float(np.mean(xs)) if xs else None
+
+
+def summarize(rows: list[dict], policies: list[str]) -> dict:
+    """policy -> {"tasks": {task: {length: {...}}}, "retrieval_acc", "kv_bytes", "kv_ratio", ...}."""
+    by = defaultdict(list)
+    for r in rows:
+        by[(r["policy"], r["task"], r["length"])].append(r)
+    out = {}
+    for p in policies:
+        tasks: dict = defaultdict(dict)
+        for (pol, task, length), rs in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+            if pol != p:
+                continue
+            cell = {"n": len(rs), "kv_bytes": _mean(r["kv_bytes"] for r in rs),
+                    "kv_ratio": _mean(r["kv_bytes_full"] / max(r["kv_bytes"], 1) for r in rs),
+                    "compacted": sum(bool(r["compacted"]) for r in rs)}
+            if task == "fidelity":
+                cell.update(kl=_mean(r["kl"] for r in rs), top1=_mean(r["top1"] for r in rs))
+            else:
+                cell.update(accuracy=_mean(r["correct"] for r in rs), score=_mean(r["score"] for r in rs))
+            tasks[task][length] = cell
+        mine = [r for r in rows if r["policy"] == p]
+        retr = [r for r in mine if r["task"] in RETRIEVAL_TASKS]
+        fid = [r for r in mine if r["task"] == "fidelity"]
+        out[p] = {"tasks": dict(tasks),
+                  "retrieval_acc": _mean(r["correct"] for r in retr),
+                  "kl": _mean(r["kl"] for r in fid), "top1": _mean(r["top1"] for r in fid),
+                  "kv_bytes": _mean(r["kv_bytes"] for r in mine),
+                  "kv_ratio": _mean(r["kv_bytes_full"] / max(r["kv_bytes"], 1) for r in mine)}
+    return out
+
+
+# -- JSON -----------------------------------------------------------------------------
+def write_json(path: str, meta: dict, rows: list[dict], summary: dict) -> None:
+    doc = {"schema": SCHEMA_VERSION, "meta": meta, "summary": summary, "samples": rows}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=_jsonable)
+    os.replace(tmp, path)
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+# -- markdown -------------------------------------------------------------------------
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def markdown(meta: dict, summary: dict, lengths: list[int], tasks: list[str]) -> str:
+    lines = [f"# Long-context evaluation: {meta.get('model', '?')}", ""]
+    t = meta.get("timings", {})
+    lines.append(f"{meta.get('n_samples', '?')} prompts x {len(summary)} policies, backend "
+                 f"{meta.get('backend', '?')}, seed {meta.get('seed')}, wall {t.get('wall_s', 0):.0f} s "
+                 f"(prefill {t.get('prefill_s', 0):.0f} s for {t.get('prefill_tokens', 0)} tokens). "
+                 "Accuracy: every expected number appears in the greedy answer. A policy whose budget "
+                 "is at least the prompt length does not compact and repeats the full-cache answer.")
+    lines.append("")
+    retrieval = [x for x in tasks if x in RETRIEVAL_TASKS]
+    head = ["policy", "retrieval acc", "KV MiB", "KV ratio"]
+    if "fidelity" in tasks:
+        head += ["fidelity KL", "top-1 agree"]
+    lines += ["## Overview", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p, s in summary.items():
+        row = [f"`{p}`", _pct(s["retrieval_acc"]), _mib(s["kv_bytes"]),
+               "-" if s["kv_ratio"] is None else f"{s['kv_ratio']:.1f}x"]
+        if "fidelity" in tasks:
+            row += ["-" if s["kl"] is None else f"{s['kl']:.4f}", _pct(s["top1"])]
+        lines.append("| " + " | ".join(row) + " |")
+    for task in retrieval:
+        lines += ["", f"## {task}: accuracy by prompt length", "",
+                  "| policy | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+        for p, s in summary.items():
+            cells = [s["tasks"].get(task, {}).get(n) for n in lengths]
+            lines.append(f"| `{p}` | " + " | ".join(
+                "-" if c is None else f"{_pct(c['accuracy'])} ({c['n']})" for c in cells) + " |")
+    if "fidelity" in tasks:
+        lines += ["", "## fidelity: mean KL(full || policy) nats / top-1 agreement, by prompt length", "",
+                  "| policy | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+        for p, s in summary.items():
+            cells = [s["tasks"].get("fidelity", {}).get(n) for n in lengths]
+            lines.append(f"| `{p}` | " + " | ".join(
+                "-" if c is None else f"{c['kl']:.4f} / {_pct(c['top1'])}" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# -- plots ----------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_heatmaps(path: str, rows: list[dict], policies: list[str], lengths: list[int]) -> None:
+    """Retrieval accuracy, needle depth (rows) x prompt length (columns), one panel per policy."""
+    plt = _plt()
+    retr = [r for r in rows if r["task"] in RETRIEVAL_TASKS]
+    depths = sorted({r["depth"] for r in retr}) or [50.0]
+    n = len(policies)
+    cols = min(4, n)
+    nrows = math.ceil(n / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 1, 2.8 * nrows + 0.6), squeeze=False)
+    im = None
+    for k, p in enumerate(policies):
+        ax = axes[k // cols][k % cols]
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for i, d in enumerate(depths):
+            for j, length in enumerate(lengths):
+                v = _mean(r["correct"] for r in retr if r["policy"] == p and r["depth"] == d and r["length"] == length)
+                if v is not None:
+                    grid[i, j] = v
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+        for i, j in zip(*np.nonzero(~np.isnan(grid))):
+            ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=5)
+        ax.set_title(p, fontsize=7)
+        ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths], fontsize=6)
+        ax.set_xlabel("prompt tokens", fontsize=7)
+        if k % cols == 0:
+            ax.set_ylabel("needle depth", fontsize=7)
+    for k in range(n, nrows * cols):
+        axes[k // cols][k % cols].axis("off")
+    if im is not None:
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
+    fig.suptitle("Retrieval accuracy by needle depth and prompt length", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_accuracy_vs_budget(path: str, rows: list[dict], policy_meta: dict, lengths: list[int]) -> None:
+    """SnapKV at default settings: accuracy against the fixed row budget, one line per length,
+    one panel per retrieval task; the full cache as a dashed line."""
+    plt = _plt()
+    default = {k: v for k, v in policy_meta.get("defaults", {}).items()}
+    sweep = {name: m for name, m in policy_meta["policies"].items()
+             if m["budget"] is not None and all(m[k] == v for k, v in default.items())}
+    tasks = [t for t in RETRIEVAL_TASKS if any(r["task"] == t for r in rows)]
+    fig, axes = plt.subplots(1, max(len(tasks), 1), figsize=(4 * max(len(tasks), 1), 3.4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for j, length in enumerate(lengths):
+            pts = sorted((m["budget"], _mean(r["correct"] for r in rows if r["policy"] == name
+                                             and r["task"] == task and r["length"] == length))
+                         for name, m in sweep.items())
+            pts = [(b, a) for b, a in pts if a is not None]
+            color = f"C{j}"
+            if pts:
+                ax.plot([b for b, _ in pts], [a for _, a in pts], "o-", color=color, label=f"{length} tok")
+            full = _mean(r["correct"] for r in rows if r["policy"] == "full" and r["task"] == task
+                         and r["length"] == length)
+            if full is not None:
+                ax.axhline(full, color=color, ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(task, fontsize=9)
+        ax.set_xlabel("KV budget (rows per head)")
+        ax.set_ylabel("accuracy")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle("Accuracy vs SnapKV budget (dashed: full cache)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bytes_vs_accuracy(path: str, summary: dict) -> None:
+    """One point per policy: mean KV bytes against retrieval accuracy."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, (p, s) in enumerate(summary.items()):
+        if s["retrieval_acc"] is None or s["kv_bytes"] is None:
+            continue
+        x, y = s["kv_bytes"] / 2**20, s["retrieval_acc"]
+        ax.scatter([x], [y], color="k" if p == "full" else f"C{k % 10}", marker="*" if p == "full" else "o")
+        ax.annotate(p.replace("snapkv-", ""), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("mean KV cache after prefill (MiB, bf16)")
+    ax.set_ylabel("retrieval accuracy (all tasks, lengths)")
+    ax.set_title("KV bytes vs accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_all(out_dir: str, meta: dict, rows: list[dict], lengths: list[int], tasks: list[str]) -> dict:
+    """Write results.json, summary.md and the plots into out_dir. Returns {kind: path}."""
+    os.makedirs(out_dir, exist_ok=True)
+    names = list(meta["policies"])
+    summary = summarize(rows, names)
+    paths = {"json": os.path.join(out_dir, "results.json"), "markdown": os.path.join(out_dir, "summary.md"),
+             "heatmap": os.path.join(out_dir, "accuracy_heatmap.png"),
+             "budget": os.path.join(out_dir, "accuracy_vs_budget.png"),
+             "bytes": os.path.join(out_dir, "kv_bytes_vs_accuracy.png")}
+    write_json(paths["json"], meta, rows, summary)
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown(meta, summary, lengths, tasks))
+    plot_heatmaps(paths["heatmap"], rows, names, lengths)
+    plot_accuracy_vs_budget(paths["budget"], rows, meta, lengths)
+    plot_bytes_vs_accuracy(paths["bytes"], summary)
+    return paths

@@ -1,0 +1,251 @@
+"""Runs the evaluation: one full prefill per sample, branched into every policy.
+
+Prefill once with the full cache while capturing the post-RoPE queries of the
+last W_max prompt positions of every layer (W_max = the largest window among
+the policies that compact this prompt). A policy with window W <= W_max then
+evicts a copy of the cache with the last W of those rows: the captured row w
+is the query of position L - W_max + w, so rows W_max - W .. W_max - 1 are
+exactly the queries of positions L - W .. L - 1 that a prefill capturing W
+would hold (queries do not depend on the capture). `tests/e2e/test_eval_harness`
+checks that the keep sets match a direct SnapKV prefill.
+
+Retrieval tasks decode greedily from each branch and parse digits; the
+fidelity task teacher-forces a continuation through the full and the evicted
+cache and compares the next-token distributions.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import EngineError
+from ..forward import WindowCapture
+from . import tasks as T
+from .policies import Policy
+
+DEPTHS = tuple(range(0, 101, 10))
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What to run: every (task, length, sample) crossed with every policy."""
+    tasks: Sequence[str]
+    lengths: Sequence[int]
+    policies: Sequence[Policy]
+    samples: int = 1                         # per (task, length); depths spread over them
+    depths: Sequence[float] = DEPTHS         # percent
+    seed: int = 0
+    max_new_tokens: int = 12                 # per expected number (niah_multivalue asks several)
+    fidelity_tokens: int = 64                # teacher-forced continuation length
+
+    def validate(self) -> None:
+        bad = [t for t in self.tasks if t not in T.TASKS]
+        if bad or not self.tasks:
+            raise EngineError(f"unknown task {bad[0] if bad else '(none)'!r}: choose from {', '.join(T.TASKS)}")
+        if not self.lengths or min(self.lengths) < 64:
+            raise EngineError("lengths must be at least 64 tokens")
+        if self.samples < 1:
+            raise EngineError(f"samples must be >= 1, got {self.samples}")
+        if not self.policies:
+            raise EngineError("no policies to evaluate")
+        if not self.depths or min(self.depths) < 0 or max(self.depths) > 100:
+            raise EngineError("depths must lie in 0..100 (percent)")
+
+    def margin(self, task: str) -> int:
+        """Positions needed after the prompt."""
+        if task == "fidelity":
+            return self.fidelity_tokens
+        return self.max_new_tokens * (T.N_VALUES if task == "niah_multivalue" else 1)
+
+    def cases(self):
+        """(task, length, index, depth), shortest lengths first and tasks interleaved,
+        so a run cut short still covers every task."""
+        for length in sorted(self.lengths):
+            for i in range(self.samples):
+                for task in self.tasks:
+                    yield task, length, i, T.sample_depth(self.depths, i, self.samples)
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    evict_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    teacher_s: float = 0.0
+    samples: int = 0
+    wall_s: float = 0.0
+    per_length: dict = field(default_factory=dict)   # length -> seconds per sample (all policies)
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        d["prefill_tok_s"] = self.prefill_tokens / self.prefill_s if self.prefill_s else None
+        d["decode_tok_s"] = self.decode_tokens / self.decode_s if self.decode_s else None
+        d["per_length"] = {str(k): v for k, v in self.per_length.items()}
+        return d
+
+
+def greedy_answer(model, cache, logits: np.ndarray, max_new: int, n_numbers: int) -> tuple[str, int]:
+    """Greedy decode from `cache` (advanced in place) until `n_numbers` digit runs are
+    complete, an end-of-text token, or `max_new` tokens. Returns (text, tokens decoded)."""
+    eot = set(getattr(model.tokenizer, "eot_ids", ()) or ()) | {model.tokenizer.eos_id}
+    out: list[int] = []
+    token = int(np.argmax(logits))
+    for _ in range(max_new):
+        if token in eot:
+            break
+        out.append(token)
+        if T.finished_numbers(model.detokenize(out)) >= n_numbers or len(out) == max_new:
+            break
+        token = int(np.argmax(model.forward.decode(token, cache)))
+    return model.detokenize(out), len(out)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    """x f32 [n, vocab] -> f64 [n, vocab]."""
+    x = x.astype(np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def fidelity_metrics(full_logits: np.ndarray, test_logits: np.ndarray) -> dict:
+    """Mean KL(full || test) in nats and top-1 agreement over rows ([n, vocab] each)."""
+    lp, lq = _log_softmax(full_logits), _log_softmax(test_logits)
+    kl = (np.exp(lp) * (lp - lq)).sum(axis=1)                              # [n]
+    top1 = full_logits.argmax(axis=1) == test_logits.argmax(axis=1)        # [n]
+    return {"kl": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(top1.mean())}
+
+
+class Runner:
+    """Evaluates an EvalPlan on a loaded engine Model."""
+
+    def __init__(self, model, plan: EvalPlan):
+        plan.validate()
+        self.model, self.plan = model, plan
+        self.timings = Timings()
+
+    def target_for(self, task: str, length: int) -> int:
+        """The prompt length actually generated: `length`, unless the context cannot
+        also hold the answer (8192 on an 8192-token model)."""
+        return min(length, self.model.ctx - self.plan.margin(task) - 1)
+
+    def run(self, progress: bool = True, partial_path: str | None = None) -> list[dict]:
+        """Every case x policy -> one row per (sample, policy). With `partial_path`, rows
+        are also appended there as JSON lines as each sample finishes."""
+        import json
+
+        from tqdm import tqdm
+
+        cases = list(self.plan.cases())
+        t0 = time.perf_counter()
+        rows: list[dict] = []
+        bar = tqdm(cases, desc="eval", unit="sample", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+        for task, length, index, depth in bar:
+            bar.set_postfix_str(f"{task} {length}")
+            ts = time.perf_counter()
+            new = self.run_sample(task, length, index, depth)
+            rows += new
+            if partial_path:
+                with open(partial_path, "a") as f:
+                    f.writelines(json.dumps(r, default=str) + "\n" for r in new)
+            self.timings.per_length.setdefault(length, []).append(time.perf_counter() - ts)
+        bar.close()
+        self.timings.wall_s = time.perf_counter() - t0
+        self.timings.per_length = {k: float(np.mean(v)) for k, v in self.timings.per_length.items()}
+        return rows
+
+    # -- one sample ---------------------------------------------------------------------
+    def make_sample(self, task: str, length: int, index: int, depth: float) -> T.Sample:
+        return T.make_sample(task, self.model.tokenizer, self.target_for(task, length), depth,
+                             self.plan.seed, index, self.plan.fidelity_tokens)
+
+    def run_sample(self, task: str, length: int, index: int, depth: float) -> list[dict]:
+        m, tm = self.model, self.timings
+        sample = self.make_sample(task, length, index, depth)
+        L = sample.n_tokens
+        compacting = [p for p in self.plan.policies if p.compacts(L)]
+        w_max = max((p.window for p in compacting), default=0)
+        cache = m.new_cache()
+        capture = WindowCapture(m.config, w_max, L - w_max) if w_max else None
+        t0 = time.perf_counter()
+        m.forward.window_capture = capture
+        try:
+            logits = m.forward.prefill(sample.ids, cache)        # f32 [vocab], full cache
+        finally:
+            m.forward.window_capture = None
+        prefill_s = time.perf_counter() - t0
+        tm.prefill_s += prefill_s
+        tm.prefill_tokens += L
+        tm.samples += 1
+        base = {"task": task, "length": length, "prompt_tokens": L, "index": index, "seed": sample.seed,
+                "depth": depth, "depth_actual": sample.depth_actual, "key": sample.key,
+                "expected": sample.expected, "prefill_s": prefill_s, "kv_bytes_full": cache.bytes}
+        if task == "fidelity":
+            return self._fidelity(sample, cache, capture, compacting, base)
+
+        results: dict[str, dict] = {}
+        for p in compacting:                       # branches first: the full run advances `cache`
+            branch = cache.copy()
+            results[p.name] = self._evict(branch, capture, p, L)
+            results[p.name].update(self._answer(sample, branch, logits))
+        full = {"budget": None, "compacted": False, "kv_rows": cache.length, "kv_bytes": cache.bytes,
+                "evict_s": 0.0}
+        full.update(self._answer(sample, cache, logits))
+        out = []
+        for p in self.plan.policies:
+            r = results.get(p.name) or dict(full, budget=p.budget_for(L))   # not compacted: the full answer
+            out.append({**base, "policy": p.name, **r})
+        return out
+
+    def _evict(self, branch, capture: WindowCapture, p: Policy, L: int) -> dict:
+        cfg = p.config(L)
+        q = np.ascontiguousarray(capture.q[:, :, capture.window - cfg.window:])   # [layers, heads, W, D]
+        rep = self.model.forward.evict(branch, q, cfg)
+        self.timings.evict_s += rep["seconds"]
+        return {"budget": cfg.budget, "compacted": True, "kv_rows": branch.length, "kv_bytes": branch.bytes,
+                "evict_s": rep["seconds"]}
+
+    def _answer(self, sample: T.Sample, cache, logits) -> dict:
+        n = len(sample.expected)
+        t0 = time.perf_counter()
+        text, n_tok = greedy_answer(self.model, cache, logits, self.plan.max_new_tokens * n, n)
+        dt = time.perf_counter() - t0
+        self.timings.decode_s += dt
+        self.timings.decode_tokens += n_tok
+        s = T.score(sample, text)
+        return {"generated": text, "score": s, "correct": s == 1.0, "decode_s": dt}
+
+    def _fidelity(self, sample: T.Sample, cache, capture, compacting: list[Policy], base: dict) -> list[dict]:
+        m = self.model
+        cont = sample.continuation
+
+        def teacher(c) -> np.ndarray:
+            t0 = time.perf_counter()
+            out = m.forward.prefill(cont, c, all_logits=True)    # f32 [n_cont, vocab]
+            self.timings.teacher_s += time.perf_counter() - t0
+            return out
+
+        results = {}
+        for p in compacting:
+            branch = cache.copy()
+            results[p.name] = r = self._evict(branch, capture, p, sample.n_tokens)
+            r["_logits"] = teacher(branch)
+        full_logits = teacher(cache)
+        identical = {"kl": 0.0, "kl_max": 0.0, "top1": 1.0}
+        out = []
+        for p in self.plan.policies:
+            r = results.get(p.name)
+            if r is None:
+                r = {"budget": p.budget_for(sample.n_tokens), "compacted": False, "kv_rows": base["prompt_tokens"],
+                     "kv_bytes": base["kv_bytes_full"], "evict_s": 0.0, **identical}
+            else:
+                r = dict(r)
+                r.update(fidelity_metrics(full_logits, r.pop("_logits")))
+            out.append({**base, "policy": p.name, "continuation_tokens": len(cont), "generated": None,
+                        "score": None, "correct": None, **r})
+        return out

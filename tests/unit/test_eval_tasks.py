@@ -1,0 +1,116 @@
+"""Task generators of `engine eval`: seeded, needles where asked, lengths on target;
+answer parsing; policy names."""
+import re
+
+import pytest
+
+from engine.errors import EngineError
+from engine.eval import tasks as T
+from engine.eval.policies import default_policies, parse_policy
+
+
+class WordTokenizer:
+    """One token per word or punctuation mark: a stand-in with the encode() signature."""
+
+    def encode(self, text, add_bos=None, special=True):
+        return [hash(w) % 50000 for w in re.findall(r"\w+|[^\w\s]", text)]
+
+
+@pytest.fixture(scope="module")
+def real_tok():
+    from engine.model_path import default_model_path
+    from engine.tokenizer import Tokenizer
+    path = default_model_path()
+    if path is None:
+        pytest.skip("default model not installed")
+    return Tokenizer.from_gguf(path)
+
+
+@pytest.mark.parametrize("task", T.TASKS)
+def test_seeded_and_deterministic(task):
+    tok = WordTokenizer()
+    a = T.make_sample(task, tok, 600, 40, seed=3, index=1)
+    b = T.make_sample(task, tok, 600, 40, seed=3, index=1)
+    assert (a.prompt, a.ids, a.expected, a.key, a.continuation) == (b.prompt, b.ids, b.expected, b.key, b.continuation)
+    c = T.make_sample(task, tok, 600, 40, seed=3, index=2)
+    d = T.make_sample(task, tok, 600, 40, seed=4, index=1)
+    assert c.prompt != a.prompt and d.prompt != a.prompt
+
+
+@pytest.mark.parametrize("task", T.RETRIEVAL_TASKS)
+@pytest.mark.parametrize("depth", [0, 10, 50, 90, 100])
+def test_needle_at_requested_depth(task, depth):
+    tok = WordTokenizer()
+    s = T.make_sample(task, tok, 2000, depth, seed=0, index=0)
+    for v in s.expected:
+        assert v in s.prompt
+    # depth is measured over the haystack; head and question shift it by a few percent
+    assert abs(s.depth_actual - depth) < 5.0, (s.depth_actual, depth)
+    if task == "passkey":
+        assert f"The pass key is {s.expected[0]}." in s.prompt
+        assert s.prompt.endswith("The pass key is")
+    else:
+        assert f"One of the special magic numbers for {s.key} is: {s.expected[0]}." in s.prompt
+        assert s.prompt.rstrip().endswith(s.key + (" are" if task == "niah_multivalue" else " is"))
+
+
+def test_needle_variants():
+    tok = WordTokenizer()
+    mk = T.make_sample("niah_multikey", tok, 1500, 50, seed=0, index=0)
+    keys = re.findall(r"special magic numbers for (\S+) is: (\d{7})\.", mk.prompt)
+    assert len(keys) == 1 + T.N_DISTRACTORS and len({k for k, _ in keys}) == len(keys)
+    assert (mk.key, mk.expected[0]) in keys
+    mv = T.make_sample("niah_multivalue", tok, 1500, 50, seed=0, index=0)
+    vals = re.findall(rf"special magic numbers for {mv.key} is: (\d{{7}})\.", mv.prompt)
+    assert sorted(vals) == sorted(mv.expected) and len(set(vals)) == T.N_VALUES
+
+
+def test_filler_is_varied_and_free_of_digits():
+    s = T.make_sample("niah", WordTokenizer(), 3000, 50, seed=0, index=0)
+    haystack = s.prompt.replace(f"One of the special magic numbers for {s.key} is: {s.expected[0]}.", "")
+    assert not re.search(r"\d", haystack)
+    sentences = re.split(r"(?<=\.) ", haystack)
+    assert len(set(sentences)) > 0.8 * len(sentences)
+    assert not any(k in haystack for k in T.KEY_WORDS if k != s.key)
+
+
+@pytest.mark.parametrize("task", T.TASKS)
+@pytest.mark.parametrize("target", [256, 1024, 4096])
+def test_token_length_close_to_target(real_tok, task, target):
+    s = T.make_sample(task, real_tok, target, 50, seed=0, index=0)
+    assert s.ids == real_tok.encode(s.prompt) or task == "fidelity"
+    assert target - 30 <= s.n_tokens <= target
+    if task == "fidelity":
+        assert s.n_tokens == target and len(s.continuation) == 64
+
+
+def test_sample_depth_spreads():
+    depths = list(range(0, 101, 10))
+    assert [T.sample_depth(depths, i, 11) for i in range(11)] == depths
+    assert [T.sample_depth(depths, i, 3) for i in range(3)] == [10, 50, 90]
+    assert T.sample_depth(depths, 0, 1) == 50
+    assert T.sample_depth(depths, 12, 22) == 10
+
+
+def test_answer_parsing():
+    assert T.numbers_in(": 1234567, 89.") == ["1234567", "89"]
+    assert T.finished_numbers(" 12345") == 0 and T.finished_numbers(" 12345.") == 1
+    s = T.Sample("niah_multivalue", 100, 0, 0.0, 0, "", [], expected=["1111111", "2222222"])
+    assert T.score(s, "1111111, 2222222") == 1.0
+    assert T.score(s, "11111112 2222222") == 0.5
+
+
+def test_policy_names():
+    p = parse_policy("snapkv-b1024-head-avg-k5-w64-s4")
+    assert (p.budget, p.granularity, p.pool, p.kernel, p.window, p.sinks) == (1024, "head", "avg", 5, 64, 4)
+    assert p.config(4000).budget == 1024 and not p.compacts(1024) and p.compacts(1025)
+    f = parse_policy("snapkv-bL/8-global-max-k7-w32-s0")
+    assert f.config(8000).budget == 1000 and f.name == "snapkv-bL/8-global-max-k7-w32-s0"
+    assert parse_policy("full").is_full and parse_policy("full").config(100) is None
+    for bad in ("snapkv-b64-head-avg-k5-w64-s4", "snapkv-b512-head-avg-k4-w64-s4", "snapkv-b512-row-avg-k5-w64-s4",
+                "lru-512"):
+        with pytest.raises(EngineError):
+            parse_policy(bad)
+    names = [p.name for p in default_policies([256, 512, 1024, 2048])]
+    assert names[0] == "full" and len(names) == len(set(names)) == 14
+    assert "snapkv-b1024-layer-avg-k5-w64-s4" in names and "snapkv-b1024-head-avg-k5-w64-s0" in names
