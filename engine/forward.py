@@ -123,7 +123,7 @@ class ForwardPass:
     """Runs the model on a backend. `prefill` and `decode` advance a KvCache."""
 
     def __init__(self, g: GgufFile, cfg: ModelConfig, backend, max_ctx: int,
-                 chunk: int = 256, page_size: int = 256):
+                 chunk: int = 256, page_size: int = 64):
         self.cfg, self.backend = cfg, backend
         self.max_ctx, self.chunk, self.page_size = max_ctx, chunk, page_size
         self.weights = load_weights(g, cfg, backend)

@@ -13,7 +13,7 @@ import numpy as np
 # kernel); a value already in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from . import ops, quant  # noqa: E402  (after the OpenMP setting)
+from . import attention_blas, ops, quant  # noqa: E402  (after the OpenMP setting)
 
 
 class CpuBackend:
@@ -51,7 +51,11 @@ class CpuBackend:
     rms_norm = staticmethod(ops.rms_norm)
     rope = staticmethod(ops.rope)
     kv_write = staticmethod(ops.kv_write)
-    attention_prefill = staticmethod(ops.attention_prefill)
+    @staticmethod
+    def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out):
+        # long chunks: two sgemms per KV head; short ones: the tiled numba kernel
+        kernel = attention_blas if q.shape[0] >= attention_blas.BLAS_MIN_QUERIES else ops
+        kernel.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out)
     attention_decode = staticmethod(ops.attention_decode)
     silu_gate = staticmethod(ops.silu_gate)
     add = staticmethod(ops.add)

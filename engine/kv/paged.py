@@ -145,7 +145,7 @@ class KvCache:
     """The whole model's cache: one PagedKvCache per layer sharing one page pool."""
 
     def __init__(self, backend, n_layers: int, n_kv_heads: int, head_dim: int, max_rows: int,
-                 page_size: int = 256):
+                 page_size: int = 64):
         pages_per_layer = -(-max_rows // page_size)
         self.pool = PagePool(backend, n_layers * pages_per_layer, n_kv_heads, page_size, head_dim)
         self.layers = [PagedKvCache(self.pool, max_rows) for _ in range(n_layers)]

@@ -2,16 +2,13 @@
 
 `available_backends()` lists the backends importable and usable on this
 machine; `make_backend(name)` builds one. The numpy reference is the oracle and
-is never in the list. For now "cpu" is the numba op module behind a thin shim
-(backends/cpu/ops.py; embedding/matmul are tested with quant.py); vulkan and
+is never in the list. "cpu" is CpuBackend's ops behind a thin shim with
+zero-filled pools (embedding/matmul are tested in test_cpu_quant.py); vulkan and
 cuda join the list once their packages import and find a device.
 """
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -25,29 +22,16 @@ _OPS = ("rms_norm", "rope", "kv_write", "attention_prefill", "attention_decode",
         "silu_gate", "add", "snapkv_votes", "kv_gather")
 
 
-def _load_cpu_ops():
-    """backends.cpu.ops; by file path when the package's __init__ (the whole
-    backend, quantized kernels included) does not import yet."""
-    try:
-        return importlib.import_module("backends.cpu.ops")
-    except ImportError:
-        path = Path(__file__).resolve().parents[2] / "backends" / "cpu" / "ops.py"
-        spec = importlib.util.spec_from_file_location("backends.cpu.ops", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module        # numba's cache re-imports it by this name
-        spec.loader.exec_module(module)
-        return module
-
-
 class CpuOpsShim:
-    """backends.cpu.ops as a Backend (numpy memory, numba ops), for the op tests."""
+    """The CPU backend's ops (with its dispatch, e.g. BLAS prefill attention for long
+    chunks) on zero-filled numpy memory, for the op tests."""
 
     name = "cpu"
 
     def __init__(self):
-        ops = _load_cpu_ops()
+        from backends.cpu import CpuBackend
         for op in _OPS:
-            setattr(self, op, getattr(ops, op))
+            setattr(self, op, getattr(CpuBackend, op))
 
     def alloc(self, shape, dtype=np.float32):
         return np.zeros(shape, dtype=dtype)

@@ -234,7 +234,7 @@ ATTN_SHAPES = [  # (n_q_heads, n_kv_heads, head_dim, page_size)
 
 
 @pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", ATTN_SHAPES)
-@pytest.mark.parametrize("start_row,n", [(0, 1), (0, 7), (37, 7), (250, 1), (5, 40)])
+@pytest.mark.parametrize("start_row,n", [(0, 1), (0, 7), (37, 7), (250, 1), (5, 40), (300, 64)])
 def test_attention_prefill(backend, n_q, n_kv, head_dim, page_size, start_row, n):
     rng = np.random.default_rng(start_row * 31 + n + head_dim)
     n_rows = start_row + n
