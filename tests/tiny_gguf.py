@@ -47,9 +47,11 @@ def byte_tokens() -> list[str]:
 
 def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64, n_heads: int = 4,
                     n_kv_heads: int = 2, ffn_dim: int = 128, qtype: Q = Q.F32, ctx: int = 512,
-                    seed: int = 0, tensor_overrides: dict | None = None, drop: tuple[str, ...] = ()):
+                    seed: int = 0, tensor_overrides: dict | None = None, drop: tuple[str, ...] = (),
+                    extra_tensors: dict | None = None):
     """A random-weight model. `qtype` is used for the 2-D matrices; norms are F32.
-    `tensor_overrides`: name -> (raw uint8 array, qtype) written as is; `drop`: names omitted."""
+    `tensor_overrides`: name -> (raw uint8 array, qtype) written as is; `drop`: names omitted;
+    `extra_tensors`: name -> f32 array added as is."""
     rng = np.random.default_rng(seed)
     tokens = byte_tokens() + ["\u0120t"] + SPECIALS
     vocab = len(tokens)
@@ -113,6 +115,8 @@ def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64,
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
                 if p + name not in drop:
                     w.add_tensor(p + name, (0.1 * rng.standard_normal(n)).astype(np.float32))
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

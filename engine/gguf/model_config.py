@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from models import ArchSpec, get_arch
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, UnsupportedError
 from .reader import GgufFile
 
 
@@ -49,6 +49,7 @@ def model_config(g: GgufFile) -> ModelConfig:
             raise ModelFileError(f"GGUF metadata lacks {g.architecture}.{suffix}: {g.path}")
         return value
 
+    _reject_rope_scaling(g)
     n_layers = int(need("block_count"))
     dim = int(need("embedding_length"))
     ffn_dim = int(need("feed_forward_length"))
@@ -71,6 +72,16 @@ def model_config(g: GgufFile) -> ModelConfig:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise ModelFileError(f"{g.path} does not match architecture '{spec.name}': {shown}")
     return cfg
+
+
+def _reject_rope_scaling(g: GgufFile) -> None:
+    """RoPE frequency scaling (Llama 3.1+ `rope_freqs`, linear/YaRN) is not implemented:
+    refuse rather than give subtly wrong answers."""
+    kind = g.arch_key("rope.scaling.type")
+    factor = g.arch_key("rope.scaling.factor", 1.0)
+    if "rope_freqs.weight" in g.tensors or (kind not in (None, "none") and float(factor) != 1.0):
+        what = "rope_freqs factors" if "rope_freqs.weight" in g.tensors else f"{kind} scaling x{factor}"
+        raise UnsupportedError(f"RoPE frequency scaling ({what}) is not supported yet: {g.path}")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

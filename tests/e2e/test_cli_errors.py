@@ -56,6 +56,12 @@ def test_unsupported_tensor_type(tmp_path):
     assert_one_line_error(run_cli("run", str(p), "-p", "hi"), "unsupported tensor type IQ4_NL", "Q4_K", "Q8_0")
 
 
+def test_rope_scaling_is_refused(tmp_path):
+    freqs = np.ones(8, dtype=np.float32)
+    p = write_tiny_gguf(tmp_path / "m.gguf", extra_tensors={"rope_freqs.weight": freqs})
+    assert_one_line_error(run_cli("run", str(p), "-p", "hi"), "RoPE frequency scaling", "not supported")
+
+
 def test_missing_tensor(tmp_path):
     p = write_tiny_gguf(tmp_path / "m.gguf", drop=("blk.1.ffn_up.weight",))
     assert_one_line_error(run_cli("run", str(p), "-p", "hi"), "missing tensor blk.1.ffn_up.weight")
