@@ -11,41 +11,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 
 from _backends import available_backends, make_backend
+from _quant_blocks import ALL, K_QUANTS, make_raw
 
 pytestmark = pytest.mark.skipif("vulkan" not in available_backends(), reason="no Vulkan device / kp")
 
-QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 @pytest.fixture(scope="module")
 def vk():
     return make_backend("vulkan")
-
-
-def _f16_bytes(v: np.ndarray) -> np.ndarray:
-    return v.astype(np.float16).view(np.uint8).reshape(v.shape + (2,))
-
-
-def make_raw(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """uint8 [rows, row_bytes] blocks of qtype with finite, sane scales."""
-    rng = np.random.default_rng(seed)
-    if qtype in QUANTIZABLE:
-        w = rng.standard_normal((rows, cols)).astype(np.float32)
-        return np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(rows, -1)
-    _, bs = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // 256, bs), dtype=np.uint8)
-    d = rng.uniform(1e-3, 2e-2, (rows, cols // 256))
-    if qtype == Q.Q6_K:
-        raw[..., 208:210] = _f16_bytes(d)
-    else:
-        raw[..., 0:2] = _f16_bytes(d)
-        raw[..., 2:4] = _f16_bytes(rng.uniform(1e-3, 2e-2, (rows, cols // 256)))
-    return raw.reshape(rows, -1)
 
 
 def check_matmul(vk, w, W, x, bias=None):
@@ -64,7 +42,7 @@ def check_matmul(vk, w, W, x, bias=None):
     assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + rows:]))
 
 
-@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,cols", [(7, 256), (70, 576)])
 def test_embedding_and_matmul(vk, qtype, rows, cols):
     if qtype in K_QUANTS and cols % 256:
