@@ -63,13 +63,13 @@ SETTINGS = (
          "prompt tokens per prefill step"),
     Spec("snapkv_budget", "SHARPI_SNAPKV_BUDGET", "--kv-budget", _optional_int(0), None,
          "SnapKV KV budget per layer: N>0 on, 0 off (also disables auto-on), unset = auto policy"),
-    Spec("snapkv_window", "SHARPI_SNAPKV_WINDOW", "--kv-window", _int(1), 64,
+    Spec("snapkv_window", "SHARPI_SNAPKV_WINDOW", "--kv-window", _int(1), 32,
          "observation window: last W prompt tokens whose queries vote"),
     Spec("snapkv_recency", "SHARPI_SNAPKV_RECENCY", "--kv-recency", _optional_int(1), None,
          "always keep the last R prompt tokens (default: the window)"),
     Spec("snapkv_sinks", "SHARPI_SNAPKV_SINKS", "--kv-sinks", _int(0), 4,
          "always keep the first S prompt tokens (attention sinks)"),
-    Spec("snapkv_kernel", "SHARPI_SNAPKV_KERNEL", "--kv-kernel", _int(1), 5,
+    Spec("snapkv_kernel", "SHARPI_SNAPKV_KERNEL", "--kv-kernel", _int(1), 31,
          "pooling kernel width along positions (odd; 1 = no pooling)"),
     Spec("snapkv_pool", "SHARPI_SNAPKV_POOL", "--kv-pool", _choice("avg", "max"), "avg",
          "vote pooling: avg (zero padded) or max"),
@@ -92,10 +92,10 @@ class Settings:
     ctx: int | None = None
     prefill_chunk: int = 256
     snapkv_budget: int | None = None
-    snapkv_window: int = 64
+    snapkv_window: int = 32     # window and kernel measured by `engine eval` (README)
     snapkv_recency: int | None = None
     snapkv_sinks: int = 4
-    snapkv_kernel: int = 5
+    snapkv_kernel: int = 31
     snapkv_pool: str = "avg"
     snapkv_granularity: str = "head"
     snapkv_min_tokens: int = 128

@@ -44,10 +44,10 @@ class SnapKvConfig:
     """The eviction policy. Validated on construction (ConfigError, one line)."""
 
     budget: int = 2048              # kept positions per KV head after compaction (window and sinks included)
-    window: int = 64                # observation window W: the last W prompt tokens, always kept
+    window: int = 32                # observation window W: the last W prompt tokens, always kept
     sinks: int = 4                  # first positions, always kept (attention sinks)
     recency: Optional[int] = None   # last R positions always kept; None means R = window; R < window has no effect
-    kernel: int = 5                 # pooling width along positions, odd; 1 = no pooling
+    kernel: int = 31                # pooling width along positions, odd; 1 = no pooling
     pool: str = "avg"               # "avg" (zero padding, divide by kernel) or "max"
     granularity: str = "head"       # "head" | "layer" | "global"
     min_tokens: int = 128           # prompts of at most this many tokens are never compacted

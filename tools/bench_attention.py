@@ -1,6 +1,7 @@
 """Benchmark CPU decode attention over the paged bf16 KV cache.
 
     .venv/bin/python tools/bench_attention.py [--rows 128 2048 8000] [--layers 30]
+        [--page-size 64] [--threads N]
 
 Shape: 9 query heads, 3 KV heads, head_dim 64 (SmolLM2-135M). For each row
 count it times one layer (same pool again and again: cache-warm) and a whole
@@ -43,21 +44,26 @@ def make_layer(rng, n_rows, n_kv, page_size, head_dim):
 
 
 def timeit(fn, min_time=0.3, min_reps=5):
+    """(best wall, median wall, best process CPU time) per call, seconds. CPU time
+    (all threads) is the steadier number on a shared machine."""
     fn()
-    times = []
+    times, cpu = [], []
     start = time.perf_counter()
     while len(times) < min_reps or time.perf_counter() - start < min_time:
+        c0 = time.process_time()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return float(np.min(times)), float(np.median(times))
+        cpu.append(time.process_time() - c0)
+    return float(np.min(times)), float(np.median(times)), float(np.min(cpu))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[128, 2048, 8000])
     p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=64)   # the engine's default
+    p.add_argument("--threads", type=int, help="numba threads (default: numba's)")
     p.add_argument("--q-heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
@@ -65,6 +71,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import numba
+    if args.threads:
+        numba.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     hq, hkv, hd = args.q_heads, args.kv_heads, args.head_dim
     scale = 1.0 / math.sqrt(hd)
@@ -72,8 +80,9 @@ def main(argv=None):
     out = np.empty_like(q)
     print(f"attention_decode: {hq} q heads / {hkv} kv heads x {hd}, page {args.page_size}, "
           f"{numba.get_num_threads()} threads ({numba.config.THREADING_LAYER})")
-    print(f"best (median) of repeated runs; GB/s from the best; token = {args.layers} layers")
-    print(f"{'rows':>6} {'KV MB/layer':>11} {'layer us':>19} {'GB/s':>6} "
+    print(f"best (median) wall of repeated runs; GB/s from the best; cpu = best process "
+          f"CPU time; token = {args.layers} layers")
+    print(f"{'rows':>6} {'KV MB/layer':>11} {'layer us':>19} {'cpu us':>8} {'GB/s':>6} "
           f"{'token ms':>17} {'GB/s':>6}")
     results = []
     for n_rows in args.rows:
@@ -87,16 +96,18 @@ def main(argv=None):
             for kp, vp, pt in layers:
                 ops.attention_decode(q, kp, vp, pt, n_rows, hq, scale, out)
 
-        t_layer, med_layer = timeit(one_layer)
-        t_token, med_token = timeit(whole_token)
+        t_layer, med_layer, cpu_layer = timeit(one_layer)
+        t_token, med_token, _ = timeit(whole_token)
         row = dict(rows=n_rows, kv_mb_layer=nbytes / 1e6,
                    layer_us=t_layer * 1e6, layer_us_median=med_layer * 1e6,
+                   layer_cpu_us=cpu_layer * 1e6,
                    layer_gbs=nbytes / t_layer / 1e9,
                    token_ms=t_token * 1e3, token_ms_median=med_token * 1e3,
                    token_gbs=nbytes * args.layers / t_token / 1e9)
         results.append(row)
         print(f"{n_rows:>6} {row['kv_mb_layer']:>11.2f} "
-              f"{row['layer_us']:>8.1f} ({row['layer_us_median']:>8.1f}) {row['layer_gbs']:>6.1f} "
+              f"{row['layer_us']:>8.1f} ({row['layer_us_median']:>8.1f}) {row['layer_cpu_us']:>8.1f} "
+              f"{row['layer_gbs']:>6.1f} "
               f"{row['token_ms']:>7.2f} ({row['token_ms_median']:>7.2f}) {row['token_gbs']:>6.1f}")
     if args.json:
         args.json.write_text(json.dumps(dict(shape=dict(q_heads=hq, kv_heads=hkv, head_dim=hd,

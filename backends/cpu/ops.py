@@ -177,20 +177,215 @@ def kv_write(k_pages, v_pages, page_table, k, v, start_row):
 
 
 # -- attention_decode --------------------------------------------------------
-# Flash-decoding: tasks = (kv head, chunk of whole pages); each task reads its
-# K/V rows once for all query heads of the group and keeps a running
-# (max, sum, acc) per query head; a serial merge combines the chunks.
-_DECODE_CHUNK_ROWS = 256   # rows per task, rounded to whole pages
-_ROW_BLOCK = 32            # rows scored together before one online-softmax rescale
+# Flash-decoding. A task = (kv head, range of whole pages); it reads each K/V
+# row once for all query heads of its GQA group and keeps a running
+# (max, sum, acc) per query head. Rows go in tiles of <= _TILE rows that never
+# cross a page, so a tile is one contiguous [n, head_dim] uint16 slab:
+#   scores[g, j] = q_g . K[j]: dot over dims (bf16 -> f32 by shift, 16-wide FMAs,
+#     one horizontal sum per row and query head);
+#   one online-softmax rescale per tile, exp vectorised over the tile's rows;
+#   acc[g, :] += p[g, j] * V[j, :], vectorised over dims, 4 rows per pass.
+# head_dim 64 is passed as a constant so LLVM fully unrolls to zmm code; a group
+# of 3 (the default model) converts each K/V row once for its 3 query heads.
+# Each tile software-prefetches the same rows of the task's next page (pages
+# are scattered; the hardware prefetcher does not follow the page table).
+# Only rows < n_rows are ever read (unused page slots may hold NaN). Short
+# contexts run one serial kernel (no parallel launch: the engine calls this op
+# once per layer per token); long ones split each kv head into chunks of whole
+# pages spread over the threads, then merge the chunks.
+_TILE = 64                 # rows per online-softmax step (clipped to a page)
+_SERIAL_MAX_ROWS = 1024    # at most this many rows: serial kernel (no launch cost)
+_CHUNK_ROWS = 512          # rows per parallel task, rounded to whole pages
+
+
+@intrinsic
+def _prefetch(typingctx, arr, byte_off):
+    """Prefetch (read, keep in all cache levels) the cache line at arr's data + byte_off."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.gep(builder.bitcast(ary.data, i8p), [args[1]])
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
+            ir.VoidType(), [i8p, i32, i32, i32]))
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.none(arr, types.int64), codegen
+
+
+@njit(inline="always", **_JIT)
+def _exp_f32_v(x):
+    """expf, all in f32 so it vectorises 16-wide (Cephes polynomial, ~1 ulp).
+    Underflows to 0 below -87.3 (exp(-inf) = 0); NaN stays NaN."""
+    xc = min(max(x, np.float32(-87.33654)), np.float32(88.0))
+    n = np.float32(math.floor(xc * np.float32(1.442695040888963) + np.float32(0.5)))
+    r = xc - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    y = (p * r * r + r + np.float32(1.0)) * _bits_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
+    if x < np.float32(-87.33654):
+        y = np.float32(0.0)
+    if x != x:
+        y = x
+    return y
+
+
+@njit(inline="always", **_JIT)
+def _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_hi,
+          qs, scores, acc, m, l, head_dim):
+    """Attend rows row_lo .. row_hi-1 (row_lo on a page boundary) of kv head `kv`
+    for its `group` query heads; fills acc [group, head_dim], m, l [group]."""
+    page_size = k_pages.shape[2]
+    for g in range(group):
+        qbase = (kv * group + g) * head_dim
+        for i in range(head_dim):
+            qs[g, i] = q[0, qbase + i] * scale
+        m[g] = _NEG_INF
+        l[g] = 0.0
+        for i in range(head_dim):
+            acc[g, i] = 0.0
+    p_end = (row_hi + page_size - 1) // page_size
+    for pidx in range(row_lo // page_size, p_end):
+        phys = page_table[pidx]
+        kp = k_pages[phys, kv]
+        vp = v_pages[phys, kv]
+        n_page = min(page_size, row_hi - pidx * page_size)
+        # next page of this task (pages sit apart in memory: the hardware
+        # prefetcher does not follow the page table)
+        n_next = 0
+        kn = kp
+        vn = vp
+        if pidx + 1 < p_end:
+            n_next = min(page_size, row_hi - (pidx + 1) * page_size)
+            kn = k_pages[page_table[pidx + 1], kv]
+            vn = v_pages[page_table[pidx + 1], kv]
+        for t0 in range(0, n_page, _TILE):
+            n = min(_TILE, n_page - t0)
+            # prefetch the same rows of the next page, one page ahead
+            for b in range(t0 * head_dim * 2, min(t0 + n, n_next) * head_dim * 2, 64):
+                _prefetch(kn, b)
+                _prefetch(vn, b)
+            # scores
+            if group == 3:     # the default model: each K row converted once
+                for j in range(n):
+                    krow = kp[t0 + j]
+                    s0 = np.float32(0.0)
+                    s1 = np.float32(0.0)
+                    s2 = np.float32(0.0)
+                    for i in range(head_dim):
+                        k = _bf16_to_f32(krow[i])
+                        s0 += qs[0, i] * k
+                        s1 += qs[1, i] * k
+                        s2 += qs[2, i] * k
+                    scores[0, j] = s0
+                    scores[1, j] = s1
+                    scores[2, j] = s2
+            else:
+                for g in range(group):
+                    for j in range(n):
+                        krow = kp[t0 + j]
+                        s = np.float32(0.0)
+                        for i in range(head_dim):
+                            s += qs[g, i] * _bf16_to_f32(krow[i])
+                        scores[g, j] = s
+            # online softmax
+            for g in range(group):
+                bm = m[g]
+                for j in range(n):
+                    bm = max(bm, scores[g, j])
+                alpha = _exp_f32_v(m[g] - bm)
+                m[g] = bm
+                lg = np.float32(0.0)
+                for j in range(n):
+                    p = _exp_f32_v(scores[g, j] - bm)
+                    scores[g, j] = p
+                    lg += p
+                l[g] = l[g] * alpha + lg
+                for i in range(head_dim):
+                    acc[g, i] *= alpha
+            # values, 4 rows per pass over acc
+            n4 = n - n % 4
+            if group == 3:     # each V row converted once for the 3 heads
+                for j in range(0, n4, 4):
+                    v0 = vp[t0 + j]
+                    v1 = vp[t0 + j + 1]
+                    v2 = vp[t0 + j + 2]
+                    v3 = vp[t0 + j + 3]
+                    p00 = scores[0, j]
+                    p01 = scores[0, j + 1]
+                    p02 = scores[0, j + 2]
+                    p03 = scores[0, j + 3]
+                    p10 = scores[1, j]
+                    p11 = scores[1, j + 1]
+                    p12 = scores[1, j + 2]
+                    p13 = scores[1, j + 3]
+                    p20 = scores[2, j]
+                    p21 = scores[2, j + 1]
+                    p22 = scores[2, j + 2]
+                    p23 = scores[2, j + 3]
+                    for i in range(head_dim):
+                        x0 = _bf16_to_f32(v0[i])
+                        x1 = _bf16_to_f32(v1[i])
+                        x2 = _bf16_to_f32(v2[i])
+                        x3 = _bf16_to_f32(v3[i])
+                        acc[0, i] += (p00 * x0 + p01 * x1) + (p02 * x2 + p03 * x3)
+                        acc[1, i] += (p10 * x0 + p11 * x1) + (p12 * x2 + p13 * x3)
+                        acc[2, i] += (p20 * x0 + p21 * x1) + (p22 * x2 + p23 * x3)
+            else:
+                for j in range(0, n4, 4):
+                    v0 = vp[t0 + j]
+                    v1 = vp[t0 + j + 1]
+                    v2 = vp[t0 + j + 2]
+                    v3 = vp[t0 + j + 3]
+                    for g in range(group):
+                        p0 = scores[g, j]
+                        p1 = scores[g, j + 1]
+                        p2 = scores[g, j + 2]
+                        p3 = scores[g, j + 3]
+                        for i in range(head_dim):
+                            acc[g, i] += ((p0 * _bf16_to_f32(v0[i]) + p1 * _bf16_to_f32(v1[i]))
+                                          + (p2 * _bf16_to_f32(v2[i]) + p3 * _bf16_to_f32(v3[i])))
+            for j in range(n4, n):
+                vrow = vp[t0 + j]
+                for g in range(group):
+                    p = scores[g, j]
+                    for i in range(head_dim):
+                        acc[g, i] += p * _bf16_to_f32(vrow[i])
+
+
+@njit(**_JIT)
+def _decode_serial(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out):
+    n_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[3]
+    group = n_q_heads // n_kv_heads
+    qs = np.empty((group, head_dim), dtype=np.float32)
+    scores = np.empty((group, _TILE), dtype=np.float32)
+    acc = np.empty((group, head_dim), dtype=np.float32)
+    m = np.empty(group, dtype=np.float32)
+    l = np.empty(group, dtype=np.float32)
+    for kv in range(n_kv_heads):
+        if head_dim == 64:   # constant trip counts: fully unrolled zmm code
+            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, 0, n_rows,
+                         qs, scores, acc, m, l, 64)
+        else:
+            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, 0, n_rows,
+                         qs, scores, acc, m, l, head_dim)
+        for g in range(group):
+            inv = np.float32(1.0) / l[g]
+            obase = (kv * group + g) * head_dim
+            for i in range(head_dim):
+                out[0, obase + i] = acc[g, i] * inv
 
 
 @njit(parallel=True, **_JIT)
-def _attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
-                      pages_per_chunk):
-    n_kv_heads, page_size, head_dim = k_pages.shape[1], k_pages.shape[2], k_pages.shape[3]
+def _decode_parallel(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
+                     chunk_rows):
+    n_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[3]
     group = n_q_heads // n_kv_heads
-    n_pages = (n_rows + page_size - 1) // page_size
-    n_chunks = (n_pages + pages_per_chunk - 1) // pages_per_chunk
+    n_chunks = (n_rows + chunk_rows - 1) // chunk_rows
     n_tasks = n_kv_heads * n_chunks
     part_acc = np.empty((n_tasks, group, head_dim), dtype=np.float32)
     part_max = np.empty((n_tasks, group), dtype=np.float32)
@@ -198,97 +393,46 @@ def _attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale,
     for task in prange(n_tasks):
         kv = task // n_chunks
         chunk = task % n_chunks
-        qs = np.empty((group, head_dim), dtype=np.float32)       # scaled queries of the group
-        for g in range(group):
-            qbase = (kv * group + g) * head_dim
-            for i in range(head_dim):
-                qs[g, i] = q[0, qbase + i] * scale
-        kf = np.empty(head_dim, dtype=np.float32)
-        vf = np.empty(head_dim, dtype=np.float32)
-        scores = np.empty((group, _ROW_BLOCK), dtype=np.float32)
-        acc = np.zeros((group, head_dim), dtype=np.float32)
-        m = np.full(group, _NEG_INF, dtype=np.float32)
-        l = np.zeros(group, dtype=np.float32)
-        row_lo = chunk * pages_per_chunk * page_size
-        row_hi = min(n_rows, row_lo + pages_per_chunk * page_size)
-        for blk in range(row_lo, row_hi, _ROW_BLOCK):
-            blk_n = min(_ROW_BLOCK, row_hi - blk)
-            pidx0 = blk // page_size
-            off0 = blk % page_size
-            pidx = pidx0
-            off = off0
-            for j in range(blk_n):
-                krow = k_pages[page_table[pidx], kv, off]
-                off += 1
-                if off == page_size:
-                    off = 0
-                    pidx += 1
-                for i in range(head_dim):
-                    kf[i] = _bf16_to_f32(krow[i])
-                for g in range(group):
-                    qg = qs[g]
-                    s = np.float32(0.0)
-                    for i in range(head_dim):
-                        s += qg[i] * kf[i]
-                    scores[g, j] = s
-            for g in range(group):
-                bm = m[g]
-                for j in range(blk_n):
-                    bm = max(bm, scores[g, j])
-                alpha = _exp_f32(m[g] - bm)
-                m[g] = bm
-                l[g] *= alpha
-                for i in range(head_dim):
-                    acc[g, i] *= alpha
-                lg = l[g]
-                for j in range(blk_n):
-                    p = _exp_f32(scores[g, j] - bm)
-                    scores[g, j] = p
-                    lg += p
-                l[g] = lg
-            pidx = pidx0
-            off = off0
-            for j in range(blk_n):
-                vrow = v_pages[page_table[pidx], kv, off]
-                off += 1
-                if off == page_size:
-                    off = 0
-                    pidx += 1
-                for i in range(head_dim):
-                    vf[i] = _bf16_to_f32(vrow[i])
-                for g in range(group):
-                    p = scores[g, j]
-                    ag = acc[g]
-                    for i in range(head_dim):
-                        ag[i] += p * vf[i]
-        for g in range(group):
-            part_max[task, g] = m[g]
-            part_sum[task, g] = l[g]
-            for i in range(head_dim):
-                part_acc[task, g, i] = acc[g, i]
-    # merge the chunks of each query head
+        qs = np.empty((group, head_dim), dtype=np.float32)
+        scores = np.empty((group, _TILE), dtype=np.float32)
+        row_lo = chunk * chunk_rows
+        row_hi = min(n_rows, row_lo + chunk_rows)
+        if head_dim == 64:
+            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_hi,
+                         qs, scores, part_acc[task], part_max[task], part_sum[task], 64)
+        else:
+            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_hi,
+                         qs, scores, part_acc[task], part_max[task], part_sum[task], head_dim)
     for h in range(n_q_heads):
         kv = h // group
         g = h % group
+        base = kv * n_chunks
         gm = np.float32(_NEG_INF)
         for c in range(n_chunks):
-            gm = max(gm, part_max[kv * n_chunks + c, g])
+            gm = max(gm, part_max[base + c, g])
         total = np.float32(0.0)
         for c in range(n_chunks):
-            total += part_sum[kv * n_chunks + c, g] * np.float32(math.exp(part_max[kv * n_chunks + c, g] - gm))
+            total += part_sum[base + c, g] * _exp_f32_v(part_max[base + c, g] - gm)
+        inv = np.float32(1.0) / total
+        o = out[0, h * head_dim:(h + 1) * head_dim]
         for i in range(head_dim):
-            out[0, h * head_dim + i] = 0.0
+            o[i] = 0.0
         for c in range(n_chunks):
-            w = np.float32(math.exp(part_max[kv * n_chunks + c, g] - gm)) / total
+            w = _exp_f32_v(part_max[base + c, g] - gm) * inv
+            pa = part_acc[base + c, g]
             for i in range(head_dim):
-                out[0, h * head_dim + i] += w * part_acc[kv * n_chunks + c, g, i]
+                o[i] += w * pa[i]
 
 
 def attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out):
     """q, out: f32 [1, n_q_heads*head_dim]; attends physical rows 0 .. n_rows-1."""
-    pages_per_chunk = max(1, _DECODE_CHUNK_ROWS // k_pages.shape[2])
-    _attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
-                      pages_per_chunk)
+    if n_rows <= _SERIAL_MAX_ROWS:
+        _decode_serial(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out)
+    else:
+        page_size = k_pages.shape[2]
+        chunk_rows = max(1, _CHUNK_ROWS // page_size) * page_size
+        _decode_parallel(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
+                         chunk_rows)
 
 
 # -- attention_prefill -------------------------------------------------------

@@ -2,7 +2,7 @@
 
     engine eval [MODEL] --tasks passkey,niah --lengths 1024,2048 --samples 11 --out results/eval
     engine eval --quick                       # a small subset, minutes on a laptop CPU
-    engine eval --policies full,snapkv-b512-head-avg-k5-w64-s4
+    engine eval --policies full,snapkv-b512-head-avg-k31-w32-s4
 
 `add_parser(subparsers)` registers the subcommand; `cmd_eval(args)` runs it.
 """
@@ -42,7 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ablation-budget", dest="ablation_budget", type=int,
                    help="budget for the granularity/pool/kernel/window/sinks variants (default 1024; 0 = none)")
     p.add_argument("--policies", help="exact policy list instead of the sweep, e.g. "
-                                      "full,snapkv-b1024-head-avg-k5-w64-s4,snapkv-bL/8-layer-max-k7-w32-s0")
+                                      "full,snapkv-b1024-head-avg-k31-w32-s4,snapkv-bL/8-layer-max-k15-w32-s0")
     p.add_argument("--samples", type=int, help="prompts per task and length; needle depths spread over them "
                                                "(default 11 = one per depth)")
     p.add_argument("--depths", help="needle depths in percent (default 0,10,...,100)")

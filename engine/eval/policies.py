@@ -2,7 +2,7 @@
 
 Names: `full` (no eviction) or `snapkv-b<B>-<granularity>-<pool>-k<K>-w<W>-s<S>`
 where <B> is a row budget (`b1024`) or a fraction of the prompt (`bL/8`), e.g.
-`snapkv-b1024-head-avg-k5-w64-s4` (the SnapKvConfig defaults at budget 1024).
+`snapkv-b1024-head-avg-k31-w32-s4` (the SnapKvConfig defaults at budget 1024).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def parse_policy(name: str) -> Policy:
     m = _NAME.match(name)
     if not m:
         raise EngineError(f"bad policy name {name!r}: expected 'full' or like "
-                          f"'snapkv-b1024-head-avg-k5-w64-s4' (budget b<N> or bL/<N>)")
+                          f"'snapkv-b1024-head-avg-k31-w32-s4' (budget b<N> or bL/<N>)")
     if m["gran"] not in GRANULARITIES:
         raise EngineError(f"policy {name!r}: granularity must be one of {', '.join(GRANULARITIES)}")
     if m["pool"] not in POOLS:
@@ -96,15 +96,15 @@ def parse_policy(name: str) -> Policy:
 
 def default_policies(budgets, ablation_budget: int | None = 1024, fraction: int | None = 8) -> list[Policy]:
     """full; SnapKV defaults at each budget (and at L/fraction); and, at `ablation_budget`,
-    one change at a time: granularity layer/global, max pooling, kernel 1/7, window 16/32,
-    sinks 0."""
+    one change at a time: granularity layer/global, max pooling, kernel 5/15, window 16/64,
+    sinks 0 (variants equal to the defaults collapse into them)."""
     out = [FULL] + [snapkv(int(b)) for b in budgets]
     if fraction:
         out.append(snapkv(fraction=fraction))
     if ablation_budget:
         b = int(ablation_budget)
         out += [snapkv(b, granularity="layer"), snapkv(b, granularity="global"), snapkv(b, pool="max"),
-                snapkv(b, kernel=1), snapkv(b, kernel=7), snapkv(b, window=16), snapkv(b, window=32),
+                snapkv(b, kernel=5), snapkv(b, kernel=15), snapkv(b, window=16), snapkv(b, window=64),
                 snapkv(b, sinks=0)]
     seen, unique = set(), []
     for p in out:

@@ -45,7 +45,7 @@ def test_env_then_api(tiny_llama, monkeypatch):
 def test_budget_not_above_window_plus_sinks(tiny_llama, monkeypatch):
     monkeypatch.delenv("SHARPI_SNAPKV_BUDGET", raising=False)
     with pytest.raises(ConfigError, match="window \\+ sinks"):
-        engine.load(tiny_llama, backend="reference", snapkv_budget=68)
+        engine.load(tiny_llama, backend="reference", snapkv_budget=36)     # window 32 + sinks 4
 
 
 def test_cli_flag_beats_env_and_stats_print_eviction(tiny_llama):

@@ -7,8 +7,8 @@ from engine.errors import ConfigError
 
 def test_defaults():
     s = config.from_env({})
-    assert s.backend == "cpu" and s.snapkv_budget is None and s.snapkv_window == 64
-    assert s.snapkv_sinks == 4 and s.snapkv_kernel == 5 and s.snapkv_pool == "avg"
+    assert s.backend == "cpu" and s.snapkv_budget is None and s.snapkv_window == 32
+    assert s.snapkv_sinks == 4 and s.snapkv_kernel == 31 and s.snapkv_pool == "avg"
     assert s.snapkv_granularity == "head" and s.snapkv_min_tokens == 128 and s.snapkv_auto_mib == 256
 
 

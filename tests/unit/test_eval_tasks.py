@@ -113,4 +113,4 @@ def test_policy_names():
             parse_policy(bad)
     names = [p.name for p in default_policies([256, 512, 1024, 2048])]
     assert names[0] == "full" and len(names) == len(set(names)) == 14
-    assert "snapkv-b1024-layer-avg-k5-w64-s4" in names and "snapkv-b1024-head-avg-k5-w64-s0" in names
+    assert "snapkv-b1024-layer-avg-k31-w32-s4" in names and "snapkv-b1024-head-avg-k31-w32-s0" in names
