@@ -58,27 +58,6 @@ def _f32_to_bf16(x):
     return np.uint16((u + np.uint32(0x7FFF) + lsb) >> np.uint32(16))
 
 
-@njit(inline="always", **_JIT)
-def _exp_f32(x):
-    """expf that LLVM can vectorise (no SVML here): Cephes polynomial, ~1 ulp.
-    Underflows to 0 below -87.3 (so exp(-inf) = 0); NaN stays NaN."""
-    xc = min(max(x, np.float32(-87.33654)), np.float32(88.0))
-    n = math.floor(xc * np.float32(1.442695040888963) + np.float32(0.5))
-    r = xc - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    y = (p * r * r + r + np.float32(1.0)) * _bits_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
-    if x < np.float32(-87.33654):
-        y = np.float32(0.0)
-    if x != x:
-        y = x
-    return y
-
-
 # -- rms_norm ----------------------------------------------------------------
 @njit(inline="always", **_JIT)
 def _rms_norm_row(x, weight, eps, out, t):
@@ -214,7 +193,7 @@ def _prefetch(typingctx, arr, byte_off):
 
 
 @njit(inline="always", **_JIT)
-def _exp_f32_v(x):
+def _exp_f32(x):
     """expf, all in f32 so it vectorises 16-wide (Cephes polynomial, ~1 ulp).
     Underflows to 0 below -87.3 (exp(-inf) = 0); NaN stays NaN."""
     xc = min(max(x, np.float32(-87.33654)), np.float32(88.0))
@@ -297,11 +276,11 @@ def _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_
                 bm = m[g]
                 for j in range(n):
                     bm = max(bm, scores[g, j])
-                alpha = _exp_f32_v(m[g] - bm)
+                alpha = _exp_f32(m[g] - bm)
                 m[g] = bm
                 lg = np.float32(0.0)
                 for j in range(n):
-                    p = _exp_f32_v(scores[g, j] - bm)
+                    p = _exp_f32(scores[g, j] - bm)
                     scores[g, j] = p
                     lg += p
                 l[g] = l[g] * alpha + lg
@@ -412,13 +391,13 @@ def _decode_parallel(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, 
             gm = max(gm, part_max[base + c, g])
         total = np.float32(0.0)
         for c in range(n_chunks):
-            total += part_sum[base + c, g] * _exp_f32_v(part_max[base + c, g] - gm)
+            total += part_sum[base + c, g] * _exp_f32(part_max[base + c, g] - gm)
         inv = np.float32(1.0) / total
         o = out[0, h * head_dim:(h + 1) * head_dim]
         for i in range(head_dim):
             o[i] = 0.0
         for c in range(n_chunks):
-            w = _exp_f32_v(part_max[base + c, g] - gm) * inv
+            w = _exp_f32(part_max[base + c, g] - gm) * inv
             pa = part_acc[base + c, g]
             for i in range(head_dim):
                 o[i] += w * pa[i]
