@@ -100,7 +100,7 @@ def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_d
 
 def run_bench(args, settings) -> int:
     from .model import Model, peak_rss_mib
-    from .model_path import default_model_path
+    from .model_path import model_path_or_default
 
     try:
         lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
@@ -108,9 +108,7 @@ def run_bench(args, settings) -> int:
         raise EngineError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
     if not lengths or min(lengths) < 1:
         raise EngineError("--lengths needs at least one positive length")
-    path = args.model or default_model_path()
-    if path is None:
-        raise EngineError("default model not installed: run `make setup` or pass a .gguf path")
+    path = model_path_or_default(args.model)
     threads = settings.threads or os.cpu_count() or 1
     settings = settings.with_overrides(threads=threads)
     need_ctx = max(lengths) + args.decode_tokens + 1

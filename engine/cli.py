@@ -41,12 +41,10 @@ def _settings(args) -> config_mod.Settings:
 
 def _load(args):
     from .model import Model
-    from .model_path import default_model_path
+    from .model_path import model_path_or_default
 
     settings = _settings(args)
-    path = args.model or default_model_path()
-    if path is None:
-        raise EngineError("default model not installed: run `make setup` or pass a .gguf path")
+    path = model_path_or_default(args.model)
     return Model(path, settings)
 
 
@@ -91,14 +89,12 @@ def _print_stats(s: dict) -> None:
 
 def cmd_info(args) -> int:
     from .gguf import GgufFile, model_config
-    from .model_path import default_model_path
+    from .model_path import model_path_or_default
     from .tokenizer import Tokenizer
 
     if args.devices:
         return _print_devices()
-    path = args.model or default_model_path()
-    if path is None:
-        raise EngineError("default model not installed: run `make setup` or pass a .gguf path")
+    path = model_path_or_default(args.model)
     g = GgufFile(path)
     cfg = model_config(g)
     tok = Tokenizer.from_metadata(g.metadata)

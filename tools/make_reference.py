@@ -55,7 +55,6 @@ import hashlib
 import importlib.metadata as md
 import json
 import math
-import os
 import platform
 import shlex
 import sys

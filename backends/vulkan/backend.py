@@ -15,7 +15,6 @@ CPU device (lavapipe) runs dispatches in order and needs none.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from collections import OrderedDict
 

@@ -116,7 +116,7 @@ def cmd_eval(args) -> int:
     from .. import config as config_mod
     from ..gguf import GgufFile, model_config
     from ..model import Model
-    from ..model_path import default_model_path
+    from ..model_path import model_path_or_default
     from . import report
     from .runner import EvalPlan, Runner
     from .tasks import N_VALUES
@@ -125,9 +125,7 @@ def cmd_eval(args) -> int:
     plan = EvalPlan(tasks=r["tasks"], lengths=r["lengths"], policies=r["policies"], samples=r["samples"],
                     depths=r["depths"], seed=args.seed, max_new_tokens=args.max_new_tokens,
                     fidelity_tokens=args.fidelity_tokens)
-    path = args.model or default_model_path()
-    if path is None:
-        raise EngineError("default model not installed: run `make setup` or pass a .gguf path")
+    path = model_path_or_default(args.model)
     cli = {k: getattr(args, k) for k in ("backend", "threads") if getattr(args, k, None) is not None}
     settings = config_mod.resolve(cli=cli)
     # Eviction is applied by the runner per policy; the model itself never evicts.
