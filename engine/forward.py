@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from gguf.quants import dequantize
 
 from .gguf import GgufFile, ModelConfig
 from .kv.paged import KvCache
@@ -46,10 +47,12 @@ def load_weights(g: GgufFile, cfg: ModelConfig, backend) -> ModelWeights:
         t = g.tensors[name]
         return backend.load_weight(t.raw, t.qtype, t.shape)
 
-    def vector(name):
+    def host_vector(name):                      # f32 [n] on the host
         t = g.tensors[name]
-        from gguf.quants import dequantize
-        return backend.upload(np.ascontiguousarray(dequantize(t.raw, t.qtype).reshape(-1), dtype=np.float32))
+        return np.ascontiguousarray(dequantize(t.raw, t.qtype).reshape(-1), dtype=np.float32)
+
+    def vector(name):
+        return backend.upload(host_vector(name))
 
     def stacked(names):
         tensors = [g.tensors[n] for n in names]
@@ -65,10 +68,7 @@ def load_weights(g: GgufFile, cfg: ModelConfig, backend) -> ModelWeights:
         p = f"blk.{i}."
         bias = None
         if cfg.arch.qkv_bias:
-            from gguf.quants import dequantize
-            parts = [dequantize(g.tensors[p + n].raw, g.tensors[p + n].qtype).reshape(-1)
-                     for n in cfg.arch.bias_tensors]
-            bias = backend.upload(np.concatenate(parts).astype(np.float32))
+            bias = backend.upload(np.concatenate([host_vector(p + n) for n in cfg.arch.bias_tensors]))
         layers.append(LayerWeights(
             attn_norm=vector(p + "attn_norm.weight"),
             qkv=stacked([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),

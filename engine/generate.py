@@ -104,7 +104,7 @@ class StopMatcher:
         return out
 
 
-def generate_stream(model, prompt_ids: list[int], params: SamplingParams, cache, first_logits,
+def generate_stream(model, params: SamplingParams, cache, first_logits,
                     stats: dict):
     """Yield text pieces, sampling from `first_logits` then decoding one token at a
     time. Fills `stats` (tokens, timings, finish reason) as it goes."""

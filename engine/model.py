@@ -115,7 +115,10 @@ class Model:
         """Run a prompt (text or ids) into `cache` (a fresh one by default), then apply
         the SnapKV policy (see `_policy`). Returns (cache, logits f32 [vocab] of the
         last prompt token). `cache.stats()` / `cache_stats()` show what was kept."""
-        ids = self._prompt_ids(prompt, chat)
+        return self._prefill(self._prompt_ids(prompt, chat), cache, snapkv, compact_continued)
+
+    def _prefill(self, ids: list[int], cache: KvCache | None, snapkv, compact_continued: bool):
+        """`prefill` for ids already checked by `_prompt_ids`."""
         cache = cache if cache is not None else self.new_cache()
         if cache.logical_length + len(ids) > cache.max_rows:
             raise EngineError(f"prompt of {len(ids)} tokens does not fit: the cache holds "
@@ -148,11 +151,11 @@ class Model:
         stats = {} if stats is None else stats
         ids = self._prompt_ids(prompt, chat)
         t0 = time.perf_counter()
-        cache, logits = self.prefill(ids, snapkv=snapkv)
+        cache, logits = self._prefill(ids, None, snapkv, compact_continued=False)
         prefill_s = time.perf_counter() - t0
         stats.update(prompt_tokens=len(ids), prefill_s=prefill_s,
                      prefill_tok_s=len(ids) / prefill_s if prefill_s > 0 else 0.0, snapkv=cache.eviction)
-        yield from generate_stream(self, ids, params, cache, logits, stats)
+        yield from generate_stream(self, params, cache, logits, stats)
         stats.update(kv_bytes=cache.bytes, kv_rows=cache.length,
                      logical_length=cache.logical_length, peak_rss_mib=peak_rss_mib(),
                      backend=self.backend.name)
