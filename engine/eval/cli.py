@@ -3,6 +3,7 @@
     engine eval [MODEL] --tasks passkey,niah --lengths 1024,2048 --samples 11 --out results/eval
     engine eval --quick                       # a small subset, minutes on a laptop CPU
     engine eval --policies full,snapkv-b512-head-avg-k31-w32-s4
+    engine eval --render results/eval/results.json   # rewrite summary.md and plots from saved samples
 
 `add_parser(subparsers)` registers the subcommand; `cmd_eval(args)` runs it.
 """
@@ -54,7 +55,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="small subset: every task at 1024 tokens, 3 samples (depths 10/50/90%%), full cache and "
                         "SnapKV at 256, 512 and L/8; about 3-5 minutes on 2 CPU cores")
-    p.add_argument("--out", default="results/eval", help="output folder (default results/eval)")
+    p.add_argument("--out", help="output folder (default results/eval; with --render, the file's folder)")
+    p.add_argument("--render", metavar="FILE",
+                   help="run nothing: rewrite summary.md, results.json and the plots from a results.json or "
+                        "from the samples.partial.jsonl of a run cut short")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_eval)
     return p
@@ -112,7 +116,56 @@ def resolve(args) -> dict:
     return {"tasks": tasks, "lengths": lengths, "policies": pols, "samples": int(d["samples"]), "depths": depths}
 
 
+def _load_rows(path: str) -> tuple[dict, list[dict]]:
+    """(meta, rows) from a results.json, or rows from a samples.partial.jsonl with the
+    meta rebuilt from them."""
+    import json
+    try:
+        with open(path) as f:
+            if path.endswith(".jsonl"):
+                rows, meta = [json.loads(line) for line in f if line.strip()], {}
+            else:
+                doc = json.load(f)
+                rows, meta = doc["samples"], doc["meta"]
+    except FileNotFoundError:
+        raise EngineError(f"--render: no such file: {path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EngineError(f"--render: {path} is not an eval results.json or samples jsonl ({e})") from None
+    if not rows:
+        raise EngineError(f"--render: {path} holds no samples")
+    if not meta:
+        names = list(dict.fromkeys(r["policy"] for r in rows))
+        pols = {n: P.parse_policy(n).describe() for n in names}
+        n_prompts = len({(r["task"], r["length"], r["index"], r["seed"]) for r in rows})
+        meta = {"model": "(partial run)", "n_samples": n_prompts, "policies": pols,
+                "seed": rows[0].get("seed"), "tasks": list(dict.fromkeys(r["task"] for r in rows)),
+                "lengths": sorted({r["length"] for r in rows}),
+                "defaults": {k: getattr(P.DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
+                "timings": {"prefill_s": sum(r["prefill_s"] for r in rows if r["policy"] == names[0]),
+                            "prefill_tokens": sum(r["prompt_tokens"] for r in rows if r["policy"] == names[0])}}
+    return meta, rows
+
+
+def cmd_render(args) -> int:
+    from . import report
+    meta, rows = _load_rows(args.render)
+    out = args.out or os.path.dirname(os.path.abspath(args.render))
+    paths = report.write_all(out, meta, rows, sorted(meta["lengths"]), list(meta["tasks"]))
+    _print_summary(report.summarize(rows, list(meta["policies"])))
+    print(f"wrote {paths['json']}, {paths['markdown']} and 3 plots from {len(rows)} rows")
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
+    for name, s in summary.items():
+        acc = "-" if s["retrieval_acc"] is None else f"{100 * s['retrieval_acc']:.0f}%"
+        fid = "" if s["kl"] is None else f"  KL {s['kl']:.4f}  top-1 {100 * s['top1']:.0f}%"
+        print(f"{name:<40} retrieval {acc:>4}{fid}")
+
+
 def cmd_eval(args) -> int:
+    if args.render:
+        return cmd_render(args)
     from .. import config as config_mod
     from ..gguf import GgufFile, model_config
     from ..model import Model
@@ -135,8 +188,9 @@ def cmd_eval(args) -> int:
     # no larger context than the longest case needs: smaller cache pools to copy per policy
     model = Model(path, settings.with_overrides(ctx=min(model_ctx, need)))
     runner = Runner(model, plan)
-    os.makedirs(args.out, exist_ok=True)
-    partial = os.path.join(args.out, "samples.partial.jsonl")
+    out = args.out or "results/eval"
+    os.makedirs(out, exist_ok=True)
+    partial = os.path.join(out, "samples.partial.jsonl")
     if os.path.exists(partial):
         os.remove(partial)
     rows = runner.run(progress=args.progress, partial_path=partial)
@@ -152,13 +206,9 @@ def cmd_eval(args) -> int:
         "defaults": {k: getattr(P.DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
         "timings": runner.timings.as_dict(), "quick": bool(args.quick),
     }
-    paths = report.write_all(args.out, meta, rows, plan.lengths, plan.tasks)
+    paths = report.write_all(out, meta, rows, plan.lengths, plan.tasks)
     os.remove(partial)                       # results.json holds every row now
-    summary = report.summarize(rows, list(meta["policies"]))
-    for name, s in summary.items():
-        acc = "-" if s["retrieval_acc"] is None else f"{100 * s['retrieval_acc']:.0f}%"
-        fid = "" if s["kl"] is None else f"  KL {s['kl']:.4f}  top-1 {100 * s['top1']:.0f}%"
-        print(f"{name:<40} retrieval {acc:>4}{fid}")
+    _print_summary(report.summarize(rows, list(meta["policies"])))
     print(f"wrote {paths['json']}, {paths['markdown']} and 3 plots "
           f"({runner.timings.wall_s:.0f} s)")
     return 0

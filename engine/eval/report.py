@@ -52,6 +52,95 @@ def summarize(rows: list[dict], policies: list[str]) -> dict:
     return out
 
 
+# -- paired comparison with the full cache --------------------------------------------
+Z95 = 1.959963984540054
+
+
+def _constrained_p21(n12: int, n21: int, n: int, delta: float) -> float:
+    """Maximum-likelihood P(only the policy right) given P(only full right) - it = delta."""
+    lo, hi = max(0.0, -delta), (1.0 - delta) / 2.0
+    if hi - lo < 1e-15:
+        return lo
+    n_conc = n - n12 - n21
+
+    def dlogl(p21: float) -> float:                 # derivative of the multinomial log-likelihood
+        d = 0.0
+        if n12:
+            d += n12 / (p21 + delta)
+        if n21:
+            d += n21 / p21
+        if n_conc:
+            d -= 2.0 * n_conc / (1.0 - 2.0 * p21 - delta)
+        return d
+
+    a, b = lo + 1e-15, hi - 1e-15
+    if dlogl(a) <= 0:
+        return lo
+    if dlogl(b) >= 0:
+        return hi
+    for _ in range(100):                            # the log-likelihood is concave: bisect its slope
+        m = 0.5 * (a + b)
+        if dlogl(m) > 0:
+            a = m
+        else:
+            b = m
+    return 0.5 * (a + b)
+
+
+def tango_interval(n12: int, n21: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Tango's score interval for the paired difference (n12 - n21) / n, where n12 counts
+    pairs only the first of two answers gets right and n21 only the second. Unlike a
+    Wald interval it stays honest with no discordant pairs: (0, 0, n) -> +-z^2/(n+z^2)."""
+    if n <= 0:
+        return (float("nan"), float("nan"))
+
+    def score(delta: float) -> float:
+        p21 = _constrained_p21(n12, n21, n, delta)
+        var = n * (2.0 * p21 + delta - delta * delta)
+        return (n12 - n21 - n * delta) / math.sqrt(var) if var > 0 else math.copysign(math.inf, n12 - n21 - n * delta)
+
+    est = (n12 - n21) / n
+
+    def edge(outer: float) -> float:                # |score| = z between the estimate and -1 or 1
+        if abs(score(outer)) <= z:
+            return outer
+        a, b = est, outer
+        for _ in range(100):
+            m = 0.5 * (a + b)
+            if abs(score(m)) <= z:
+                a = m
+            else:
+                b = m
+        return 0.5 * (a + b)
+
+    return (edge(-1.0), edge(1.0))
+
+
+def paired_vs_full(rows: list[dict], policies: list[str], reference: str = "full") -> dict:
+    """Retrieval answers of each policy against the reference on the same prompts:
+    policy -> {n, acc, acc_full, lost, gained, same_text, diff, ci} (diff and ci are
+    policy minus full, as fractions; a loss is negative)."""
+    key = lambda r: (r["task"], r["length"], r["index"], r["seed"])          # noqa: E731
+    retr = [r for r in rows if r["task"] in RETRIEVAL_TASKS]
+    ref = {key(r): r for r in retr if r["policy"] == reference}
+    out = {}
+    for p in policies:
+        if p == reference:
+            continue
+        pairs = [(ref[key(r)], r) for r in retr if r["policy"] == p and key(r) in ref]
+        n = len(pairs)
+        if not n:
+            continue
+        lost = sum(bool(f["correct"]) and not bool(r["correct"]) for f, r in pairs)
+        gained = sum(bool(r["correct"]) and not bool(f["correct"]) for f, r in pairs)
+        lo, hi = tango_interval(gained, lost, n)
+        out[p] = {"n": n, "acc": _mean(r["correct"] for _, r in pairs), "acc_full": _mean(f["correct"] for f, _ in pairs),
+                  "lost": lost, "gained": gained,
+                  "same_text": sum(f["generated"] == r["generated"] for f, r in pairs) / n,
+                  "diff": (gained - lost) / n, "ci": (lo, hi)}
+    return out
+
+
 # -- JSON -----------------------------------------------------------------------------
 def write_json(path: str, meta: dict, rows: list[dict], summary: dict) -> None:
     doc = {"schema": SCHEMA_VERSION, "meta": meta, "summary": summary, "samples": rows}
@@ -100,6 +189,19 @@ def markdown(meta: dict, summary: dict, lengths: list[int], tasks: list[str]) ->
         if "fidelity" in tasks:
             row += ["-" if s["kl"] is None else f"{s['kl']:.4f}", _pct(s["top1"])]
         lines.append("| " + " | ".join(row) + " |")
+    paired = {p: s["vs_full"] for p, s in summary.items() if s.get("vs_full")}
+    if paired:
+        lines += ["", "## Against the full cache, prompt by prompt", "",
+                  "Retrieval only. lost: prompts the full cache answers and the policy does not; gained: the "
+                  "reverse; same text: the greedy answers are identical. The difference is in points with "
+                  "Tango's 95% score interval for paired proportions.", "",
+                  "| policy | prompts | accuracy (full) | lost | gained | same text | difference, 95% CI |",
+                  "|---|---|---|---|---|---|---|"]
+        for p, d in paired.items():
+            lo, hi = d["ci"]
+            lines.append(f"| `{p}` | {d['n']} | {_pct(d['acc'])} ({_pct(d['acc_full'])}) | {d['lost']} | "
+                         f"{d['gained']} | {_pct(d['same_text'])} | {100 * d['diff']:+.1f} "
+                         f"[{100 * lo:+.1f}, {100 * hi:+.1f}] |")
     for task in retrieval:
         lines += ["", f"## {task}: accuracy by prompt length", "",
                   "| policy | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
@@ -221,6 +323,8 @@ def write_all(out_dir: str, meta: dict, rows: list[dict], lengths: list[int], ta
     os.makedirs(out_dir, exist_ok=True)
     names = list(meta["policies"])
     summary = summarize(rows, names)
+    for p, d in paired_vs_full(rows, names).items():
+        summary[p]["vs_full"] = d
     paths = {"json": os.path.join(out_dir, "results.json"), "markdown": os.path.join(out_dir, "summary.md"),
              "heatmap": os.path.join(out_dir, "accuracy_heatmap.png"),
              "budget": os.path.join(out_dir, "accuracy_vs_budget.png"),

@@ -86,3 +86,16 @@ def test_eval_end_to_end(default_model_path, tmp_path):
     assert "| `full` |" in md and "## passkey" in md and "## fidelity" in md
     for png in ("accuracy_heatmap.png", "accuracy_vs_budget.png", "kv_bytes_vs_accuracy.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Against the full cache" in md and doc["summary"][small]["vs_full"]["n"] == 2
+
+    # --render rebuilds the same report from the saved samples, with nothing run
+    (tmp_path / "summary.md").unlink()
+    assert args.func(_parse(["eval", "--render", str(tmp_path / "results.json")])) == 0
+    assert (tmp_path / "summary.md").read_text() == md
+    rows_file = tmp_path / "samples.partial.jsonl"       # the rows of a run cut short
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in samples))
+    out2 = tmp_path / "from_partial"
+    assert args.func(_parse(["eval", "--render", str(rows_file), "--out", str(out2)])) == 0
+    assert "| `full` |" in (out2 / "summary.md").read_text()
+    with pytest.raises(EngineError, match="not an eval results"):
+        args.func(_parse(["eval", "--render", str(tmp_path / "accuracy_heatmap.png")]))
