@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Cross-check the full-cache baseline of `engine eval` with llama.cpp.
+
+Rebuilds the retrieval prompts of an eval run (same task generator, seed and
+token ids: llama.cpp is fed our ids, so tokenization cannot differ), answers
+them greedily with llama.cpp under the same stopping rule (every expected
+number finished, an end-of-text token, or the token limit), scores them the
+same way, and compares with our full-cache answers prompt by prompt.
+
+    .venv/bin/python tools/eval_llamacpp.py results/eval8k_big/results.json \\
+        --per-cell 4 --out results/llamacpp_8k.json
+
+Input: a results.json or a samples.partial.jsonl from `engine eval`.
+--per-cell N takes the first N prompts of every (task, length); --tasks limits
+the tasks, --lengths the lengths. Needs llama-cpp-python (`pip install .[bench]`, builds llama.cpp
+from source). Run it on an idle machine: an 8K prompt takes about 40 s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from engine.eval import tasks as T                     # noqa: E402
+from engine.eval.runner import EvalPlan                # noqa: E402
+from engine.model_path import model_path_or_default    # noqa: E402
+from engine.tokenizer import Tokenizer                 # noqa: E402
+
+
+def load_rows(path: str) -> tuple[dict, list[dict]]:
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return {}, [json.loads(line) for line in f if line.strip()]
+        doc = json.load(f)
+    return doc["meta"], doc["samples"]
+
+
+def run_ctx(meta: dict, rows: list[dict], max_new: int, fidelity_tokens: int = 64) -> int:
+    """The context the eval ran with (cmd_eval sizes it to the longest case)."""
+    if meta.get("ctx"):
+        return int(meta["ctx"])
+    need = max(r["length"] for r in rows) + max(max_new * T.N_VALUES, fidelity_tokens) + 1
+    return min(8192, need)
+
+
+def llama_answer(llm, tok: Tokenizer, ids: list[int], max_new: int, n_numbers: int) -> tuple[str, float]:
+    """Greedy answer with the stopping rule of engine.eval.runner.greedy_answer."""
+    eot = set(tok.eot_ids) | {tok.eos_id}
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    logits = lambda: np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))  # noqa: E731
+    token = int(np.argmax(logits()))
+    out: list[int] = []
+    for _ in range(max_new):
+        if token in eot:
+            break
+        out.append(token)
+        if T.finished_numbers(tok.decode(out)) >= n_numbers or len(out) == max_new:
+            break
+        llm.eval([token])
+        token = int(np.argmax(logits()))
+    return tok.decode(out), time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", help="results.json or samples.partial.jsonl of an engine eval run")
+    ap.add_argument("--model", help="GGUF path (default: the default model)")
+    ap.add_argument("--tasks", help="comma-separated subset of the run's retrieval tasks")
+    ap.add_argument("--lengths", help="comma-separated subset of the run's prompt lengths")
+    ap.add_argument("--per-cell", type=int, default=0, help="first N prompts per (task, length); 0 = all")
+    ap.add_argument("--max-new-tokens", type=int, default=12, help="as the run's --max-new-tokens (default 12)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="results/llamacpp_check.json")
+    args = ap.parse_args()
+
+    from llama_cpp import Llama
+
+    meta, rows = load_rows(args.results)
+    want = set(args.tasks.split(",")) if args.tasks else set(T.RETRIEVAL_TASKS)
+    lengths = {int(x) for x in args.lengths.split(",")} if args.lengths else None
+    full = [r for r in rows if r["policy"] == "full" and r["task"] in want and r["task"] in T.RETRIEVAL_TASKS
+            and (lengths is None or r["length"] in lengths)]
+    full.sort(key=lambda r: (r["length"], r["index"], r["task"]))
+    if args.per_cell:
+        taken: dict = defaultdict(int)
+        keep = []
+        for r in full:
+            if taken[(r["task"], r["length"])] < args.per_cell:
+                taken[(r["task"], r["length"])] += 1
+                keep.append(r)
+        full = keep
+    if not full:
+        print("no full-cache retrieval rows to check", file=sys.stderr)
+        return 1
+    path = str(model_path_or_default(args.model))
+    tok = Tokenizer.from_gguf(path)
+    ctx = run_ctx(meta, rows, args.max_new_tokens)
+    plan = EvalPlan(tasks=sorted(want), lengths=[1], policies=(), max_new_tokens=args.max_new_tokens)  # for margin()
+    llm = Llama(model_path=path, n_ctx=ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                n_batch=512, logits_all=False, verbose=False)
+
+    out = []
+    for k, r in enumerate(full):
+        target = min(r["length"], ctx - plan.margin(r["task"]) - 1)
+        s = T.make_sample(r["task"], tok, target, r["depth"], r["seed"], r["index"])
+        if len(s.ids) != r["prompt_tokens"] or list(s.expected) != list(r["expected"]):
+            print(f"cannot rebuild {r['task']} {r['length']} #{r['index']}: prompt differs from the run", file=sys.stderr)
+            return 1
+        text, secs = llama_answer(llm, tok, s.ids, args.max_new_tokens * len(s.expected), len(s.expected))
+        score = T.score(s, text)
+        out.append({"task": r["task"], "length": r["length"], "index": r["index"], "seed": r["seed"],
+                    "depth": r["depth"], "prompt_tokens": len(s.ids), "expected": s.expected,
+                    "llama_cpp": text, "llama_cpp_correct": score == 1.0,
+                    "ours": r["generated"], "ours_correct": bool(r["correct"]), "seconds": secs})
+        print(f"[{k + 1}/{len(full)}] {r['task']:<16} {r['length']:>5} #{r['index']:<3} "
+              f"llama.cpp {'ok ' if score == 1.0 else 'no '} ours {'ok ' if r['correct'] else 'no '} "
+              f"{text!r} | {r['generated']!r} ({secs:.0f} s)", flush=True)
+
+    cells = defaultdict(list)
+    for o in out:
+        cells[(o["task"], o["length"])].append(o)
+    print(f"\n| task | length | prompts | llama.cpp | ours (full cache) | same answer text |")
+    print("|---|---|---|---|---|---|")
+    for (task, length), os_ in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        n = len(os_)
+        print(f"| {task} | {length} | {n} | {sum(o['llama_cpp_correct'] for o in os_)}/{n} | "
+              f"{sum(o['ours_correct'] for o in os_)}/{n} | {sum(o['llama_cpp'] == o['ours'] for o in os_)}/{n} |")
+    n = len(out)
+    print(f"| all | | {n} | {sum(o['llama_cpp_correct'] for o in out)}/{n} | {sum(o['ours_correct'] for o in out)}/{n} "
+          f"| {sum(o['llama_cpp'] == o['ours'] for o in out)}/{n} |")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"source": args.results, "model": os.path.basename(path), "ctx": ctx, "rows": out}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
