@@ -96,7 +96,7 @@ def parse_policy(name: str) -> Policy:
 
 def default_policies(budgets, ablation_budget: int | None = 1024, fraction: int | None = 8) -> list[Policy]:
     """full; SnapKV defaults at each budget (and at L/fraction); and, at `ablation_budget`,
-    one change at a time: granularity layer/global, max pooling, kernel 5/15, window 16/64,
+    one change at a time: granularity layer/global, max pooling, kernel 1/5/7/15, window 16/64,
     sinks 0 (variants equal to the defaults collapse into them)."""
     out = [FULL] + [snapkv(int(b)) for b in budgets]
     if fraction:
@@ -104,7 +104,7 @@ def default_policies(budgets, ablation_budget: int | None = 1024, fraction: int 
     if ablation_budget:
         b = int(ablation_budget)
         out += [snapkv(b, granularity="layer"), snapkv(b, granularity="global"), snapkv(b, pool="max"),
-                snapkv(b, kernel=5), snapkv(b, kernel=15), snapkv(b, window=16), snapkv(b, window=64),
+                *(snapkv(b, kernel=k) for k in (1, 5, 7, 15)), snapkv(b, window=16), snapkv(b, window=64),
                 snapkv(b, sinks=0)]
     seen, unique = set(), []
     for p in out:

@@ -112,5 +112,6 @@ def test_policy_names():
         with pytest.raises(EngineError):
             parse_policy(bad)
     names = [p.name for p in default_policies([256, 512, 1024, 2048])]
-    assert names[0] == "full" and len(names) == len(set(names)) == 14
+    assert names[0] == "full" and len(names) == len(set(names)) == 16
+    assert {f"snapkv-b1024-head-avg-k{k}-w32-s4" for k in (1, 5, 7, 15)} <= set(names)
     assert "snapkv-b1024-layer-avg-k31-w32-s4" in names and "snapkv-b1024-head-avg-k31-w32-s0" in names
