@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from engine.eval import tasks as T                     # noqa: E402
-from engine.eval.runner import EvalPlan                # noqa: E402
+from engine.eval.runner import EvalPlan, greedy_numbers  # noqa: E402
 from engine.model_path import model_path_or_default    # noqa: E402
 from engine.tokenizer import Tokenizer                 # noqa: E402
 
@@ -51,23 +51,18 @@ def run_ctx(meta: dict, rows: list[dict], max_new: int, fidelity_tokens: int = 6
 
 
 def llama_answer(llm, tok: Tokenizer, ids: list[int], max_new: int, n_numbers: int) -> tuple[str, float]:
-    """Greedy answer with the stopping rule of engine.eval.runner.greedy_answer."""
-    eot = set(tok.eot_ids) | {tok.eos_id}
+    """Greedy answer with the stopping rule of the eval (engine.eval.runner.greedy_numbers)."""
+    logits = lambda: np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))  # noqa: E731
+
+    def step(token: int) -> np.ndarray:
+        llm.eval([token])
+        return logits()
+
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ids)
-    logits = lambda: np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))  # noqa: E731
-    token = int(np.argmax(logits()))
-    out: list[int] = []
-    for _ in range(max_new):
-        if token in eot:
-            break
-        out.append(token)
-        if T.finished_numbers(tok.decode(out)) >= n_numbers or len(out) == max_new:
-            break
-        llm.eval([token])
-        token = int(np.argmax(logits()))
-    return tok.decode(out), time.perf_counter() - t0
+    text, _ = greedy_numbers(logits(), step, tok.decode, set(tok.eot_ids) | {tok.eos_id}, max_new, n_numbers)
+    return text, time.perf_counter() - t0
 
 
 def main() -> int:

@@ -90,20 +90,29 @@ class Timings:
         return d
 
 
-def greedy_answer(model, cache, logits: np.ndarray, max_new: int, n_numbers: int) -> tuple[str, int]:
-    """Greedy decode from `cache` (advanced in place) until `n_numbers` digit runs are
-    complete, an end-of-text token, or `max_new` tokens. Returns (text, tokens decoded)."""
-    eot = set(getattr(model.tokenizer, "eot_ids", ()) or ()) | {model.tokenizer.eos_id}
+def greedy_numbers(logits: np.ndarray, step, detokenize, eot: set, max_new: int,
+                   n_numbers: int) -> tuple[str, int]:
+    """Greedy decode until `n_numbers` digit runs are complete, an end-of-text token, or
+    `max_new` tokens. logits: f32 [vocab] after the prompt; step(token) -> the next
+    logits. Returns (text, tokens decoded). tools/eval_llamacpp.py drives llama.cpp
+    through the same rule."""
     out: list[int] = []
     token = int(np.argmax(logits))
     for _ in range(max_new):
         if token in eot:
             break
         out.append(token)
-        if T.finished_numbers(model.detokenize(out)) >= n_numbers or len(out) == max_new:
+        if T.finished_numbers(detokenize(out)) >= n_numbers or len(out) == max_new:
             break
-        token = int(np.argmax(model.forward.decode(token, cache)))
-    return model.detokenize(out), len(out)
+        token = int(np.argmax(step(token)))
+    return detokenize(out), len(out)
+
+
+def greedy_answer(model, cache, logits: np.ndarray, max_new: int, n_numbers: int) -> tuple[str, int]:
+    """greedy_numbers on our engine, advancing `cache` in place."""
+    eot = set(getattr(model.tokenizer, "eot_ids", ()) or ()) | {model.tokenizer.eos_id}
+    return greedy_numbers(logits, lambda t: model.forward.decode(t, cache), model.detokenize, eot,
+                          max_new, n_numbers)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
