@@ -130,7 +130,10 @@ def cmd_info(args) -> int:
 def _print_devices() -> int:
     import os
 
-    print(f"cpu: {os.cpu_count()} cores (numba)")
+    from backends.cpu.vnni import HAVE_VNNI, HOST_VNNI
+    kernels = ("AVX-512 VNNI" if HAVE_VNNI else
+               "portable, VNNI off by SHARPI_CPU_KERNELS" if HOST_VNNI else "portable, no AVX-512 VNNI")
+    print(f"cpu: {os.cpu_count()} cores (numba; mat-vecs: {kernels})")
     try:
         from backends.vulkan import list_devices
         devices = list_devices()

@@ -80,6 +80,9 @@ SETTINGS = (
          "prompts this short or shorter are never compacted"),
     Spec("snapkv_auto_mib", "SHARPI_SNAPKV_AUTO_MIB", None, _int(0), 256,
          "auto-on threshold: bf16 KV ring for the context above this many MiB"),
+    Spec("cpu_kernels", "SHARPI_CPU_KERNELS", None, _choice("auto", "portable"), "auto",
+         "CPU mat-vecs: auto = AVX-512 VNNI where the CPU has it, portable = plain numba "
+         "(read once per process, when the CPU backend is first imported)"),
 )
 
 _BY_FIELD = {s.field: s for s in SETTINGS}
@@ -100,6 +103,7 @@ class Settings:
     snapkv_granularity: str = "head"
     snapkv_min_tokens: int = 128
     snapkv_auto_mib: int = 256
+    cpu_kernels: str = "auto"
 
     def with_overrides(self, source: str = "argument", **overrides) -> "Settings":
         """A copy with overrides applied (None values ignored). `source` names where
@@ -125,6 +129,16 @@ def from_env(env=None) -> Settings:
         if text is not None and text.strip() != "":
             values[spec.field] = spec.parse(text, spec.env)
     return replace(Settings(), **values)
+
+
+def env_setting(field: str, env=None):
+    """One setting from the environment (or its default), for the few read at import."""
+    spec = _BY_FIELD[field]
+    env = os.environ if env is None else env
+    text = env.get(spec.env) if spec.env else None
+    if text is None or text.strip() == "":
+        return getattr(Settings(), field)
+    return spec.parse(text, spec.env)
 
 
 def resolve(cli: dict | None = None, api: dict | None = None, env=None) -> Settings:

@@ -21,9 +21,11 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .vnni import HAVE_VNNI, R, make_tile_dot
+from .vnni import HAVE_VNNI, HOST_VNNI, R, make_tile_dot
 
-_opts = dict(cache=True, fastmath=True, nogil=True)
+# numba's cache keys on the host CPU, not on which tile kernel got inlined: with the portable
+# kernels forced on a VNNI host, a cached VNNI build would be loaded, so compile afresh instead.
+_opts = dict(cache=HAVE_VNNI == HOST_VNNI, fastmath=True, nogil=True)
 
 
 # -- mat-vec (decode) --------------------------------------------------------------

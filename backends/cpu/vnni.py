@@ -25,9 +25,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from engine.config import env_setting
+
 R = 16
 
-HAVE_VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
+HOST_VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
+# SHARPI_CPU_KERNELS=portable runs the plain-numba kernels even on a VNNI host (tests, debugging)
+HAVE_VNNI = HOST_VNNI and env_setting("cpu_kernels") == "auto"
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V8, _V32, _VF = ir.VectorType(_I8, 64), ir.VectorType(_I32, R), ir.VectorType(_F32, R)

@@ -47,4 +47,4 @@ def test_bench_writes_json(tiny_llama, tmp_path):
 def test_info_devices_lists_vulkan():
     r = cli("info", "--devices")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("cpu: ") and "vulkan" in r.stdout
+    assert r.stdout.startswith("cpu: ") and "vulkan" in r.stdout and "mat-vecs: " in r.stdout

@@ -85,6 +85,8 @@ def test_invalid_sampling(tiny_llama, flags, needle):
 def test_bad_env_and_flag(tiny_llama):
     assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", env={"SHARPI_SNAPKV_POOL": "sum"}),
                           "SHARPI_SNAPKV_POOL")
+    assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", env={"SHARPI_CPU_KERNELS": "avx9000"}),
+                          "SHARPI_CPU_KERNELS must be one of auto|portable")
     assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", "--kv-window", "zero"), "--kv-window")
     assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", "--backend", "tpu"), "--backend")
 

@@ -57,3 +57,10 @@ def test_malformed_argument_names_argument():
 def test_every_setting_has_doc_and_env_or_flag():
     for spec in config.SETTINGS:
         assert spec.doc and (spec.env or spec.flag)
+
+
+def test_env_setting_reads_one_variable():
+    assert config.env_setting("cpu_kernels", env={}) == "auto"
+    assert config.env_setting("cpu_kernels", env={"SHARPI_CPU_KERNELS": " Portable "}) == "portable"
+    with pytest.raises(ConfigError, match="SHARPI_CPU_KERNELS"):
+        config.env_setting("cpu_kernels", env={"SHARPI_CPU_KERNELS": "fast"})
