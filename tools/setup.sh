@@ -8,7 +8,9 @@
 #      SmolLM2-135M-Instruct.Q4_1.gguf; the package itself is never imported)
 #   5. Kompute's Python bindings `kp` 0.9.0 built from source against the
 #      system Vulkan headers, fmt and pybind11
-#   6. a Vulkan smoke test (tools/check_vulkan.py) on lavapipe
+#   6. our kp extension `_kp_barrier` (tools/build_kp_barrier.py: the
+#      barrier between dependent dispatches on GPUs) and a Vulkan smoke test
+#      (tools/check_vulkan.py) on lavapipe
 #
 # Every step is skipped quickly when already done (stamp files under
 # $VENV/.setup/ or cheap checks), so a second run takes seconds.
@@ -26,7 +28,8 @@ case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PYTHON="${PYTHON:-python3}"
 STAMPS="$VENV/.setup"
 KP_VERSION="0.9.0"
-APT_PACKAGES=(mesa-vulkan-drivers libvulkan-dev glslang-tools libfmt-dev pybind11-dev vulkan-tools cmake)
+APT_PACKAGES=(mesa-vulkan-drivers libvulkan-dev glslang-tools libfmt-dev pybind11-dev vulkan-tools cmake
+              vulkan-validationlayers)   # the last: synchronization validation in the tests
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_NO_INPUT=1
@@ -158,7 +161,9 @@ if ! "$VPY" -c 'import sys, numpy; sys.exit(int(numpy.__version__.split(".")[0])
     "${PIP[@]}" install -q "numpy<2"
 fi
 
-# --- 6. Vulkan smoke test -----------------------------------------------------
+# --- 6. the kp barrier extension, then a Vulkan smoke test --------------------
+"$VPY" "$REPO/tools/build_kp_barrier.py" || die "could not build the kp barrier extension (see above)"
+
 vk_key="$(hash_of "$REPO/tools/check_vulkan.py")"
 if ((kp_built == 0)) && stamp_ok vulkan "$vk_key"; then
     skip "Vulkan check"

@@ -8,10 +8,14 @@ id (a push constant) and the logits. Pipelines (kp.Algorithm) are cached by
 (shader variant, bound buffers, grid); the forward pass reuses its scratch
 buffers, so after the first token every dispatch hits the cache.
 
-On GPUs a compute->compute dependency is chained between consecutive dispatches
-(kp 0.9 exposes no OpMemoryBarrier; a 1-word OpTensorSyncLocal records the
-shader->transfer barrier and the next dispatch the transfer->shader one). The
-CPU device (lavapipe) runs dispatches in order and needs none.
+On GPUs consecutive dispatches are separated by a global compute/transfer
+memory barrier, `OpGlobalBarrier` from our small extension `_kp_barrier`
+(native/kp_barrier.cpp, built by `make setup`): kp 0.9's Python API has no
+barrier of its own, and its dispatches only order transfer->shader, so without
+one a shader may read what the previous dispatch is still writing (Vulkan sync
+validation reports it; tests/backends/test_vulkan_sync.py). Without the
+extension every dispatch is submitted alone, which is correct and slow. The CPU
+device (lavapipe) runs dispatches in order and needs neither.
 """
 from __future__ import annotations
 
@@ -33,6 +37,11 @@ except Exception as _e:   # pragma: no cover - depends on the machine
     kp = None
     _KP_ERROR = f"{type(_e).__name__}: {_e}"
 
+try:
+    from ._kp_barrier import OpGlobalBarrier
+except ImportError:        # not built (tools/build_kp_barrier.py): submit each dispatch alone on GPUs
+    OpGlobalBarrier = None
+
 F32 = np.dtype(np.float32)
 _MAX_ALGOS = 4096
 _NO_SPEC = np.zeros(0, dtype=np.uint32)
@@ -49,11 +58,13 @@ def _fbits(x: float) -> int:
 class VulkanBackend:
     """backend name "vulkan". `device`: Vulkan device index (default: discrete GPU,
     then integrated, ..., CPU/lavapipe last); `allow_cpu=False` refuses a CPU-only
-    Vulkan implementation (for `--backend auto`)."""
+    Vulkan implementation (for `--backend auto`). `device_local`: device-local buffers
+    with staging copies and barriers between dispatches (default: on GPUs, not on a
+    CPU device, where buffers are host-visible and dispatches run in order)."""
 
     name = "vulkan"
 
-    def __init__(self, device: int | None = None, allow_cpu: bool = True):
+    def __init__(self, device: int | None = None, allow_cpu: bool = True, device_local: bool | None = None):
         if kp is None:
             raise BackendUnavailable(f"backend 'vulkan' needs the Python package 'kp' (Kompute), "
                                      f"which does not import: {_KP_ERROR}")
@@ -71,9 +82,13 @@ class VulkanBackend:
         self.device = info
         self.mgr = manager(info["index"])
         self._cpu_device = info["type"] == "cpu"
+        if device_local is None:
+            device_local = not self._cpu_device
         # host-visible buffers on a CPU device (no staging copy); device-local elsewhere
-        self._ttype = kp.TensorTypes.host if self._cpu_device else kp.TensorTypes.device
-        self._chain = not self._cpu_device
+        self._ttype = kp.TensorTypes.device if device_local else kp.TensorTypes.host
+        # between dependent dispatches: "barrier" (one sequence), "submit" (one sequence each), or none
+        self._sync = None if not device_local else "barrier" if OpGlobalBarrier is not None else "submit"
+        self._barrier = OpGlobalBarrier() if self._sync == "barrier" else None
         self._algos: OrderedDict = OrderedDict()           # key -> kp.Algorithm
         self._by_serial: dict[int, set] = {}               # buffer serial -> cache keys using it
         self._seq = None
@@ -167,10 +182,13 @@ class VulkanBackend:
             self._algos.move_to_end(key)
         if self._seq is None:
             self._seq = self.mgr.sequence()
-        elif self._chain:
-            self._seq.record(kp.OpTensorSyncLocal([self._fence]))
+        elif self._sync == "barrier":
+            self._seq.record(self._barrier)
         self._seq.record(kp.OpAlgoDispatch(algo, push))
         self._n_recorded += 1
+        if self._sync == "submit":
+            self._seq.eval()
+            self._seq = None
 
     def flush(self) -> None:
         """Submit the pending dispatches and wait for them."""

@@ -1,0 +1,47 @@
+"""Child process of test_vulkan_sync.py (validation layers are chosen when Vulkan
+starts, so they need a process of their own).
+
+    python _vulkan_sync_run.py MODEL.gguf barrier|submit|none
+
+Runs the model on Vulkan with device-local buffers, as on a GPU, with the given
+inter-dispatch sync: prefill, SnapKV compaction, a cache branch, decode. Prints
+one JSON line with the greedy tokens and the last logits."""
+import json
+import sys
+
+import numpy as np
+
+import backends
+import engine
+from backends.vulkan import backend as vk_backend
+
+
+def main() -> None:
+    path, mode = sys.argv[1], sys.argv[2]
+    if mode == "submit":
+        vk_backend.OpGlobalBarrier = None                 # as if the extension were not built
+
+    def get_backend(name="cpu", threads=None, quiet=False, auto_gpu_only=False):
+        b = vk_backend.VulkanBackend(device_local=True)
+        if mode == "none":
+            b._sync = None                                 # the race the barrier exists to prevent
+        backends.check_complete(b)
+        return b
+
+    backends.get_backend = get_backend
+    model = engine.load(path, backend="vulkan", snapkv_budget=24, snapkv_window=8, snapkv_min_tokens=16)
+    assert model.backend._sync == (None if mode == "none" else mode), model.backend._sync
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, 60)]
+    cache, logits = model.prefill(ids)
+    branch = cache.copy()
+    tokens = []
+    for _ in range(4):
+        tokens.append(int(np.argmax(logits)))
+        logits = model.forward.decode(tokens[-1], cache)
+    logits_branch = model.forward.decode(tokens[0], branch)
+    print(json.dumps({"tokens": tokens, "logits": np.asarray(logits, float).tolist(),
+                      "branch": np.asarray(logits_branch, float).tolist(), "rows": cache.length}))
+
+
+if __name__ == "__main__":
+    main()
