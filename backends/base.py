@@ -68,9 +68,10 @@ class Backend(Protocol):
     def matmul(self, w: Weight, x, out, bias=None) -> None:
         """x: f32 [n, cols]; out: f32 [n, rows]; bias: f32 [rows] or None."""
     def rope(self, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int,
-             freq_base: float, neox: bool) -> None:
+             freq_base: float, neox: bool, freq_factors: np.ndarray | None = None) -> None:
         """x: f32 [n, >= n_heads*head_dim], rotated in place; positions: int32 [n] (host).
-        Pair i (i < rot_dim/2) rotates by pos * freq_base^(-2i/rot_dim).
+        Pair i (i < rot_dim/2) rotates by pos * freq_base^(-2i/rot_dim) / freq_factors[i]
+        (freq_factors: f32 [rot_dim/2] on the host, Llama 3 `rope_freqs`; None = all 1).
         Adjacent mode pairs (2i, 2i+1); NEOX pairs (i, i + rot_dim/2)."""
     def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
         """k, v: f32 [n, n_kv_heads*head_dim] -> bf16 rows start_row .. start_row+n-1."""
@@ -99,6 +100,18 @@ class Backend(Protocol):
         is safe in place."""
     def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages: np.ndarray) -> None:
         """pages: int32 [n] (host). dst_*[pages[i]] = src_*[pages[i]] for every listed page."""
+
+
+def rope_inv_freq(freq_base: float, rot_dim: int, freq_factors=None) -> np.ndarray:
+    """f64 [rot_dim/2]: the angle per position of each rotated pair (see Backend.rope)."""
+    half = rot_dim // 2
+    inv = float(freq_base) ** (-2.0 * np.arange(half, dtype=np.float64) / rot_dim)
+    if freq_factors is not None:
+        f = np.asarray(freq_factors, dtype=np.float64).reshape(-1)
+        if f.shape != (half,):
+            raise ValueError(f"rope: freq_factors has {f.size} values, expected rot_dim/2 = {half}")
+        inv = inv / f
+    return inv
 
 
 def check_complete(backend) -> None:

@@ -82,10 +82,12 @@ class ReferenceBackend:
         out[...] = y
 
     def rope(self, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int,
-             freq_base: float, neox: bool) -> None:
+             freq_base: float, neox: bool, freq_factors=None) -> None:
         half = rot_dim // 2
         n = x.shape[0]
         inv_freq = float(freq_base) ** (-2.0 * np.arange(half) / rot_dim)           # [half]
+        if freq_factors is not None:
+            inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
         angle = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq       # [n, half]
         cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]          # [n, 1, half]
         heads = np.asarray(x[:, :n_heads * head_dim], dtype=np.float64).reshape(n, n_heads, head_dim)

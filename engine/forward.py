@@ -128,6 +128,8 @@ class ForwardPass:
         self.max_ctx, self.chunk, self.page_size = max_ctx, chunk, page_size
         self.weights = load_weights(g, cfg, backend)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        factors = cfg.rope_freq_factors
+        self.rope_factors = None if factors is None else np.asarray(factors, np.float32)   # [rot_dim/2]
         self._decode_scratch = Scratch(backend, cfg, 1)
         self._prefill_scratch: Scratch | None = None
         self.window_capture: WindowCapture | None = None   # set during a SnapKV prefill
@@ -222,7 +224,7 @@ class ForwardPass:
             for wt, lo, hi in lw.qkv:
                 b.matmul(wt, h, qkv[:, lo:hi], None if lw.qkv_bias is None else lw.qkv_bias[lo:hi])
             b.rope(qkv[:, :k_end], positions, c.n_heads + c.n_kv_heads, c.head_dim, c.rot_dim,
-                   c.rope_base, c.arch.rope_neox)
+                   c.rope_base, c.arch.rope_neox, self.rope_factors)
             if self.window_capture is not None:
                 self.window_capture(b, li, qkv[:, :q_end], int(positions[0]))
             b.kv_write(cache.pool.k_pages, cache.pool.v_pages, table, qkv[:, q_end:k_end],

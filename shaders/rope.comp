@@ -1,7 +1,7 @@
 #version 450
 // RoPE in place on x[t, h*head_dim ...] for h < n_heads. cos/sin come from a
 // device table [max_pos][rot_dim/2] of (cos, sin) pairs computed in float64 on
-// the host once per (base, rot_dim). Position of row t: POS[t] (use_pos) or pos0 + t.
+// the host once per (base, rot_dim, frequency factors). Position of row t: POS[t] (use_pos) or pos0 + t.
 // Adjacent pairs (2i, 2i+1), or NEOX pairs (i, i + rot_dim/2). Grid: (n_heads, n, 1).
 layout(local_size_x = 64) in;
 layout(set = 0, binding = 0) buffer XB { float X[]; };

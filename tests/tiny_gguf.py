@@ -6,7 +6,7 @@ plus three control tokens, so any text round-trips.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGUFWriter, GGMLQuantizationType as Q
+from gguf import GGUFWriter, GGMLQuantizationType as Q, RopeScalingType
 from gguf.quants import quantize
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -48,10 +48,10 @@ def byte_tokens() -> list[str]:
 def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64, n_heads: int = 4,
                     n_kv_heads: int = 2, ffn_dim: int = 128, qtype: Q = Q.F32, ctx: int = 512,
                     seed: int = 0, tensor_overrides: dict | None = None, drop: tuple[str, ...] = (),
-                    extra_tensors: dict | None = None):
+                    extra_tensors: dict | None = None, rope_scaling: tuple[str, float] | None = None):
     """A random-weight model. `qtype` is used for the 2-D matrices; norms are F32.
     `tensor_overrides`: name -> (raw uint8 array, qtype) written as is; `drop`: names omitted;
-    `extra_tensors`: name -> f32 array added as is."""
+    `extra_tensors`: name -> f32 array added as is; `rope_scaling`: (type, factor) metadata."""
     rng = np.random.default_rng(seed)
     tokens = byte_tokens() + ["\u0120t"] + SPECIALS
     vocab = len(tokens)
@@ -65,6 +65,9 @@ def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64,
     w.add_head_count_kv(n_kv_heads)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(float(rope_scaling[1]))
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")

@@ -19,6 +19,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from ..base import rope_inv_freq
+
 # fastmath without nnan/ninf: the kernels rely on -inf (empty softmax state) and
 # on NaN propagating (tests poison unused page slots with NaN).
 _JIT = dict(cache=True, fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
@@ -93,11 +95,11 @@ def rms_norm(x, weight, eps, out):
 
 # -- rope --------------------------------------------------------------------
 @njit(inline="always", **_JIT)
-def _rope_row(x, pos, n_heads, head_dim, rot_dim, log_base, neox, t):
+def _rope_row(x, pos, n_heads, head_dim, rot_dim, inv_freq, neox, t):
     half = rot_dim // 2
     for i in range(half):
         # angle in float64: pos * base^(-2i/rot) reaches thousands of radians
-        angle = pos * math.exp(-2.0 * i / rot_dim * log_base)
+        angle = pos * inv_freq[i]
         c = np.float32(math.cos(angle))
         s = np.float32(math.sin(angle))
         if neox:
@@ -115,20 +117,22 @@ def _rope_row(x, pos, n_heads, head_dim, rot_dim, log_base, neox, t):
 
 
 @njit(**_JIT)
-def _rope_serial(x, positions, n_heads, head_dim, rot_dim, log_base, neox):
+def _rope_serial(x, positions, n_heads, head_dim, rot_dim, inv_freq, neox):
     for t in range(x.shape[0]):
-        _rope_row(x, np.float64(positions[t]), n_heads, head_dim, rot_dim, log_base, neox, t)
+        _rope_row(x, np.float64(positions[t]), n_heads, head_dim, rot_dim, inv_freq, neox, t)
 
 
 @njit(parallel=True, **_JIT)
-def _rope_parallel(x, positions, n_heads, head_dim, rot_dim, log_base, neox):
+def _rope_parallel(x, positions, n_heads, head_dim, rot_dim, inv_freq, neox):
     for t in prange(x.shape[0]):
-        _rope_row(x, np.float64(positions[t]), n_heads, head_dim, rot_dim, log_base, neox, t)
+        _rope_row(x, np.float64(positions[t]), n_heads, head_dim, rot_dim, inv_freq, neox, t)
 
 
-def rope(x, positions, n_heads, head_dim, rot_dim, freq_base, neox):
-    """x: f32 [n, >= n_heads*head_dim], in place; positions: int32 [n] (host)."""
-    args = (x, positions, n_heads, head_dim, rot_dim, math.log(freq_base), bool(neox))
+def rope(x, positions, n_heads, head_dim, rot_dim, freq_base, neox, freq_factors=None):
+    """x: f32 [n, >= n_heads*head_dim], in place; positions: int32 [n] (host);
+    freq_factors: f32 [rot_dim/2] dividing each pair's frequency, or None."""
+    inv_freq = rope_inv_freq(freq_base, rot_dim, freq_factors)                  # f64 [rot_dim/2]
+    args = (x, positions, n_heads, head_dim, rot_dim, inv_freq, bool(neox))
     if x.shape[0] >= 8:
         _rope_parallel(*args)
     else:

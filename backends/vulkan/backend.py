@@ -27,6 +27,7 @@ import numpy as np
 from engine.errors import BackendUnavailable
 
 from . import shaders
+from ..base import rope_inv_freq
 from .arrays import Buffer, DeviceArray, to_words
 from .device import list_devices, manager, pick_device
 from .weights import VulkanWeight, load_weight
@@ -96,7 +97,7 @@ class VulkanBackend:
         self._keepalive: list = []                         # transient buffers of the pending batch
         self._fence = self.mgr.tensor_t(np.zeros(1, np.uint32), kp.TensorTypes.device)
         self._dummy = self._buffer(np.zeros(1, np.uint32))
-        self._rope_tables: dict = {}                       # (base, rot_dim) -> (DeviceArray, max positions)
+        self._rope_tables: dict = {}                       # (rot_dim, inv_freq) -> (DeviceArray, max positions)
         self.bytes_to_device = 0                           # host<->device traffic counters
         self.bytes_to_host = 0
 
@@ -245,15 +246,14 @@ class VulkanBackend:
         self._dispatch("matmul", (w.define, f"TN={tn}u"), [w.buffer, x.buffer, out.buffer, b_buf],
                        (-(-rows // 256), -(-n // tn), 1), push)
 
-    def _rope_table(self, base: float, rot_dim: int, max_pos: int) -> DeviceArray:
+    def _rope_table(self, base: float, rot_dim: int, max_pos: int, factors=None) -> DeviceArray:
         """(cos, sin) f32 [cap, rot_dim/2, 2], computed in float64; grown on demand."""
-        key = (float(base), int(rot_dim))
+        inv_freq = rope_inv_freq(base, rot_dim, factors)                        # f64 [rot_dim/2]
+        key = (int(rot_dim), inv_freq.tobytes())
         have = self._rope_tables.get(key)
         if have is not None and have[1] > max_pos:
             return have[0]
         cap = max(4096, 1 << int(max_pos).bit_length())
-        half = rot_dim // 2
-        inv_freq = float(base) ** (-2.0 * np.arange(half) / rot_dim)
         angle = np.arange(cap, dtype=np.float64)[:, None] * inv_freq[None, :]
         table = np.stack([np.cos(angle), np.sin(angle)], axis=-1).astype(np.float32)
         arr = self.upload(table)
@@ -261,7 +261,7 @@ class VulkanBackend:
         return arr
 
     def rope(self, x, positions, n_heads: int, head_dim: int, rot_dim: int,
-             freq_base: float, neox: bool) -> None:
+             freq_base: float, neox: bool, freq_factors=None) -> None:
         x = self._f32(x, "rope")
         positions = np.asarray(positions, dtype=np.int32).reshape(-1)
         n = x.shape[0]
@@ -269,7 +269,7 @@ class VulkanBackend:
             return
         if x.shape[1] < n_heads * head_dim or rot_dim > head_dim or rot_dim % 2:
             raise ValueError(f"vulkan rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
-        table = self._rope_table(freq_base, rot_dim, int(positions.max()))
+        table = self._rope_table(freq_base, rot_dim, int(positions.max()), freq_factors)
         pos0 = int(positions[0])
         if np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
             pos_buf, use = self._dummy, 0

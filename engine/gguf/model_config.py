@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+from gguf.quants import dequantize
+
 from models import ArchSpec, get_arch
 
 from ..errors import ModelFileError, UnsupportedError
@@ -24,6 +27,9 @@ class ModelConfig:
     context_length: int
     vocab_size: int
     tied_output: bool   # output head is token_embd.weight
+    # RoPE: pair i turns by pos * rope_base^(-2i/rot_dim) / rope_freq_factors[i]; None = all 1.
+    # From Llama 3.1+'s `rope_freqs.weight` and/or linear scaling (rope.scaling.factor).
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @property
     def q_dim(self) -> int:
@@ -49,7 +55,6 @@ def model_config(g: GgufFile) -> ModelConfig:
             raise ModelFileError(f"GGUF metadata lacks {g.architecture}.{suffix}: {g.path}")
         return value
 
-    _reject_rope_scaling(g)
     n_layers = int(need("block_count"))
     dim = int(need("embedding_length"))
     ffn_dim = int(need("feed_forward_length"))
@@ -58,14 +63,15 @@ def model_config(g: GgufFile) -> ModelConfig:
     head_dim = int(g.arch_key("attention.key_length", dim // n_heads))
     embd = g.tensors.get("token_embd.weight")
     vocab = embd.shape[0] if embd is not None else int(g.arch_key("vocab_size", 0))
+    rot_dim = int(g.arch_key("rope.dimension_count", head_dim))
     cfg = ModelConfig(
         arch=spec, n_layers=n_layers, dim=dim, ffn_dim=ffn_dim, n_heads=n_heads,
-        n_kv_heads=n_kv_heads, head_dim=head_dim,
-        rot_dim=int(g.arch_key("rope.dimension_count", head_dim)),
+        n_kv_heads=n_kv_heads, head_dim=head_dim, rot_dim=rot_dim,
         rope_base=float(g.arch_key("rope.freq_base", spec.default_rope_base)),
         norm_eps=float(g.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(g.arch_key("context_length", 2048)),
         vocab_size=vocab, tied_output="output.weight" not in g.tensors,
+        rope_freq_factors=_rope_freq_factors(g, rot_dim),
     )
     problems = _check_tensors(g, cfg)
     if problems:
@@ -74,14 +80,31 @@ def model_config(g: GgufFile) -> ModelConfig:
     return cfg
 
 
-def _reject_rope_scaling(g: GgufFile) -> None:
-    """RoPE frequency scaling (Llama 3.1+ `rope_freqs`, linear/YaRN) is not implemented:
-    refuse rather than give subtly wrong answers."""
-    kind = g.arch_key("rope.scaling.type")
-    factor = g.arch_key("rope.scaling.factor", 1.0)
-    if "rope_freqs.weight" in g.tensors or (kind not in (None, "none") and float(factor) != 1.0):
-        what = "rope_freqs factors" if "rope_freqs.weight" in g.tensors else f"{kind} scaling x{factor}"
-        raise UnsupportedError(f"RoPE frequency scaling ({what}) is not supported yet: {g.path}")
+def _rope_freq_factors(g: GgufFile, rot_dim: int) -> tuple[float, ...] | None:
+    """Per-pair RoPE frequency divisors: Llama 3.1+ `rope_freqs.weight` (f32 [rot_dim/2])
+    times a linear `rope.scaling.factor`. Other scalings (YaRN, ...) change more than the
+    frequencies and are refused rather than run subtly wrong."""
+    kind = str(g.arch_key("rope.scaling.type", "none") or "none").lower()
+    factor = float(g.arch_key("rope.scaling.factor", 1.0) or 1.0)
+    if kind not in ("none", "linear") and factor != 1.0:
+        raise UnsupportedError(f"RoPE scaling '{kind}' (x{factor:g}) is not supported yet "
+                               f"(supported: rope_freqs factors, linear): {g.path}")
+    if factor <= 0:
+        raise ModelFileError(f"rope.scaling.factor must be positive, got {factor}: {g.path}")
+    half = rot_dim // 2
+    factors = np.ones(half, dtype=np.float64)
+    t = g.tensors.get("rope_freqs.weight")
+    if t is not None:
+        if t.shape not in ((1, half), (half,)):
+            raise ModelFileError(f"tensor rope_freqs.weight has shape {t.shape}, expected (1, {half}): {g.path}")
+        factors *= np.asarray(dequantize(t.raw, t.qtype), dtype=np.float64).reshape(-1)
+        if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+            raise ModelFileError(f"tensor rope_freqs.weight holds non-positive or non-finite factors: {g.path}")
+    if kind == "linear":
+        factors *= factor
+    if t is None and kind != "linear":
+        return None
+    return tuple(float(f) for f in factors)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -182,8 +182,22 @@ def test_rope_reference_modes_by_hand():
     REF.rope(x, np.array([p], np.int32), 1, 4, 4, 100.0, neox=True)
     want = [math.cos(p), math.cos(p * f1), math.sin(p), math.sin(p * f1)]
     np.testing.assert_allclose(x[0], want, rtol=1e-6, atol=1e-7)
+    x = np.array([[1.0, 0.0, 1.0, 0.0]], dtype=np.float32)       # frequency factors divide each pair's angle
+    REF.rope(x, np.array([p], np.int32), 1, 4, 4, 100.0, neox=False, freq_factors=np.array([2.0, 8.0], np.float32))
+    want = [math.cos(p / 2), math.sin(p / 2), math.cos(p * f1 / 8), math.sin(p * f1 / 8)]
+    np.testing.assert_allclose(x[0], want, rtol=1e-6, atol=1e-7)
 
 
+def llama3_factors(rot_dim: int, base: float, factor=8.0, low=1.0, high=4.0, old_ctx=8192) -> np.ndarray:
+    """Llama 3.1's rope_freqs as its converter writes them: 1 for short wavelengths,
+    `factor` for long ones, a smooth ramp between."""
+    inv = base ** (-2.0 * np.arange(rot_dim // 2) / rot_dim)
+    wavelen = 2 * np.pi / inv
+    smooth = np.clip((old_ctx / wavelen - low) / (high - low), 0.0, 1.0)
+    return (1.0 / ((1 - smooth) / factor + smooth)).astype(np.float32)
+
+
+@pytest.mark.parametrize("factors", [False, True], ids=["plain", "freq_factors"])
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("n,n_heads,head_dim,rot_dim,base", [
     (1, 9, 64, 64, 10000.0),
@@ -191,15 +205,18 @@ def test_rope_reference_modes_by_hand():
     (7, 32, 128, 128, 1000000.0),
     (40, 8, 128, 128, 500000.0),
 ])
-def test_rope(backend, neox, n, n_heads, head_dim, rot_dim, base):
+def test_rope(backend, neox, n, n_heads, head_dim, rot_dim, base, factors):
     rng = np.random.default_rng(n * head_dim + rot_dim)
     width = n_heads * head_dim + 17                  # trailing columns stay untouched
     x = rng.standard_normal((n, width)).astype(np.float32)
     positions = rng.permutation(np.arange(20000))[:n].astype(np.int32)
+    ff = llama3_factors(rot_dim, base) if factors else None
+    if factors:
+        assert ff.min() == 1.0 and ff.max() == pytest.approx(8.0)   # both ends of the ramp are exercised
     want = x.copy()
-    REF.rope(want, positions, n_heads, head_dim, rot_dim, base, neox)
+    REF.rope(want, positions, n_heads, head_dim, rot_dim, base, neox, ff)
     dx = backend.upload(x)
-    backend.rope(dx, positions, n_heads, head_dim, rot_dim, base, neox)
+    backend.rope(dx, positions, n_heads, head_dim, rot_dim, base, neox, ff)
     got = backend.download(dx)
     assert nmse(got, want) < TOL_F32
     np.testing.assert_array_equal(got[:, n_heads * head_dim:], x[:, n_heads * head_dim:])

@@ -56,10 +56,13 @@ def test_unsupported_tensor_type(tmp_path):
     assert_one_line_error(run_cli("run", str(p), "-p", "hi"), "unsupported tensor type IQ4_NL", "Q4_K", "Q8_0")
 
 
-def test_rope_scaling_is_refused(tmp_path):
-    freqs = np.ones(8, dtype=np.float32)
-    p = write_tiny_gguf(tmp_path / "m.gguf", extra_tensors={"rope_freqs.weight": freqs})
-    assert_one_line_error(run_cli("run", str(p), "-p", "hi"), "RoPE frequency scaling", "not supported")
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    p = write_tiny_gguf(tmp_path / "m.gguf", rope_scaling=("yarn", 4.0))
+    assert_one_line_error(run_cli("run", str(p), "-p", "hi"), "RoPE scaling 'yarn'", "not supported")
+    p = write_tiny_gguf(tmp_path / "f.gguf", extra_tensors={"rope_freqs.weight": np.ones(5, np.float32)})
+    assert_one_line_error(run_cli("run", str(p), "-p", "hi"), "rope_freqs.weight has shape")
+    p = write_tiny_gguf(tmp_path / "z.gguf", extra_tensors={"rope_freqs.weight": np.zeros(8, np.float32)})
+    assert_one_line_error(run_cli("run", str(p), "-p", "hi"), "rope_freqs.weight holds non-positive")
 
 
 def test_missing_tensor(tmp_path):
