@@ -1,0 +1,80 @@
+"""Our GGUF header parser against the `gguf` package's GGUFReader: the same
+metadata values and the same tensor bytes, on the default model and on small
+models of every supported tensor type; malformed headers are one-line errors."""
+import struct
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGMLQuantizationType as Q
+from gguf.constants import GGUFValueType
+
+from engine.errors import ModelFileError, UnsupportedError
+from engine.gguf import GgufFile
+from tiny_gguf import write_tiny_gguf
+
+
+def reference_value(field):
+    """A GGUFReader field as a plain Python value (nested arrays: None)."""
+    types = field.types
+    if types[0] == GGUFValueType.ARRAY:
+        if types[1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        if types[1] == GGUFValueType.ARRAY:
+            return None
+        values = [field.parts[i].tolist()[0] for i in field.data]
+        return [bool(v) for v in values] if types[1] == GGUFValueType.BOOL else values
+    if types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    value = field.parts[field.data[0]].tolist()[0]
+    return bool(value) if types[0] == GGUFValueType.BOOL else value
+
+
+def assert_same_as_gguf_reader(path):
+    ours, ref = GgufFile(path), GGUFReader(path, "r")
+    want = {k: reference_value(f) for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata.keys() == want.keys()
+    for key, value in want.items():
+        assert ours.metadata[key] == value, key
+        assert type(ours.metadata[key]) is type(value), key
+    assert [t.name for t in ref.tensors] == list(ours.tensors)
+    for t in ref.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.qtype == Q(t.tensor_type)
+        ne = [int(x) for x in t.shape]
+        assert mine.shape == (int(np.prod(ne[1:])) if len(ne) > 1 else 1, ne[0])
+        assert np.array_equal(mine.raw.reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8)), t.name
+
+
+def test_default_model_matches_gguf_reader(default_model_path):
+    assert_same_as_gguf_reader(str(default_model_path))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(qtype=Q.Q8_0), dict(arch="qwen2", qtype=Q.Q4_1),
+                                dict(dim=256, ffn_dim=256, qtype=Q.Q4_K), dict(dim=256, ffn_dim=256, qtype=Q.Q6_K),
+                                dict(qtype=Q.F16, rope_scaling=("linear", 2.0))],
+                         ids=["f32", "q8_0", "qwen2-q4_1", "q4_k", "q6_k", "f16-linear"])
+def test_small_models_match_gguf_reader(tmp_path, kw):
+    assert_same_as_gguf_reader(str(write_tiny_gguf(tmp_path / "m.gguf", **kw)))
+
+
+def _patched(tmp_path, tiny_llama, offset, fmt, value):
+    data = bytearray(open(tiny_llama, "rb").read())
+    struct.pack_into(fmt, data, offset, value)
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(bytes(data))
+    return str(p)
+
+
+def test_bad_versions_are_refused(tmp_path, tiny_llama):
+    with pytest.raises(UnsupportedError, match="GGUF version 1 is not supported"):
+        GgufFile(_patched(tmp_path, tiny_llama, 4, "<I", 1))
+    with pytest.raises(UnsupportedError, match="big-endian GGUF"):
+        GgufFile(_patched(tmp_path, tiny_llama, 4, ">I", 3))
+
+
+def test_absurd_counts_and_types_are_malformed(tmp_path, tiny_llama):
+    with pytest.raises(ModelFileError, match="truncated or malformed"):
+        GgufFile(_patched(tmp_path, tiny_llama, 8, "<Q", 2 ** 60))          # tensor count
+    first_key_len = struct.unpack_from("<Q", open(tiny_llama, "rb").read(), 24)[0]
+    with pytest.raises(ModelFileError, match="truncated or malformed"):
+        GgufFile(_patched(tmp_path, tiny_llama, 32 + first_key_len, "<I", 77))   # value type of the first key
