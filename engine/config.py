@@ -81,7 +81,7 @@ SETTINGS = (
     Spec("snapkv_auto_mib", "SHARPI_SNAPKV_AUTO_MIB", None, _int(0), 256,
          "auto-on threshold: bf16 KV ring for the context above this many MiB"),
     Spec("cpu_kernels", "SHARPI_CPU_KERNELS", None, _choice("auto", "portable"), "auto",
-         "CPU mat-vecs: auto = AVX-512 VNNI where the CPU has it, portable = plain numba "
+         "CPU mat-vecs: auto = AVX-512 VNNI where the CPU has it, portable = portable vector code "
          "(read once per process, when the CPU backend is first imported)"),
 )
 

@@ -12,8 +12,9 @@ Float tensors (F32, F16, BF16) stay in their file layout [rows, cols].
 Mat-vec (decode) quantizes the activation per weight block to ACT_PLANES int8 planes
 (x ~ dx1*q1 + dx2*q2: the second plane quantizes the residual of the first, so the
 activation keeps ~15 bits and results stay within ~1e-5 of float activations) and
-takes integer dot products: AVX-512 VNNI `vpdpbusd` through `vnni.make_tile_dot`,
-or the plain-numba twin `_tile_dot_generic` on CPUs without VNNI.
+takes integer dot products in `vnni.make_tile_dot`: AVX-512 VNNI `vpdpbusd`, or on
+CPUs without it the same sums in portable LLVM vector IR (widening multiplies and
+pairwise adds, which any LLVM target vectorizes).
 """
 from __future__ import annotations
 
@@ -79,74 +80,33 @@ def _quant_act(x, L, code_off, c0):
     return xq, xs
 
 
+# AVX-512 VNNI where the host has it, else the same sums in portable vector IR
+_tile_nibble = make_tile_dot(True, 4, ACT_PLANES, True, HAVE_VNNI)
+_tile_i8_32 = make_tile_dot(False, 8, ACT_PLANES, False, HAVE_VNNI)
+_tile_i8_32m = make_tile_dot(False, 8, ACT_PLANES, True, HAVE_VNNI)
+_tile_i8_16 = make_tile_dot(False, 4, ACT_PLANES, False, HAVE_VNNI)
+_tile_i8_16m = make_tile_dot(False, 4, ACT_PLANES, True, HAVE_VNNI)
+
+
 @njit(inline="always", **_opts)
-def _tile_dot_generic(qs, d, m, xq, xs, t, out, row0, n_valid, nibble, has_m):
-    """Plain-numba twin of vnni.make_tile_dot (same layouts, same integer sums)."""
-    nb, G = qs.shape[1], qs.shape[2]
-    L = 32 if nibble else 4 * G
-    acc = np.zeros(R, np.float32)
-    isum = np.empty(R, np.int32)
-    for b in range(nb):
-        dot = np.full(R, xs[ACT_PLANES, b], np.float32)
-        for p in range(ACT_PLANES):
-            isum[:] = 0
-            for g in range(G):
-                for r in range(R):
-                    s = np.int32(0)
-                    for i in range(4):
-                        c = np.int32(qs[t, b, g, r, i])
-                        if nibble:
-                            s += (c & 15) * np.int32(xq[p, b * L + 4 * g + i])
-                            s += (c >> 4) * np.int32(xq[p, b * L + 16 + 4 * g + i])
-                        else:
-                            s += c * np.int32(xq[p, b * L + 4 * g + i])
-                    isum[r] += s
-            for r in range(R):
-                dot[r] += np.float32(isum[r]) * xs[p, b]
-        sx = xs[ACT_PLANES + 1, b]
-        for r in range(R):
-            acc[r] += _sc(d[t, b, r]) * dot[r]
-            if has_m:
-                acc[r] += _sc(m[t, b, r]) * sx
-    for r in range(n_valid):
-        out[row0 + r] = acc[r]
+def _nibble_tile(qs, d, m, xq, xs, t, out):
+    rows = out.shape[0]
+    _tile_nibble(qs, d, m, xq, xs, t, out, t * R, min(R, rows - t * R))
 
 
-if HAVE_VNNI:
-    _tile_nibble = make_tile_dot(True, 4, ACT_PLANES, True)
-    _tile_i8_32 = make_tile_dot(False, 8, ACT_PLANES, False)
-    _tile_i8_32m = make_tile_dot(False, 8, ACT_PLANES, True)
-    _tile_i8_16 = make_tile_dot(False, 4, ACT_PLANES, False)
-    _tile_i8_16m = make_tile_dot(False, 4, ACT_PLANES, True)
-
-    @njit(inline="always", **_opts)
-    def _nibble_tile(qs, d, m, xq, xs, t, out):
-        rows = out.shape[0]
-        _tile_nibble(qs, d, m, xq, xs, t, out, t * R, min(R, rows - t * R))
-
-    @njit(inline="always", **_opts)
-    def _int8_tile(qs, d, m, has_m, xq, xs, t, out):
-        row0, G = t * R, qs.shape[2]
-        n_valid = min(R, out.shape[0] - row0)
-        if G == 8:
-            if has_m:
-                _tile_i8_32m(qs, d, m, xq, xs, t, out, row0, n_valid)
-            else:
-                _tile_i8_32(qs, d, m, xq, xs, t, out, row0, n_valid)
-        elif has_m:
-            _tile_i8_16m(qs, d, m, xq, xs, t, out, row0, n_valid)
+@njit(inline="always", **_opts)
+def _int8_tile(qs, d, m, has_m, xq, xs, t, out):
+    row0, G = t * R, qs.shape[2]
+    n_valid = min(R, out.shape[0] - row0)
+    if G == 8:
+        if has_m:
+            _tile_i8_32m(qs, d, m, xq, xs, t, out, row0, n_valid)
         else:
-            _tile_i8_16(qs, d, m, xq, xs, t, out, row0, n_valid)
-else:
-    @njit(inline="always", **_opts)
-    def _nibble_tile(qs, d, m, xq, xs, t, out):
-        rows = out.shape[0]
-        _tile_dot_generic(qs, d, m, xq, xs, t, out, t * R, min(R, rows - t * R), True, True)
-
-    @njit(inline="always", **_opts)
-    def _int8_tile(qs, d, m, has_m, xq, xs, t, out):
-        rows = out.shape[0]
-        _tile_dot_generic(qs, d, m, xq, xs, t, out, t * R, min(R, rows - t * R), False, has_m)
+            _tile_i8_32(qs, d, m, xq, xs, t, out, row0, n_valid)
+    elif has_m:
+        _tile_i8_16m(qs, d, m, xq, xs, t, out, row0, n_valid)
+    else:
+        _tile_i8_16(qs, d, m, xq, xs, t, out, row0, n_valid)
 
 
 # Parallel and serial entry points (QuantWeight picks one by size at load: waking the

@@ -14,6 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .quant_kernels import R
+from .vnni import F16_SCALES
 
 NIBBLE = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 INT8 = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
@@ -129,7 +130,9 @@ def _pack(kind: str, qs: np.ndarray, d: np.ndarray, m) -> dict:
 
 def _scales(a: np.ndarray) -> np.ndarray:
     """f32 [rows, nb] -> uint16 f16 bits when f16 holds every value exactly (scales read
-    straight from the file), else f32 (K-quant products d * sc)."""
+    straight from the file) and the kernels can widen f16, else f32 (K-quant products d * sc)."""
     a = a.astype(np.float32)
+    if not F16_SCALES:
+        return a
     h = a.astype(np.float16)
     return h.view(np.uint16) if np.array_equal(h.astype(np.float32), a) else a

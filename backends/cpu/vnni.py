@@ -19,6 +19,8 @@ the i32 sums are scaled into a <16 x float> accumulator that stays in a register
 """
 from __future__ import annotations
 
+import platform
+
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
@@ -30,8 +32,22 @@ from engine.config import env_setting
 R = 16
 
 HOST_VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
-# SHARPI_CPU_KERNELS=portable runs the plain-numba kernels even on a VNNI host (tests, debugging)
+# SHARPI_CPU_KERNELS=portable runs the portable kernels even on a VNNI host (tests, debugging)
 HAVE_VNNI = HOST_VNNI and env_setting("cpu_kernels") == "auto"
+
+
+def _codegen_features() -> dict:
+    """CPU features numba compiles for: NUMBA_CPU_FEATURES when set, else the host's."""
+    from numba.core import config
+    if config.CPU_FEATURES:
+        return {f[1:]: f[0] == "+" for f in str(config.CPU_FEATURES).split(",") if f[:1] in "+-" and f[1:]}
+    return {k: bool(v) for k, v in llvm.get_host_cpu_features().items()}
+
+
+# f16 scales are widened in the kernels (fpext); x86 without F16C would need a libcall
+# the JIT cannot resolve, so there the repacked scales are kept in f32.
+F16_SCALES = HAVE_VNNI or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686") \
+    or _codegen_features().get("f16c", False)
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V8, _V32, _VF = ir.VectorType(_I8, 64), ir.VectorType(_I32, R), ir.VectorType(_F32, R)
@@ -54,9 +70,28 @@ def _load_scales(builder, data, off, half: bool):
     return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), R)), _VF)
 
 
-def make_tile_dot(nibble: bool, groups: int, planes: int, has_m: bool):
+_V16x64, _V32x64 = ir.VectorType(ir.IntType(16), 64), ir.VectorType(_I32, 64)
+
+
+def _dot4_portable(builder, acc, a, b):
+    """vpdpbusd in plain vector IR, for any LLVM target: acc (i32 x16) + the sums of
+    4 consecutive products of unsigned bytes `a` and signed bytes `b` (i8 x64).
+    u8 * s8 fits i16 exactly; the pairwise adds widen to i32 (x86 lowers them to
+    pmaddwd-style code, AArch64 to widening multiply-adds)."""
+    a16 = builder.zext(a, _V16x64)
+    b16 = builder.sext(b, _V16x64)
+    prod = builder.sext(builder.mul(a16, b16), _V32x64)                       # i32 x64
+    half = builder.add(builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, 32), list(range(0, 64, 2)))),
+                       builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, 32), list(range(1, 64, 2)))))
+    quad = builder.add(builder.shuffle_vector(half, half, ir.Constant(_V32, list(range(0, 32, 2)))),
+                       builder.shuffle_vector(half, half, ir.Constant(_V32, list(range(1, 32, 2)))))
+    return builder.add(acc, quad)
+
+
+def make_tile_dot(nibble: bool, groups: int, planes: int, has_m: bool, vnni: bool = True):
     """Intrinsic tile_dot(qs, d, m, xq, xs, t, out, row0, n_valid) for one layout.
-    groups: 64-byte loads per block (4 for nibble = 32 codes; L/4 for int8)."""
+    groups: 64-byte loads per block (4 for nibble = 32 codes; L/4 for int8).
+    vnni: AVX-512 VNNI `vpdpbusd`; False: the same integer sums in portable vector IR."""
     L = 32 if nibble else 4 * groups
 
     @intrinsic
@@ -72,9 +107,15 @@ def make_tile_dot(nibble: bool, groups: int, planes: int, has_m: bool):
                                 for v in (args[5], args[7], args[8]))
             nb = cgutils.unpack_tuple(builder, a_d.shape)[1]
             cols = builder.mul(nb, ir.Constant(_I64, L))
-            dpbusd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V32, [_V32, _V8, _V8]),
-                "llvm.x86.avx512.vpdpbusd.512")
+            if vnni:
+                fn = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(_V32, [_V32, _V8, _V8]), "llvm.x86.avx512.vpdpbusd.512")
+
+                def dpbusd(args):
+                    return builder.call(fn, args)
+            else:
+                def dpbusd(args):
+                    return _dot4_portable(builder, *args)
             qs_p = builder.bitcast(a_qs.data, _I8.as_pointer())
             d_half = signature.args[1].dtype == types.uint16
             m_half = signature.args[2].dtype == types.uint16
@@ -113,11 +154,11 @@ def make_tile_dot(nibble: bool, groups: int, planes: int, has_m: bool):
                     hi = builder.and_(builder.lshr(v, ir.Constant(_V8, [4] * 64)),
                                       ir.Constant(_V8, [15] * 64))
                     for p in range(planes):
-                        sums[p] = builder.call(dpbusd, [sums[p], lo, x4(p, 4 * g)])
-                        sums[p] = builder.call(dpbusd, [sums[p], hi, x4(p, 16 + 4 * g)])
+                        sums[p] = dpbusd([sums[p], lo, x4(p, 4 * g)])
+                        sums[p] = dpbusd([sums[p], hi, x4(p, 16 + 4 * g)])
                 else:
                     for p in range(planes):
-                        sums[p] = builder.call(dpbusd, [sums[p], v, x4(p, 4 * g)])
+                        sums[p] = dpbusd([sums[p], v, x4(p, 4 * g)])
 
             def xs_at(row):      # xs[row, b] splat
                 off = builder.add(builder.mul(nb, ir.Constant(_I64, row)), b)
