@@ -203,12 +203,15 @@ def markdown(meta: dict, summary: dict, lengths: list[int], tasks: list[str]) ->
                          f"{d['gained']} | {_pct(d['same_text'])} | {100 * d['diff']:+.1f} "
                          f"[{100 * lo:+.1f}, {100 * hi:+.1f}] |")
     for task in retrieval:
-        lines += ["", f"## {task}: accuracy by prompt length", "",
+        several = task == "niah_multivalue"          # partial credit: the share of the numbers recalled
+        lines += ["", f"## {task}: accuracy by prompt length" + (" (and share of the numbers recalled)"
+                                                                  if several else ""), "",
                   "| policy | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
         for p, s in summary.items():
             cells = [s["tasks"].get(task, {}).get(n) for n in lengths]
             lines.append(f"| `{p}` | " + " | ".join(
-                "-" if c is None else f"{_pct(c['accuracy'])} ({c['n']})" for c in cells) + " |")
+                "-" if c is None else f"{_pct(c['accuracy'])} ({c['n']})"
+                + (f", {_pct(c['score'])} recalled" if several else "") for c in cells) + " |")
     if "fidelity" in tasks:
         lines += ["", "## fidelity: mean KL(full || policy) nats / top-1 agreement, by prompt length", "",
                   "| policy | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
