@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import backends
 from _backends import available_backends
 from backends.reference import read_rows
 
@@ -27,21 +26,9 @@ PROMPT = ("The history of the lighthouse at Alexandria is told in many sources. 
 @pytest.fixture(scope="module")
 def models(default_model_path):
     import engine
-    from backends.vulkan import VulkanBackend
 
-    real = backends.get_backend
-
-    def get_backend(name="cpu", threads=None, quiet=False):   # until backends/__init__ wires vulkan
-        if name == "vulkan":
-            b = VulkanBackend()
-            backends.check_complete(b)
-            return b
-        return real(name, threads, quiet)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(backends, "get_backend", get_backend)
-        vk = engine.load(default_model_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
-        cpu = engine.load(default_model_path, backend="cpu", ctx=CTX, snapkv_budget=0)
+    vk = engine.load(default_model_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
+    cpu = engine.load(default_model_path, backend="cpu", ctx=CTX, snapkv_budget=0)
     assert vk.backend.name == "vulkan"
     return cpu, vk
 
