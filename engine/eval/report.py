@@ -259,6 +259,7 @@ def plot_heatmaps(path: str, rows: list[dict], policies: list[str], lengths: lis
             ax.set_ylabel("needle depth", fontsize=7)
     for k in range(n, nrows * cols):
         axes[k // cols][k % cols].axis("off")
+    fig.subplots_adjust(hspace=0.6, wspace=0.45, top=0.9)   # titles clear of the x labels above
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
     fig.suptitle("Retrieval accuracy by needle depth and prompt length", fontsize=10)
