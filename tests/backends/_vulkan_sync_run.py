@@ -16,6 +16,21 @@ import engine
 from backends.vulkan import backend as vk_backend
 
 
+def run_sequence(model) -> dict:
+    """Prefill 60 tokens (SnapKV compacts to 24 rows), branch the cache, decode 4 greedy
+    tokens on the original and one on the branch. test_vulkan_sync runs it on CPU too."""
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, 60)]
+    cache, logits = model.prefill(ids)
+    branch = cache.copy()
+    tokens = []
+    for _ in range(4):
+        tokens.append(int(np.argmax(logits)))
+        logits = model.forward.decode(tokens[-1], cache)
+    logits_branch = model.forward.decode(tokens[0], branch)
+    return {"tokens": tokens, "logits": np.asarray(logits, float).tolist(),
+            "branch": np.asarray(logits_branch, float).tolist(), "rows": cache.length}
+
+
 def main() -> None:
     path, mode = sys.argv[1], sys.argv[2]
     if mode == "submit":
@@ -31,17 +46,7 @@ def main() -> None:
     backends.get_backend = get_backend
     model = engine.load(path, backend="vulkan", snapkv_budget=24, snapkv_window=8, snapkv_min_tokens=16)
     assert model.backend._sync == (None if mode == "none" else mode), model.backend._sync
-    ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, 60)]
-    cache, logits = model.prefill(ids)
-    branch = cache.copy()
-    tokens = []
-    for _ in range(4):
-        tokens.append(int(np.argmax(logits)))
-        logits = model.forward.decode(tokens[-1], cache)
-    logits_branch = model.forward.decode(tokens[0], branch)
-    print(json.dumps({"tokens": tokens, "logits": np.asarray(logits, float).tolist(),
-                      "branch": np.asarray(logits_branch, float).tolist(), "rows": cache.length}))
-
+    print(json.dumps(run_sequence(model)))
 
 if __name__ == "__main__":
     main()

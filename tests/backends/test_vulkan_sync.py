@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from _backends import available_backends
+from _vulkan_sync_run import run_sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -41,15 +42,7 @@ def run_child(model: str, mode: str) -> tuple[str, dict | None]:
 def cpu_reference(tiny_llama):
     import engine
     model = engine.load(str(tiny_llama), backend="cpu", snapkv_budget=24, snapkv_window=8, snapkv_min_tokens=16)
-    ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, 60)]
-    cache, logits = model.prefill(ids)
-    branch = cache.copy()
-    tokens = []
-    for _ in range(4):
-        tokens.append(int(np.argmax(logits)))
-        logits = model.forward.decode(tokens[-1], cache)
-    return {"tokens": tokens, "logits": np.asarray(logits), "branch": np.asarray(model.forward.decode(tokens[0], branch)),
-            "rows": cache.length}
+    return run_sequence(model)
 
 
 @pytest.mark.parametrize("mode", ["barrier", "submit"])
