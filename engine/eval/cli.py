@@ -64,24 +64,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _ints(text, flag: str) -> list[int]:
+def _values(text, flag: str, kind, what: str) -> list:
     try:
-        vals = [int(x) for x in str(text).split(",") if x.strip()]
+        vals = [kind(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
-        raise EngineError(f"{flag} must be comma-separated integers, got {text!r}") from None
+        raise EngineError(f"{flag} must be comma-separated {what}, got {text!r}") from None
     if not vals:
         raise EngineError(f"{flag} needs at least one value")
     return vals
+
+
+def _ints(text, flag: str) -> list[int]:
+    return _values(text, flag, int, "integers")
 
 
 def _floats(text, flag: str) -> list[float]:
-    try:
-        vals = [float(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise EngineError(f"{flag} must be comma-separated numbers, got {text!r}") from None
-    if not vals:
-        raise EngineError(f"{flag} needs at least one value")
-    return vals
+    return _values(text, flag, float, "numbers")
 
 
 def resolve(args) -> dict:
