@@ -93,9 +93,7 @@ class VulkanBackend:
         self._algos: OrderedDict = OrderedDict()           # key -> kp.Algorithm
         self._by_serial: dict[int, set] = {}               # buffer serial -> cache keys using it
         self._seq = None
-        self._n_recorded = 0
         self._keepalive: list = []                         # transient buffers of the pending batch
-        self._fence = self.mgr.tensor_t(np.zeros(1, np.uint32), kp.TensorTypes.device)
         self._dummy = self._buffer(np.zeros(1, np.uint32))
         self._rope_tables: dict = {}                       # (rot_dim, inv_freq) -> (DeviceArray, max positions)
         self.bytes_to_device = 0                           # host<->device traffic counters
@@ -186,7 +184,6 @@ class VulkanBackend:
         elif self._sync == "barrier":
             self._seq.record(self._barrier)
         self._seq.record(kp.OpAlgoDispatch(algo, push))
-        self._n_recorded += 1
         if self._sync == "submit":
             self._seq.eval()
             self._seq = None
@@ -196,7 +193,6 @@ class VulkanBackend:
         if self._seq is not None:
             self._seq.eval()
             self._seq = None
-            self._n_recorded = 0
         self._keepalive.clear()
 
     @staticmethod
