@@ -102,15 +102,25 @@ class Backend(Protocol):
         """pages: int32 [n] (host). dst_*[pages[i]] = src_*[pages[i]] for every listed page."""
 
 
+_INV_FREQ: dict = {}                         # (base, rot_dim, factor bytes) -> f64 [rot_dim/2], read-only
+
+
 def rope_inv_freq(freq_base: float, rot_dim: int, freq_factors=None) -> np.ndarray:
-    """f64 [rot_dim/2]: the angle per position of each rotated pair (see Backend.rope)."""
+    """f64 [rot_dim/2], read-only: the angle per position of each rotated pair (see
+    Backend.rope). Cached: backends call it for every layer of every token."""
+    factors = None if freq_factors is None else np.asarray(freq_factors, dtype=np.float64).reshape(-1)
+    key = (float(freq_base), int(rot_dim), None if factors is None else factors.tobytes())
+    inv = _INV_FREQ.get(key)
+    if inv is not None:
+        return inv
     half = rot_dim // 2
     inv = float(freq_base) ** (-2.0 * np.arange(half, dtype=np.float64) / rot_dim)
-    if freq_factors is not None:
-        f = np.asarray(freq_factors, dtype=np.float64).reshape(-1)
-        if f.shape != (half,):
-            raise ValueError(f"rope: freq_factors has {f.size} values, expected rot_dim/2 = {half}")
-        inv = inv / f
+    if factors is not None:
+        if factors.shape != (half,):
+            raise ValueError(f"rope: freq_factors has {factors.size} values, expected rot_dim/2 = {half}")
+        inv = inv / factors
+    inv.setflags(write=False)
+    _INV_FREQ[key] = inv
     return inv
 
 

@@ -128,16 +128,10 @@ def _rope_parallel(x, positions, n_heads, head_dim, rot_dim, inv_freq, neox):
         _rope_row(x, np.float64(positions[t]), n_heads, head_dim, rot_dim, inv_freq, neox, t)
 
 
-_INV_FREQ: dict = {}                         # (base, rot_dim, factor bytes) -> f64 [rot_dim/2]
-
-
 def rope(x, positions, n_heads, head_dim, rot_dim, freq_base, neox, freq_factors=None):
     """x: f32 [n, >= n_heads*head_dim], in place; positions: int32 [n] (host);
     freq_factors: f32 [rot_dim/2] dividing each pair's frequency, or None."""
-    key = (float(freq_base), int(rot_dim), None if freq_factors is None else np.asarray(freq_factors).tobytes())
-    inv_freq = _INV_FREQ.get(key)                                               # f64 [rot_dim/2]
-    if inv_freq is None:                     # once per model: 30 layers x every token otherwise
-        inv_freq = _INV_FREQ[key] = rope_inv_freq(freq_base, rot_dim, freq_factors)
+    inv_freq = rope_inv_freq(freq_base, rot_dim, freq_factors)                  # f64 [rot_dim/2]
     args = (x, positions, n_heads, head_dim, rot_dim, inv_freq, bool(neox))
     if x.shape[0] >= 8:
         _rope_parallel(*args)
