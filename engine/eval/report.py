@@ -56,6 +56,17 @@ def summarize(rows: list[dict], policies: list[str]) -> dict:
 Z95 = 1.959963984540054
 
 
+def _bisect(inside, a: float, b: float) -> float:
+    """The boundary between a (inside(a) holds) and b (it does not), to float precision."""
+    for _ in range(100):
+        m = 0.5 * (a + b)
+        if inside(m):
+            a = m
+        else:
+            b = m
+    return 0.5 * (a + b)
+
+
 def _constrained_p21(n12: int, n21: int, n: int, delta: float) -> float:
     """Maximum-likelihood P(only the policy right) given P(only full right) - it = delta."""
     lo, hi = max(0.0, -delta), (1.0 - delta) / 2.0
@@ -78,13 +89,7 @@ def _constrained_p21(n12: int, n21: int, n: int, delta: float) -> float:
         return lo
     if dlogl(b) >= 0:
         return hi
-    for _ in range(100):                            # the log-likelihood is concave: bisect its slope
-        m = 0.5 * (a + b)
-        if dlogl(m) > 0:
-            a = m
-        else:
-            b = m
-    return 0.5 * (a + b)
+    return _bisect(lambda p: dlogl(p) > 0, a, b)    # the log-likelihood is concave: its slope's zero
 
 
 def tango_interval(n12: int, n21: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -104,14 +109,7 @@ def tango_interval(n12: int, n21: int, n: int, z: float = Z95) -> tuple[float, f
     def edge(outer: float) -> float:                # |score| = z between the estimate and -1 or 1
         if abs(score(outer)) <= z:
             return outer
-        a, b = est, outer
-        for _ in range(100):
-            m = 0.5 * (a + b)
-            if abs(score(m)) <= z:
-                a = m
-            else:
-                b = m
-        return 0.5 * (a + b)
+        return _bisect(lambda d: abs(score(d)) <= z, est, outer)
 
     return (edge(-1.0), edge(1.0))
 
