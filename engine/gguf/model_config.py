@@ -95,7 +95,7 @@ def _rope_freq_factors(g: GgufFile, rot_dim: int) -> tuple[float, ...] | None:
     factors = np.ones(half, dtype=np.float64)
     t = g.tensors.get("rope_freqs.weight")
     if t is not None:
-        if t.shape not in ((1, half), (half,)):
+        if t.shape != (1, half):                    # the reader gives vectors as (1, n)
             raise ModelFileError(f"tensor rope_freqs.weight has shape {t.shape}, expected (1, {half}): {g.path}")
         factors *= np.asarray(dequantize(t.raw, t.qtype), dtype=np.float64).reshape(-1)
         if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
