@@ -125,3 +125,27 @@ def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama3_rope_factors(rot_dim: int, base: float = 10000.0, factor: float = 8.0, low: float = 1.0,
+                        high: float = 4.0, old_ctx: int = 8192) -> np.ndarray:
+    """f32 [rot_dim/2]: Llama 3.1's `rope_freqs` as its converter writes them, 1 for
+    wavelengths under old_ctx/high, `factor` above old_ctx/low, a smooth ramp between."""
+    inv = base ** (-2.0 * np.arange(rot_dim // 2) / rot_dim)
+    smooth = np.clip((old_ctx * inv / (2 * np.pi) - low) / (high - low), 0.0, 1.0)
+    return (1.0 / ((1 - smooth) / factor + smooth)).astype(np.float32)
+
+
+ROPE_VARIANTS = ("plain", "rope_freqs", "linear4")
+
+
+def rope_variant(name: str, factors) -> dict:
+    """write_tiny_gguf keywords of the RoPE variants of tests/e2e/test_rope_scaling.py:
+    no scaling, `rope_freqs.weight` = factors, or linear scaling x4."""
+    if name == "plain":
+        return {}
+    if name == "rope_freqs":
+        return {"extra_tensors": {"rope_freqs.weight": np.asarray(factors, np.float32)}}
+    if name == "linear4":
+        return {"rope_scaling": ("linear", 4.0)}
+    raise ValueError(f"unknown RoPE variant {name!r}")

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
-from tiny_gguf import write_tiny_gguf      # noqa: E402
+from tiny_gguf import ROPE_VARIANTS, llama3_rope_factors, rope_variant, write_tiny_gguf  # noqa: E402
 
 OUT = os.path.join(ROOT, "tests", "fixtures", "rope_freqs_llamacpp.json")
 # A model whose RoPE matters: 2 layers, head_dim 32, base 10000, context 512.
@@ -32,22 +32,10 @@ N_TOKENS = 480
 CHECK_LAST = 16          # logits of the last positions are stored
 
 
-def factors(rot_dim: int, base: float = 10000.0, factor: float = 8.0, low: float = 1.0, high: float = 4.0,
-            old_ctx: int = 64) -> list[float]:
-    """Llama 3.1's ramp (1 for short wavelengths, `factor` for long), with a small
-    original context so that a 512-token model has pairs on both sides of it."""
-    inv = base ** (-2.0 * np.arange(rot_dim // 2) / rot_dim)
-    smooth = np.clip((old_ctx * inv / (2 * np.pi) - low) / (high - low), 0.0, 1.0)
-    return [float(v) for v in np.float32(1.0 / ((1 - smooth) / factor + smooth))]
-
-
-def variants(rot_dim: int) -> dict:
-    """name -> write_tiny_gguf keyword arguments (besides MODEL)."""
-    return {
-        "plain": {},
-        "rope_freqs": {"extra_tensors": {"rope_freqs.weight": np.array(factors(rot_dim), np.float32)}},
-        "linear4": {"rope_scaling": ("linear", 4.0)},
-    }
+def factors(rot_dim: int) -> list[float]:
+    """Llama 3.1's ramp with a small original context (64), so that a 512-token model
+    has pairs on both sides of it."""
+    return [float(v) for v in llama3_rope_factors(rot_dim, old_ctx=64)]
 
 
 def token_ids(vocab: int) -> list[int]:
@@ -66,9 +54,9 @@ def main() -> int:
     head_dim = MODEL["dim"] // MODEL["n_heads"]
     out = {"model": MODEL, "factors": factors(head_dim), "check_last": CHECK_LAST, "variants": {}}
     with tempfile.TemporaryDirectory() as d:
-        for name, kw in variants(head_dim).items():
+        for name in ROPE_VARIANTS:
             path = os.path.join(d, f"{name}.gguf")
-            write_tiny_gguf(path, **MODEL, **kw)
+            write_tiny_gguf(path, **MODEL, **rope_variant(name, out["factors"]))
             ids = token_ids(0)
             logits = llama_cpp_logits(path, ids)
             out["variants"][name] = {"ids": ids, "logits": logits[-CHECK_LAST:].round(5).tolist()}

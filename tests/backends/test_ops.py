@@ -18,6 +18,7 @@ import pytest
 from _backends import available_backends, make_backend
 from backends.bf16 import BF16_QNAN, bf16_to_f32, f32_to_bf16
 from backends.reference import ReferenceBackend
+from tiny_gguf import llama3_rope_factors
 
 BACKENDS = available_backends()
 REF = ReferenceBackend()
@@ -188,15 +189,6 @@ def test_rope_reference_modes_by_hand():
     np.testing.assert_allclose(x[0], want, rtol=1e-6, atol=1e-7)
 
 
-def llama3_factors(rot_dim: int, base: float, factor=8.0, low=1.0, high=4.0, old_ctx=8192) -> np.ndarray:
-    """Llama 3.1's rope_freqs as its converter writes them: 1 for short wavelengths,
-    `factor` for long ones, a smooth ramp between."""
-    inv = base ** (-2.0 * np.arange(rot_dim // 2) / rot_dim)
-    wavelen = 2 * np.pi / inv
-    smooth = np.clip((old_ctx / wavelen - low) / (high - low), 0.0, 1.0)
-    return (1.0 / ((1 - smooth) / factor + smooth)).astype(np.float32)
-
-
 @pytest.mark.parametrize("factors", [False, True], ids=["plain", "freq_factors"])
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("n,n_heads,head_dim,rot_dim,base", [
@@ -210,7 +202,7 @@ def test_rope(backend, neox, n, n_heads, head_dim, rot_dim, base, factors):
     width = n_heads * head_dim + 17                  # trailing columns stay untouched
     x = rng.standard_normal((n, width)).astype(np.float32)
     positions = rng.permutation(np.arange(20000))[:n].astype(np.int32)
-    ff = llama3_factors(rot_dim, base) if factors else None
+    ff = llama3_rope_factors(rot_dim, base) if factors else None
     if factors:
         assert ff.min() == 1.0 and ff.max() == pytest.approx(8.0)   # both ends of the ramp are exercised
     want = x.copy()

@@ -14,7 +14,7 @@ import pytest
 
 import engine
 from engine.errors import BackendUnavailable
-from tiny_gguf import write_tiny_gguf
+from tiny_gguf import ROPE_VARIANTS, rope_variant, write_tiny_gguf
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "rope_freqs_llamacpp.json")
 REF = json.load(open(FIXTURE))
@@ -26,15 +26,10 @@ def nmse(a, b):
 
 
 def build(tmp_path, name):
-    kw = dict(REF["model"])
-    if name == "rope_freqs":
-        kw["extra_tensors"] = {"rope_freqs.weight": np.array(REF["factors"], np.float32)}
-    elif name == "linear4":
-        kw["rope_scaling"] = ("linear", 4.0)
-    return write_tiny_gguf(tmp_path / f"{name}.gguf", **kw)
+    return write_tiny_gguf(tmp_path / f"{name}.gguf", **REF["model"], **rope_variant(name, REF["factors"]))
 
 
-@pytest.mark.parametrize("name", ["plain", "rope_freqs", "linear4"])
+@pytest.mark.parametrize("name", ROPE_VARIANTS)
 @pytest.mark.parametrize("backend", ["cpu", "reference", "vulkan"])
 def test_logits_match_llama_cpp(tmp_path, name, backend):
     v = REF["variants"][name]
