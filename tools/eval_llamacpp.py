@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from engine.eval import tasks as T                     # noqa: E402
 from engine.eval.runner import EvalPlan, greedy_numbers  # noqa: E402
+from engine.gguf import GgufFile, model_config          # noqa: E402
 from engine.model_path import model_path_or_default    # noqa: E402
 from engine.tokenizer import Tokenizer                 # noqa: E402
 
@@ -40,14 +41,6 @@ def load_rows(path: str) -> tuple[dict, list[dict]]:
             return {}, [json.loads(line) for line in f if line.strip()]
         doc = json.load(f)
     return doc["meta"], doc["samples"]
-
-
-def run_ctx(meta: dict, rows: list[dict], max_new: int, fidelity_tokens: int = 64) -> int:
-    """The context the eval ran with (cmd_eval sizes it to the longest case)."""
-    if meta.get("ctx"):
-        return int(meta["ctx"])
-    need = max(r["length"] for r in rows) + max(max_new * T.N_VALUES, fidelity_tokens) + 1
-    return min(8192, need)
 
 
 def llama_answer(llm, tok: Tokenizer, ids: list[int], max_new: int, n_numbers: int) -> tuple[str, float]:
@@ -97,9 +90,12 @@ def main() -> int:
         print("no full-cache retrieval rows to check", file=sys.stderr)
         return 1
     path = str(model_path_or_default(args.model))
-    tok = Tokenizer.from_gguf(path)
-    ctx = run_ctx(meta, rows, args.max_new_tokens)
-    plan = EvalPlan(tasks=sorted(want), lengths=[1], policies=(), max_new_tokens=args.max_new_tokens)  # for margin()
+    g = GgufFile(path)
+    tok = Tokenizer(g.metadata)
+    # the run's plan, for its context and answer margins (the policies do not matter here)
+    plan = EvalPlan(tasks=sorted(want), lengths=sorted({r["length"] for r in rows}), policies=(),
+                    max_new_tokens=args.max_new_tokens)
+    ctx = int(meta.get("ctx") or plan.context(model_config(g).context_length))
     llm = Llama(model_path=path, n_ctx=ctx, n_threads=args.threads, n_threads_batch=args.threads,
                 n_batch=512, logits_all=False, verbose=False)
 

@@ -170,7 +170,6 @@ def cmd_eval(args) -> int:
     from ..model_path import model_path_or_default
     from . import report
     from .runner import EvalPlan, Runner
-    from .tasks import N_VALUES
 
     r = resolve(args)
     plan = EvalPlan(tasks=r["tasks"], lengths=r["lengths"], policies=r["policies"], samples=r["samples"],
@@ -181,10 +180,8 @@ def cmd_eval(args) -> int:
     settings = config_mod.resolve(cli=cli)
     # Eviction is applied by the runner per policy; the model itself never evicts.
     settings = settings.with_overrides(snapkv_budget=0)
-    need = max(r["lengths"]) + max(args.max_new_tokens * N_VALUES, args.fidelity_tokens) + 1
     model_ctx = settings.ctx or model_config(GgufFile(path)).context_length
-    # no larger context than the longest case needs: smaller cache pools to copy per policy
-    model = Model(path, settings.with_overrides(ctx=min(model_ctx, need)))
+    model = Model(path, settings.with_overrides(ctx=plan.context(model_ctx)))
     runner = Runner(model, plan)
     out = args.out or "results/eval"
     os.makedirs(out, exist_ok=True)

@@ -61,6 +61,12 @@ class EvalPlan:
             return self.fidelity_tokens
         return self.max_new_tokens * (T.N_VALUES if task == "niah_multivalue" else 1)
 
+    def context(self, model_ctx: int) -> int:
+        """Context to run with: the longest prompt plus its answer, at most the model's
+        (smaller cache pools to copy per policy)."""
+        need = max(self.lengths) + max(self.max_new_tokens * T.N_VALUES, self.fidelity_tokens) + 1
+        return min(model_ctx, need)
+
     def cases(self):
         """(task, length, index, depth), shortest lengths first and tasks interleaved,
         so a run cut short still covers every task."""
