@@ -104,7 +104,7 @@ class GgufFile:
         self.path = path
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         try:
-            infos = self._parse(memoryview(mm))
+            self.metadata, infos, data_start = self._parse(memoryview(mm))
         except (IndexError, ValueError, struct.error, OverflowError, MemoryError) as e:
             raise ModelFileError(f"cannot read GGUF file {path}: truncated or malformed "
                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -122,7 +122,7 @@ class GgufFile:
                 raise ModelFileError(f"tensor {name} has {cols} columns, not a multiple of the "
                                      f"{qtype.name} block ({elems}): malformed GGUF {path}")
             size = rows * (cols // elems) * nbytes
-            start = self._data_start + offset
+            start = data_start + offset
             if start + size > mm.size:
                 raise ModelFileError(f"tensor {name} ends at byte {start + size} of a {mm.size}-byte file: "
                                      f"truncated or malformed GGUF {path}")
@@ -131,9 +131,9 @@ class GgufFile:
             names = ", ".join(f"{k} (e.g. {v})" for k, v in unsupported.items())
             raise UnsupportedError(f"unsupported tensor type {names}; supported: {SUPPORTED_NAMES}")
 
-    def _parse(self, buf: memoryview) -> list[tuple[str, Q, list[int], int]]:
-        """Header and metadata into self.metadata; returns the tensor infos
-        (name, type, ne, offset in the data section) and sets self._data_start."""
+    def _parse(self, buf: memoryview) -> tuple[dict, list[tuple[str, Q, list[int], int]], int]:
+        """(metadata, tensor infos as (name, type, ne, offset in the data section),
+        byte offset of the data section)."""
         c = _Cursor(buf)
         c.pos = 4
         version = c.u32()
@@ -144,10 +144,10 @@ class GgufFile:
         n_tensors, n_kv = c.u64(), c.u64()
         if n_tensors > len(buf) or n_kv > len(buf):
             raise ValueError(f"header claims {n_tensors} tensors and {n_kv} keys")
-        self.metadata: dict[str, object] = {}
+        metadata: dict[str, object] = {}
         for _ in range(n_kv):
             key = c.string()
-            self.metadata[key] = c.value(c.u32())
+            metadata[key] = c.value(c.u32())
         infos = []
         for _ in range(n_tensors):
             name = c.string()
@@ -162,9 +162,8 @@ class GgufFile:
                 raise UnsupportedError(f"unsupported tensor type id {type_id} (tensor {name}); "
                                        f"supported: {SUPPORTED_NAMES}") from None
             infos.append((name, qtype, ne, offset))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT) or DEFAULT_ALIGNMENT)
-        self._data_start = -(-c.pos // align) * align
-        return infos
+        align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT) or DEFAULT_ALIGNMENT)
+        return metadata, infos, -(-c.pos // align) * align
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
