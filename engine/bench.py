@@ -99,6 +99,7 @@ def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_d
 
 
 def run_bench(args, settings) -> int:
+    from .inputs import output_dir
     from .model import Model, peak_rss_mib
     from .model_path import model_path_or_default
 
@@ -108,6 +109,7 @@ def run_bench(args, settings) -> int:
         raise EngineError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
     if not lengths or min(lengths) < 1:
         raise EngineError("--lengths needs at least one positive length")
+    output_dir(args.out)                         # a bad --out fails now, not after the run
     path = model_path_or_default(args.model)
     threads = settings.threads or os.cpu_count() or 1
     settings = settings.with_overrides(threads=threads)

@@ -1,12 +1,25 @@
 """`engine run|info|bench`: the command line. Errors are one line and exit 1."""
 from __future__ import annotations
 
-import argparse
-import json
+import os
+import signal
 import sys
 
-from . import config as config_mod
-from .errors import EngineError
+
+def _interrupted_while_starting(signum, frame):
+    """Ctrl-C before `main` runs (imports take ~0.1 s): the same one line, no traceback."""
+    sys.stderr.write("interrupted\n")
+    os._exit(130)
+
+
+if __name__ == "__main__" or sys.argv and os.path.basename(sys.argv[0]) == "engine":
+    signal.signal(signal.SIGINT, _interrupted_while_starting)   # only for the command line, not on import
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+from . import config as config_mod  # noqa: E402
+from .errors import EngineError  # noqa: E402
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -49,27 +62,63 @@ def _load(args):
 
 
 def cmd_run(args) -> int:
+    from . import inputs
+
     if args.prompt is None and args.file is None:
         raise EngineError("no prompt: pass -p TEXT or -f FILE")
-    prompt = args.prompt
-    if args.file is not None:
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                prompt = f.read()
-        except OSError as e:
-            raise EngineError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+    if args.prompt is not None and args.file is not None:
+        raise EngineError("pass either -p TEXT or -f FILE, not both")
+    prompt = inputs.prompt_file(args.file) if args.file is not None else inputs.text(args.prompt, "-p prompt")
     model = _load(args)
     stats: dict = {}
     out = sys.stdout
-    for piece in model.stream(prompt, max_tokens=args.n, temperature=args.temp, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat,
-                              ignore_eos=args.ignore_eos, stats=stats):
-        out.write(piece)
-        out.flush()
+    progress = PrefillProgress() if sys.stderr.isatty() else None
+    try:
+        for piece in model.stream(prompt, max_tokens=args.n, temperature=args.temp, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat,
+                                  ignore_eos=args.ignore_eos, stats=stats, progress=progress):
+            if progress is not None:
+                progress.close()
+            out.write(piece)
+            out.flush()
+    finally:
+        if progress is not None:
+            progress.close()
     out.write("\n")
     if args.stats:
         _print_stats(stats)
     return 0
+
+
+class PrefillProgress:
+    """A one-line prefill progress bar on stderr, shown for prompts of at least
+    `min_tokens` (short prompts prefill in well under a second); erased when done."""
+
+    def __init__(self, min_tokens: int = 1024, stream=None):
+        self.min_tokens, self.stream = min_tokens, stream or sys.stderr
+        self.t0, self.shown = None, False
+
+    def __call__(self, done: int, total: int) -> None:
+        import time
+        if total < self.min_tokens:
+            return
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+        elapsed = time.perf_counter() - self.t0
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = f", {(total - done) / rate:.0f} s left" if rate and done < total else ""
+        width = 30
+        fill = width * done // total
+        self.stream.write(f"\rprefill [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens"
+                          f" ({rate:.0f} tok/s{eta})\x1b[K")
+        self.stream.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
 
 
 def _print_stats(s: dict) -> None:
@@ -81,7 +130,7 @@ def _print_stats(s: dict) -> None:
             f"{s['kv_bytes'] / 2**20:.2f} MiB")
     if s.get("snapkv"):
         k = s["snapkv"]
-        line += (f"; SnapKV {k['policy']}: {k['bytes_before'] / 2**20:.2f} -> {k['bytes_after'] / 2**20:.2f} MiB "
+        line += (f"; {k['policy']}: {k['bytes_before'] / 2**20:.2f} -> {k['bytes_after'] / 2**20:.2f} MiB "
                  f"({k['ratio']:.2f}x), scoring+compaction {k['seconds'] * 1e3:.1f} ms")
     print(line, file=e)
     print(f"-- peak RSS {s['peak_rss_mib']:.0f} MiB", file=e)
@@ -153,8 +202,17 @@ def cmd_bench(args) -> int:
     return run_bench(args, _settings(args))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line and exit code 1, like every other
+    user error (subcommand parsers inherit it)."""
+
+    def error(self, message: str):
+        hint = f" (see {self.prog} --help)"
+        self.exit(1, f"error: {message}{hint}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engine", description="GGUF inference with SnapKV KV-cache eviction")
+    parser = _Parser(prog="engine", description="GGUF inference with SnapKV KV-cache eviction")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="generate text from a prompt")
@@ -194,9 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # KeyboardInterrupt from here on
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,6 +23,17 @@ def _int(lo=None):
     return parse
 
 
+def _odd_int(lo: int, hi: int):
+    inner = _int(lo)
+
+    def parse(text, name):
+        value = inner(text, name)
+        if value % 2 == 0 or value > hi:
+            raise ConfigError(f"{name} must be an odd integer in {lo}..{hi}, got {value}")
+        return value
+    return parse
+
+
 def _choice(*options):
     def parse(text, name):
         value = str(text).strip().lower()
@@ -69,7 +80,7 @@ SETTINGS = (
          "always keep the last R prompt tokens (default: the window)"),
     Spec("snapkv_sinks", "SHARPI_SNAPKV_SINKS", "--kv-sinks", _int(0), 4,
          "always keep the first S prompt tokens (attention sinks)"),
-    Spec("snapkv_kernel", "SHARPI_SNAPKV_KERNEL", "--kv-kernel", _int(1), 31,
+    Spec("snapkv_kernel", "SHARPI_SNAPKV_KERNEL", "--kv-kernel", _odd_int(1, 1001), 31,   # 1001 = snapkv.MAX_KERNEL
          "pooling kernel width along positions (odd; 1 = no pooling)"),
     Spec("snapkv_pool", "SHARPI_SNAPKV_POOL", "--kv-pool", _choice("avg", "max"), "avg",
          "vote pooling: avg (zero padded) or max"),
@@ -118,6 +129,12 @@ class Settings:
             label = spec.flag if source == "flag" and spec.flag else key
             clean[key] = spec.parse(value, label)
         return replace(self, **clean)
+
+
+def label(field: str) -> str:
+    """How errors name a setting: its flag and variable ("--kv-budget/SHARPI_SNAPKV_BUDGET")."""
+    spec = _BY_FIELD[field]
+    return "/".join(x for x in (spec.flag, spec.env) if x) or field
 
 
 def from_env(env=None) -> Settings:

@@ -2,7 +2,14 @@
 
 
 class EngineError(Exception):
-    """An error the user can act on. `str(e)` is a single line."""
+    """An error the user can act on. `str(e)` is a single line: control characters
+    that reach a message (a tensor name or path from a hostile file) are escaped."""
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if text.isprintable():
+            return text
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class ModelFileError(EngineError):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
+from .errors import EngineError
 from .gguf import GgufFile, ModelConfig
 from .kv.paged import KvCache
 from .snapkv import SnapKvConfig, SnapKvSelector
@@ -254,8 +255,17 @@ class ForwardPass:
             b.rms_norm(s.x[:n], w.output_norm, self.cfg.norm_eps, h)
             logits = b.alloc((n, self.cfg.vocab_size))
             b.matmul(w.output, h, logits)
-            return b.download(logits)
+            return _finite(b.download(logits))
         h = s.h[n - 1:n]
         b.rms_norm(s.x[n - 1:n], w.output_norm, self.cfg.norm_eps, h)
         b.matmul(w.output, h, s.logits)
-        return b.download(s.logits)[0]
+        return _finite(b.download(s.logits)[0])
+
+
+def _finite(logits: np.ndarray) -> np.ndarray:
+    """Logits as they are, or an EngineError when any is NaN or infinite: weights that
+    hold non-finite values (a corrupt file) would otherwise decode to silent garbage."""
+    if not np.isfinite(logits).all():
+        raise EngineError("the model produced non-finite logits (NaN or Inf): its weights hold "
+                          "non-finite or out-of-range values (corrupt or mislabelled tensors)")
+    return logits

@@ -1,6 +1,7 @@
 """The public Model: load a GGUF, tokenize, run prefill, inspect the cache, generate."""
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -9,16 +10,18 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import config as config_mod
-from .errors import EngineError
+from . import inputs
+from .errors import ConfigError, EngineError
 from .forward import ForwardPass
 from .generate import GenerationResult, SamplingParams, generate_stream
 from .gguf import GgufFile, ModelConfig, model_config
 from .kv.paged import KvCache
 from .model_path import model_path_or_default
-from .snapkv import SnapKvConfig
+from .snapkv import SnapKvConfig, check_values
 from .tokenizer import Tokenizer
 
 AUTO_BUDGET = 2048   # budget the auto policy turns on with
+PAGE_SIZE = 64       # KV rows per page
 
 
 def snapkv_from_settings(s: config_mod.Settings, cfg: ModelConfig, ctx: int) -> tuple[SnapKvConfig | None, str | None]:
@@ -36,9 +39,47 @@ def snapkv_from_settings(s: config_mod.Settings, cfg: ModelConfig, ctx: int) -> 
                   f"after prefill (SHARPI_SNAPKV_BUDGET=0 turns this off)")
     if budget == 0:
         return None, None
-    return SnapKvConfig(budget=budget, window=s.snapkv_window, sinks=s.snapkv_sinks, recency=s.snapkv_recency,
-                        kernel=s.snapkv_kernel, pool=s.snapkv_pool, granularity=s.snapkv_granularity,
-                        min_tokens=s.snapkv_min_tokens), notice
+    values = dict(budget=budget, window=s.snapkv_window, sinks=s.snapkv_sinks, recency=s.snapkv_recency,
+                  kernel=s.snapkv_kernel, pool=s.snapkv_pool, granularity=s.snapkv_granularity,
+                  min_tokens=s.snapkv_min_tokens)
+    check_values(values, {k: config_mod.label(f"snapkv_{k}") for k in values})   # errors name the flags
+    return SnapKvConfig(**values), notice
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel says can be allocated without swapping (MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_context(cfg: ModelConfig, ctx: int, requested: bool, backend, page_size: int = PAGE_SIZE) -> None:
+    """Before anything is allocated: a context above the model's trained length is
+    warned about (as llama.cpp does); a KV pool that cannot fit in memory is refused
+    with the numbers. The pool is allocated for the whole context up front (prefill
+    needs every prompt row before SnapKV compacts), so this is the peak."""
+    kv_bytes = cfg.kv_bytes_per_token() * (-(-ctx // page_size) * page_size)
+    what = f"a context of {ctx} tokens" if requested else f"the model's trained context of {ctx} tokens"
+    avail = None if hasattr(backend, "check_fits") else available_memory_bytes()   # device backends: own check
+    if avail is not None and kv_bytes > avail:
+        raise EngineError(f"{what} needs a {_gib(kv_bytes)} bf16 KV cache "
+                          f"({cfg.kv_bytes_per_token()} bytes per token) but only {_gib(avail)} of memory "
+                          f"is available: lower --ctx (SHARPI_CTX, ctx=)")
+    if requested and ctx > cfg.context_length:
+        notice(f"warning: the context of {ctx} tokens (--ctx) is above the model's trained context of {cfg.context_length} tokens; "
+               f"output past {cfg.context_length} tokens is likely to degrade")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def peak_rss_mib() -> float:
@@ -48,9 +89,13 @@ def peak_rss_mib() -> float:
 class Model:
     """A loaded GGUF model on one backend."""
 
-    def __init__(self, path, settings: config_mod.Settings, snapkv: SnapKvConfig | None = None):
+    def __init__(self, path, settings: config_mod.Settings, snapkv: SnapKvConfig | bool | None = None):
+        """`snapkv`: None = the policy the settings ask for, False = no eviction, or a SnapKvConfig."""
         from backends import get_backend
 
+        if snapkv is not None and snapkv is not False and not isinstance(snapkv, SnapKvConfig):
+            raise ConfigError(f"snapkv must be a SnapKvConfig, False or None, got {snapkv!r}")
+        path = inputs.model_path(path)
         self.path = str(path)
         self.settings = settings
         self.gguf = GgufFile(path)
@@ -58,37 +103,35 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.backend = get_backend(settings.backend, settings.threads)
         self.ctx = settings.ctx or self.config.context_length   # positions the cache can hold
-        self.forward = ForwardPass(self.gguf, self.config, self.backend, self.ctx,
-                                   chunk=settings.prefill_chunk)
-        self.last_cache: KvCache | None = None
-        if snapkv is not None:
-            self.snapkv, note = snapkv, None
-        else:
+        check_context(self.config, self.ctx, settings.ctx is not None, self.backend)
+        if snapkv is None:
             self.snapkv, note = snapkv_from_settings(settings, self.config, self.ctx)
+        else:
+            self.snapkv, note = (snapkv or None), None
+        self.forward = ForwardPass(self.gguf, self.config, self.backend, self.ctx,
+                                   chunk=min(settings.prefill_chunk, self.ctx), page_size=PAGE_SIZE)
+        self.last_cache: KvCache | None = None
         if note:
             notice(note)
 
     # -- tokens -----------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+        return self.tokenizer.encode(inputs.text(text, "text"), add_bos=add_bos, special=special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+        return self.tokenizer.decode(inputs.token_ids(ids, self.config.vocab_size))
 
     def render_chat(self, prompt) -> str:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(inputs.messages(prompt), add_generation_prompt=True)
 
     def _prompt_ids(self, prompt, chat: bool) -> list[int]:
+        """Text, chat messages or token ids -> checked ids (ConfigError for a malformed prompt)."""
         if chat:
             prompt = self.render_chat(prompt)
-        if isinstance(prompt, str):
-            ids = self.tokenize(prompt)
+        if prompt is None or isinstance(prompt, (str, bytes, bytearray)):
+            ids = self.tokenizer.encode(inputs.text(prompt, "prompt"))
         else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise EngineError(f"token id {bad[0]} out of range for vocabulary of {self.config.vocab_size}")
+            ids = inputs.token_ids(prompt, self.config.vocab_size, "prompt token ids")
         if not ids:
             raise EngineError("prompt is empty: give at least one token")
         if len(ids) > self.ctx:
@@ -107,23 +150,27 @@ class Model:
         if snapkv is False:
             return None
         if not isinstance(snapkv, SnapKvConfig):
-            raise EngineError(f"snapkv must be a SnapKvConfig, False or None, got {type(snapkv).__name__}")
+            raise ConfigError(f"snapkv must be a SnapKvConfig, False or None, got {type(snapkv).__name__}")
         return snapkv
 
     def prefill(self, prompt, cache: KvCache | None = None, chat: bool = False, snapkv=None,
-                compact_continued: bool = False):
+                compact_continued: bool = False, progress=None):
         """Run a prompt (text or ids) into `cache` (a fresh one by default), then apply
         the SnapKV policy (see `_policy`). Returns (cache, logits f32 [vocab] of the
-        last prompt token). `cache.stats()` / `cache_stats()` show what was kept."""
-        return self._prefill(self._prompt_ids(prompt, chat), cache, snapkv, compact_continued)
+        last prompt token). `cache.stats()` / `cache_stats()` show what was kept.
+        `progress(done, total)` is called after every prefill chunk."""
+        return self._prefill(self._prompt_ids(prompt, chat), cache, snapkv, compact_continued, progress)
 
-    def _prefill(self, ids: list[int], cache: KvCache | None, snapkv, compact_continued: bool):
+    def _prefill(self, ids: list[int], cache: KvCache | None, snapkv, compact_continued: bool, progress=None):
         """`prefill` for ids already checked by `_prompt_ids`."""
+        if cache is not None and not isinstance(cache, KvCache):
+            raise ConfigError(f"cache must be a KvCache from this model, got {type(cache).__name__}")
+        policy = self._policy(snapkv)
         cache = cache if cache is not None else self.new_cache()
         if cache.logical_length + len(ids) > cache.max_rows:
             raise EngineError(f"prompt of {len(ids)} tokens does not fit: the cache holds "
                               f"{cache.logical_length} of {cache.max_rows} positions")
-        logits = self.forward.prefill(ids, cache, snapkv=self._policy(snapkv),
+        logits = self.forward.prefill(ids, cache, snapkv=policy, on_chunk=progress,
                                       compact_continued=compact_continued)
         self.last_cache = cache
         return cache, logits
@@ -143,15 +190,16 @@ class Model:
     def stream(self, prompt, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                chat: bool = False, ignore_eos: bool = False, stats: dict | None = None,
-               snapkv=None) -> Iterator[str]:
+               snapkv=None, progress=None) -> Iterator[str]:
         """Yield text pieces as they are generated. `stats`, if given, is filled in.
-        `snapkv`: None = the model's policy, False = no eviction, or a SnapKvConfig."""
+        `snapkv`: None = the model's policy, False = no eviction, or a SnapKvConfig.
+        `progress(done, total)`: called after every prefill chunk (prompt tokens)."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, stop=tuple(stop), ignore_eos=ignore_eos)
+                                top_p=top_p, seed=seed, stop=inputs.stop_strings(stop), ignore_eos=ignore_eos)
         stats = {} if stats is None else stats
         ids = self._prompt_ids(prompt, chat)
         t0 = time.perf_counter()
-        cache, logits = self._prefill(ids, None, snapkv, compact_continued=False)
+        cache, logits = self._prefill(ids, None, snapkv, compact_continued=False, progress=progress)
         prefill_s = time.perf_counter() - t0
         stats.update(prompt_tokens=len(ids), prefill_s=prefill_s,
                      prefill_tok_s=len(ids) / prefill_s if prefill_s > 0 else 0.0, snapkv=cache.eviction)
@@ -169,13 +217,15 @@ class Model:
 
 
 def load(path=None, backend: str | None = None, ctx: int | None = None, threads: int | None = None,
-         settings: config_mod.Settings | None = None, snapkv: SnapKvConfig | None = None,
+         settings: config_mod.Settings | None = None, snapkv: SnapKvConfig | bool | None = None,
          **overrides) -> Model:
     """Load a GGUF model (the default model when `path` is None). Keyword arguments
     override environment settings (env < CLI < API): backend, ctx, threads, and any
     Settings field (e.g. snapkv_budget=1024). `snapkv` sets the eviction policy
-    outright."""
-    path = model_path_or_default(path)
+    outright: a SnapKvConfig, or False for none."""
+    path = model_path_or_default(inputs.model_path(path))
+    if settings is not None and not isinstance(settings, config_mod.Settings):
+        raise ConfigError(f"settings must be an engine.config.Settings, got {type(settings).__name__}")
     api = dict(overrides, backend=backend, ctx=ctx, threads=threads)
     settings = (settings or config_mod.from_env()).with_overrides("argument", **api)
     return Model(path, settings, snapkv=snapkv)

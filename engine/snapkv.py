@@ -26,6 +26,7 @@ Backends that compute votes on device (`Backend.snapkv_votes`) call
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from numbers import Integral
@@ -56,31 +57,7 @@ class SnapKvConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("budget", "window", "sinks", "kernel", "min_tokens"):
-            _require_int(name, getattr(self, name))
-        if self.recency is not None:
-            _require_int("recency", self.recency)
-        if self.window < 1:
-            raise ConfigError(f"SnapKV window must be >= 1, got {self.window}")
-        if self.sinks < 0:
-            raise ConfigError(f"SnapKV sinks must be >= 0, got {self.sinks}")
-        if self.recency is not None and self.recency < 0:
-            raise ConfigError(f"SnapKV recency must be >= 0, got {self.recency}")
-        if self.min_tokens < 0:
-            raise ConfigError(f"SnapKV min_tokens must be >= 0, got {self.min_tokens}")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ConfigError(f"SnapKV pooling kernel must be an odd integer >= 1, got {self.kernel}")
-        if self.pool not in POOLS:
-            raise ConfigError(f"SnapKV pool must be one of {', '.join(POOLS)}, got {self.pool!r}")
-        if self.granularity not in GRANULARITIES:
-            raise ConfigError(f"SnapKV granularity must be one of {', '.join(GRANULARITIES)}, "
-                              f"got {self.granularity!r}")
-        if self.budget <= self.window + self.sinks:
-            raise ConfigError(f"SnapKV budget ({self.budget}) must be larger than window + sinks "
-                              f"({self.window} + {self.sinks} = {self.window + self.sinks})")
-        if self.budget <= self.recent + self.sinks:
-            raise ConfigError(f"SnapKV budget ({self.budget}) must be larger than recency + sinks "
-                              f"({self.recent} + {self.sinks} = {self.recent + self.sinks})")
+        check_values(dataclasses.asdict(self))
 
     @property
     def recent(self) -> int:
@@ -104,9 +81,49 @@ class SnapKvConfig:
                 f"prompts > {self.min_tokens} tokens")
 
 
-def _require_int(name: str, value) -> None:
+MAX_KERNEL = 1001   # wider pooling smears votes over ~1000 positions and scoring time grows with it
+
+
+def check_values(v: dict, names: dict | None = None) -> None:
+    """Validate SnapKvConfig fields (a dict of them). ConfigError names each field by
+    `names[field]` (`engine.model` passes flag and variable names), else "SnapKV <field>"
+    as a message's subject and the bare field name where it is referred to."""
+    fields = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens")
+    subj = {k: names[k] if names else f"SnapKV {k}" for k in fields}
+    ref = {k: names[k].split("/")[0] if names else k for k in fields}   # "--kv-window"
+    for name in ("budget", "window", "sinks", "kernel", "min_tokens"):
+        _require_int(subj[name], v[name])
+    if v["recency"] is not None:
+        _require_int(subj["recency"], v["recency"])
+    if v["window"] < 1:
+        raise ConfigError(f"{subj['window']} must be >= 1, got {v['window']}")
+    if v["sinks"] < 0:
+        raise ConfigError(f"{subj['sinks']} must be >= 0, got {v['sinks']}")
+    if v["recency"] is not None and v["recency"] < 0:
+        raise ConfigError(f"{subj['recency']} must be >= 0, got {v['recency']}")
+    if v["min_tokens"] < 0:
+        raise ConfigError(f"{subj['min_tokens']} must be >= 0, got {v['min_tokens']}")
+    if v["kernel"] < 1 or v["kernel"] % 2 == 0 or v["kernel"] > MAX_KERNEL:
+        raise ConfigError(f"{subj['kernel']} must be an odd integer in 1..{MAX_KERNEL} (the pooling width), "
+                          f"got {v['kernel']}")
+    if v["pool"] not in POOLS:
+        raise ConfigError(f"{subj['pool']} must be one of {', '.join(POOLS)}, got {v['pool']!r}")
+    if v["granularity"] not in GRANULARITIES:
+        raise ConfigError(f"{subj['granularity']} must be one of {', '.join(GRANULARITIES)}, "
+                          f"got {v['granularity']!r}")
+    budget, window, sinks = v["budget"], v["window"], v["sinks"]
+    if budget <= window + sinks:
+        raise ConfigError(f"{subj['budget']} ({budget}) must be larger than {ref['window']} + {ref['sinks']} "
+                          f"({window} + {sinks} = {window + sinks})")
+    recent = window if v["recency"] is None else max(window, v["recency"])
+    if budget <= recent + sinks:
+        raise ConfigError(f"{subj['budget']} ({budget}) must be larger than {ref['recency']} + {ref['sinks']} "
+                          f"({recent} + {sinks} = {recent + sinks})")
+
+
+def _require_int(label: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise ConfigError(f"SnapKV {name} must be an integer, got {value!r}")
+        raise ConfigError(f"{label} must be an integer, got {value!r}")
 
 
 class SnapKvSelector:

@@ -79,12 +79,23 @@ def _byte_to_char() -> dict[int, str]:
 _CHAR_TO_BYTE = {c: b for b, c in _byte_to_char().items()}
 
 
+def _typed_list(meta: dict, key: str, kind) -> list:
+    """A metadata array whose elements are all `kind` ([] when absent); ModelFileError otherwise."""
+    value = meta.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, kind) for v in value):
+        raise ModelFileError(f"GGUF metadata {key} is not an array of "
+                             f"{'strings' if kind is str else 'numbers'}")
+    return value
+
+
 class Tokenizer:
     """Encode/decode text for one model. Build with `from_metadata` or `from_gguf`."""
 
     def __init__(self, meta: dict):
-        tokens = meta.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, list) or not tokens:
+        tokens = _typed_list(meta, "tokenizer.ggml.tokens", str)
+        if not tokens:
             raise ModelFileError("GGUF metadata has no tokenizer.ggml.tokens list")
         self.kind = str(meta.get("tokenizer.ggml.model", ""))
         if self.kind not in ("gpt2", "llama"):
@@ -92,7 +103,7 @@ class Tokenizer:
         n = len(tokens)
         # llama.cpp renames empty tokens so every text is unique and non-empty
         self.pieces: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        self.types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
+        self.types: list[int] = _typed_list(meta, "tokenizer.ggml.token_type", int) or [NORMAL] * n
         if len(self.types) < n:
             raise ModelFileError(f"tokenizer.ggml.token_type has {len(self.types)} entries for {n} tokens")
         self.token_to_id: dict[str, int] = {}  # piece text -> id
@@ -115,7 +126,8 @@ class Tokenizer:
         self.add_space_prefix = spm and bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         if self.add_bos and self.bos_id is None:
             raise ModelFileError("tokenizer.ggml.add_bos_token is true, but tokenizer.ggml.bos_token_id is not set")
-        self.chat_template: str | None = meta.get("tokenizer.chat_template")
+        template = meta.get("tokenizer.chat_template")
+        self.chat_template: str | None = template if isinstance(template, str) else None
 
         eog = {i for i in (self.eos_id, special_id("eot_token_id", None), special_id("eom_token_id", None))
                if i is not None}
@@ -158,7 +170,7 @@ class Tokenizer:
 
     def _build_bpe(self, meta: dict, pre: PreTokenizer) -> HfTokenizer:
         merges = []
-        for line in meta.get("tokenizer.ggml.merges") or []:
+        for line in _typed_list(meta, "tokenizer.ggml.merges", str):
             cut = line.find(" ", 1)  # llama.cpp splits at the first space after position 0
             if cut < 0:
                 raise ModelFileError(f"malformed BPE merge {line!r} in tokenizer.ggml.merges")
@@ -175,7 +187,9 @@ class Tokenizer:
         return hf
 
     def _build_spm(self, meta: dict) -> HfTokenizer:
-        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(self.pieces)
+        scores = _typed_list(meta, "tokenizer.ggml.scores", (int, float)) or [0.0] * len(self.pieces)
+        if len(scores) < len(self.pieces):
+            raise ModelFileError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(self.pieces)} tokens")
         # llama.cpp merges the adjacent pair whose joined text is the highest-scoring token;
         # ranking every (left, right) split of every token by that score is the same rule.
         ranked = []

@@ -6,7 +6,7 @@ plus three control tokens, so any text round-trips.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGUFWriter, GGMLQuantizationType as Q, RopeScalingType
+from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType as Q, RopeScalingType
 from gguf.quants import quantize
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -48,10 +48,12 @@ def byte_tokens() -> list[str]:
 def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64, n_heads: int = 4,
                     n_kv_heads: int = 2, ffn_dim: int = 128, qtype: Q = Q.F32, ctx: int = 512,
                     seed: int = 0, tensor_overrides: dict | None = None, drop: tuple[str, ...] = (),
-                    extra_tensors: dict | None = None, rope_scaling: tuple[str, float] | None = None):
+                    extra_tensors: dict | None = None, rope_scaling: tuple[str, float] | None = None,
+                    metadata: dict | None = None):
     """A random-weight model. `qtype` is used for the 2-D matrices; norms are F32.
     `tensor_overrides`: name -> (raw uint8 array, qtype) written as is; `drop`: names omitted;
-    `extra_tensors`: name -> f32 array added as is; `rope_scaling`: (type, factor) metadata."""
+    `extra_tensors`: name -> f32 array added as is; `rope_scaling`: (type, factor) metadata;
+    `metadata`: key ("{arch}." is expanded) -> (value, GGUFValueType), written over the defaults."""
     rng = np.random.default_rng(seed)
     tokens = byte_tokens() + ["\u0120t"] + SPECIALS
     vocab = len(tokens)
@@ -78,6 +80,10 @@ def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64,
     w.add_eos_token_id(vocab - 3)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, (value, vtype) in (metadata or {}).items():
+        key = key.replace("{arch}", arch)
+        w.kv_data[0].pop(key, None)                 # replace without the writer's duplicate warning
+        w.add_key_value(key, value, vtype, sub_type=GGUFValueType.UINT32 if vtype == GGUFValueType.ARRAY else None)
 
     def matrix(name, rows, cols, scale=None):
         if name in drop:

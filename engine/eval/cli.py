@@ -15,6 +15,7 @@ import platform
 from datetime import datetime, timezone
 
 from ..errors import EngineError
+from ..inputs import output_dir
 from . import policies as P
 from .tasks import TASKS
 
@@ -147,7 +148,7 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
 def cmd_render(args) -> int:
     from . import report
     meta, rows = _load_rows(args.render)
-    out = args.out or os.path.dirname(os.path.abspath(args.render))
+    out = output_dir(args.out or os.path.dirname(os.path.abspath(args.render)))
     paths = report.write_all(out, meta, rows, sorted(meta["lengths"]), list(meta["tasks"]))
     _print_summary(report.summarize(rows, list(meta["policies"])))
     print(f"wrote {paths['json']}, {paths['markdown']} and 3 plots from {len(rows)} rows")
@@ -172,6 +173,7 @@ def cmd_eval(args) -> int:
     from .runner import EvalPlan, Runner
 
     r = resolve(args)
+    out = output_dir(args.out or "results/eval")    # a bad --out fails now, not after the run
     plan = EvalPlan(tasks=r["tasks"], lengths=r["lengths"], policies=r["policies"], samples=r["samples"],
                     depths=r["depths"], seed=args.seed, max_new_tokens=args.max_new_tokens,
                     fidelity_tokens=args.fidelity_tokens)
@@ -183,8 +185,6 @@ def cmd_eval(args) -> int:
     model_ctx = settings.ctx or model_config(GgufFile(path)).context_length
     model = Model(path, settings.with_overrides(ctx=plan.context(model_ctx)))
     runner = Runner(model, plan)
-    out = args.out or "results/eval"
-    os.makedirs(out, exist_ok=True)
     partial = os.path.join(out, "samples.partial.jsonl")
     if os.path.exists(partial):
         os.remove(partial)

@@ -1,6 +1,7 @@
 """GGUF metadata + ArchSpec -> ModelConfig, with every expected tensor checked."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,40 +45,117 @@ class ModelConfig:
         return self.n_layers * 2 * self.kv_dim * 2
 
 
-def model_config(g: GgufFile) -> ModelConfig:
-    """Read hyperparameters and verify every tensor the forward pass needs; all
-    problems are reported in one error."""
-    spec = get_arch(g.architecture)
+# Sanity bounds on metadata values (beyond them a file is corrupt, not just large).
+MAX_LAYERS = 4096
+MAX_WIDTH = 2**20               # embedding, feed-forward width
+MAX_HEAD_DIM = 4096
+MAX_CONTEXT = 2**26             # 67M positions; Llama 4 Scout's 10M fits, a corrupt 2^32-1 does not
+_REQUIRED = object()
 
-    def need(suffix):
-        value = g.arch_key(suffix)
-        if value is None:
-            raise ModelFileError(f"GGUF metadata lacks {g.architecture}.{suffix}: {g.path}")
+
+class _Metadata:
+    """Typed reads of architecture keys; every bad value is collected as one problem."""
+
+    def __init__(self, g: GgufFile):
+        self.g, self.problems = g, []
+
+    def _raw(self, suffix, default):
+        value = self.g.arch_key(suffix, default)
+        if value is _REQUIRED:
+            self.problems.append(f"metadata lacks {self.g.architecture}.{suffix}")
         return value
 
-    n_layers = int(need("block_count"))
-    dim = int(need("embedding_length"))
-    ffn_dim = int(need("feed_forward_length"))
-    n_heads = int(need("attention.head_count"))
-    n_kv_heads = int(g.arch_key("attention.head_count_kv", n_heads))
-    head_dim = int(g.arch_key("attention.key_length", dim // n_heads))
+    def int(self, suffix: str, default=_REQUIRED, lo: int = 1, hi: int = 2**31 - 1) -> int | None:
+        """An integer key in [lo, hi]; None (and a problem noted) when it is not."""
+        value = self._raw(suffix, default)
+        if value is _REQUIRED:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.problems.append(f"{self.g.architecture}.{suffix} is {_kind(value)}, expected an integer")
+            return None
+        if not lo <= value <= hi:
+            self.problems.append(f"{self.g.architecture}.{suffix} is {value}, expected {lo}..{hi}")
+            return None
+        return value
+
+    def float(self, suffix: str, default: float, lo: float, hi: float) -> float | None:
+        """A finite number in the open interval (lo, hi); None (and a problem noted) when it is not."""
+        value = self._raw(suffix, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.problems.append(f"{self.g.architecture}.{suffix} is {_kind(value)}, expected a number")
+            return None
+        if not (math.isfinite(value) and lo < value < hi):
+            self.problems.append(f"{self.g.architecture}.{suffix} is {value}, expected a finite number "
+                                 f"above {lo:g} and below {hi:g}")
+            return None
+        return float(value)
+
+
+def _kind(value) -> str:
+    """How a metadata value of the wrong type is described: "a string ('30')"."""
+    names = {str: "a string", float: "a float", bool: "a bool", list: "an array", type(None): "a nested array"}
+    text = repr(value)
+    return f"{names.get(type(value), type(value).__name__)} ({text[:40] + '...' if len(text) > 40 else text})"
+
+
+def model_config(g: GgufFile) -> ModelConfig:
+    """Read hyperparameters, check each against sane bounds and the others, then
+    verify every tensor the forward pass needs against them; all problems are
+    reported in one error, before anything is allocated."""
+    spec = get_arch(g.architecture)
+    m = _Metadata(g)
+    # A value that fails its check is None; checks that depend on it are skipped.
+    n_layers = m.int("block_count", hi=MAX_LAYERS)
+    dim = m.int("embedding_length", hi=MAX_WIDTH)
+    ffn_dim = m.int("feed_forward_length", hi=MAX_WIDTH)
+    n_heads = m.int("attention.head_count", hi=dim or MAX_WIDTH)
+    n_kv_heads = m.int("attention.head_count_kv", n_heads or 1, hi=n_heads or MAX_WIDTH)
+    head_dim = m.int("attention.key_length", max((dim or 1) // (n_heads or 1), 1), hi=MAX_HEAD_DIM)
+    rot_dim = m.int("rope.dimension_count", head_dim or 2, hi=head_dim or MAX_HEAD_DIM)
+    rope_base = m.float("rope.freq_base", spec.default_rope_base, 1.0, 1e12)
+    norm_eps = m.float("attention.layer_norm_rms_epsilon", 1e-5, 0.0, 1.0)
+    context_length = m.int("context_length", 2048, hi=MAX_CONTEXT)
+    if n_heads and n_kv_heads and n_heads % n_kv_heads:
+        m.problems.append(f"{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
+    if rot_dim and rot_dim % 2:
+        m.problems.append(f"{g.architecture}.rope.dimension_count is {rot_dim}, expected an even number")
+    blocks = _blocks_in_file(g)
+    if n_layers is not None and blocks != n_layers:
+        m.problems.append(f"{g.architecture}.block_count is {n_layers} but the file holds tensors "
+                          f"for {blocks} blocks")
     embd = g.tensors.get("token_embd.weight")
-    vocab = embd.shape[0] if embd is not None else int(g.arch_key("vocab_size", 0))
-    rot_dim = int(g.arch_key("rope.dimension_count", head_dim))
+    vocab = embd.shape[0] if embd is not None else (m.int("vocab_size", 1) or 1)
+    tokens = g.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and embd is not None and len(tokens) != vocab:
+        m.problems.append(f"the tokenizer has {len(tokens)} tokens but token_embd.weight has {vocab} rows")
+    if m.problems:
+        _raise(g, f"{g.path} holds invalid model metadata", m.problems)
     cfg = ModelConfig(
         arch=spec, n_layers=n_layers, dim=dim, ffn_dim=ffn_dim, n_heads=n_heads,
-        n_kv_heads=n_kv_heads, head_dim=head_dim, rot_dim=rot_dim,
-        rope_base=float(g.arch_key("rope.freq_base", spec.default_rope_base)),
-        norm_eps=float(g.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
-        context_length=int(g.arch_key("context_length", 2048)),
+        n_kv_heads=n_kv_heads, head_dim=head_dim, rot_dim=rot_dim, rope_base=rope_base,
+        norm_eps=norm_eps, context_length=context_length,
         vocab_size=vocab, tied_output="output.weight" not in g.tensors,
         rope_freq_factors=_rope_freq_factors(g, rot_dim),
     )
     problems = _check_tensors(g, cfg)
     if problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise ModelFileError(f"{g.path} does not match architecture '{spec.name}': {shown}")
+        _raise(g, f"{g.path} does not match architecture '{spec.name}'", problems)
     return cfg
+
+
+def _raise(g: GgufFile, what: str, problems: list[str]) -> None:
+    shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+    raise ModelFileError(f"{what}: {shown}")
+
+
+def _blocks_in_file(g: GgufFile) -> int:
+    """Number of layers the tensors describe: 1 + the highest `blk.N.` index (0 if none)."""
+    top = -1
+    for name in g.tensors:
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
+            top = max(top, int(parts[1]))
+    return top + 1
 
 
 def _rope_freq_factors(g: GgufFile, rot_dim: int) -> tuple[float, ...] | None:
@@ -85,12 +163,13 @@ def _rope_freq_factors(g: GgufFile, rot_dim: int) -> tuple[float, ...] | None:
     times a linear `rope.scaling.factor`. Other scalings (YaRN, ...) change more than the
     frequencies and are refused rather than run subtly wrong."""
     kind = str(g.arch_key("rope.scaling.type", "none") or "none").lower()
-    factor = float(g.arch_key("rope.scaling.factor", 1.0) or 1.0)
+    factor = g.arch_key("rope.scaling.factor", 1.0) or 1.0
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ModelFileError(f"rope.scaling.factor must be a positive number, got {factor!r}: {g.path}")
+    factor = float(factor)
     if kind not in ("none", "linear") and factor != 1.0:
         raise UnsupportedError(f"RoPE scaling '{kind}' (x{factor:g}) is not supported yet "
                                f"(supported: rope_freqs factors, linear): {g.path}")
-    if factor <= 0:
-        raise ModelFileError(f"rope.scaling.factor must be positive, got {factor}: {g.path}")
     half = rot_dim // 2
     factors = np.ones(half, dtype=np.float64)
     t = g.tensors.get("rope_freqs.weight")
@@ -129,8 +208,6 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _check_tensors(g: GgufFile, cfg: ModelConfig) -> list[str]:
     problems = []
-    if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
-        problems.append(f"heads {cfg.n_heads}/{cfg.n_kv_heads} do not divide width {cfg.dim}")
     for name, shape in expected_shapes(cfg).items():
         t = g.tensors.get(name)
         if t is None:

@@ -36,14 +36,23 @@ class TensorInfo:
     raw: np.ndarray             # uint8 [rows, row_bytes], a view into the memory map
 
 
+class _Malformed(ValueError):
+    """A header that cannot be what it claims; the message is written for the user."""
+
+
 class _Cursor:
-    """Little-endian reads from a buffer; IndexError/struct.error past its end."""
+    """Little-endian reads from a buffer; _Malformed past its end."""
 
     def __init__(self, buf: memoryview):
         self.buf, self.pos = buf, 0
 
+    def need(self, n: int, what: str) -> None:
+        if self.pos + n > len(self.buf):
+            raise _Malformed(f"{what} at byte {self.pos} runs past the end of the file ({len(self.buf)} bytes)")
+
     def scalar(self, vtype: int):
         fmt, size = _SCALARS[vtype]
+        self.need(size, "a header field")
         (value,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
         return value
@@ -56,9 +65,8 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.u64()
+        self.need(n, f"a {n}-byte string")
         end = self.pos + n
-        if end > len(self.buf):
-            raise IndexError("string past the end of the file")
         text = bytes(self.buf[self.pos:end]).decode("utf-8", errors="replace")
         self.pos = end
         return text
@@ -69,22 +77,23 @@ class _Cursor:
             return self.string()
         if vtype == ARRAY:
             etype, count = self.u32(), self.u64()
-            if etype == STRING:
+            if etype == STRING:                  # every element takes at least its 8-byte length
+                self.need(8 * count, f"an array of {count} strings")
                 return [self.string() for _ in range(count)]
-            if etype == ARRAY:
+            if etype == ARRAY:                   # at least a 4-byte type and an 8-byte count each
+                self.need(12 * count, f"an array of {count} arrays")
                 for _ in range(count):
                     self.value(ARRAY)
                 return None                      # nested arrays are not used by any key we read
             if etype not in _NUMPY:
-                raise ValueError(f"unknown GGUF array element type {etype}")
+                raise _Malformed(f"unknown GGUF array element type {etype}")
             size = _SCALARS[etype][1] * count
-            if self.pos + size > len(self.buf):
-                raise IndexError("array past the end of the file")
+            self.need(size, f"an array of {count} values")
             arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
             self.pos += size
             return [bool(v) for v in arr] if etype == BOOL else arr.tolist()
         if vtype not in _SCALARS:
-            raise ValueError(f"unknown GGUF value type {vtype}")
+            raise _Malformed(f"unknown GGUF value type {vtype}")
         return self.scalar(vtype)
 
 
@@ -97,26 +106,38 @@ class GgufFile:
             raise ModelFileError(f"model file not found: {path}")
         if os.path.isdir(path):
             raise ModelFileError(f"model path is a directory, not a GGUF file: {path}")
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise ModelFileError(f"not a GGUF file (bad magic {magic!r}): {path}")
-        self.path = path
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
         try:
-            self.metadata, infos, data_start = self._parse(memoryview(mm))
-        except (IndexError, ValueError, struct.error, OverflowError, MemoryError) as e:
-            raise ModelFileError(f"cannot read GGUF file {path}: truncated or malformed "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            with open(path, "rb") as f:
+                magic = f.read(4)
+            if magic != GGUF_MAGIC:
+                raise ModelFileError(f"not a GGUF file (bad magic {magic!r}): {path}")
+            mm = np.memmap(path, dtype=np.uint8, mode="r")
+        except OSError as e:
+            raise ModelFileError(f"cannot read model file {path}: {e.strerror or e}") from None
+        self.path = path
+        try:
+            self.metadata, infos, data_start, self.alignment = self._parse(memoryview(mm))
+        except _Malformed as e:
+            raise ModelFileError(f"cannot read GGUF file {path}: truncated or malformed ({e})") from None
         self.architecture = str(self.metadata.get("general.architecture", ""))
         self.tensors: dict[str, TensorInfo] = {}
         unsupported: dict[str, str] = {}
+        spans = []                                   # (start, end, name) in the file
         for name, qtype, ne, offset in infos:
             if qtype not in SUPPORTED:
                 unsupported.setdefault(qtype.name, name)
                 continue
+            if name in self.tensors:
+                raise ModelFileError(f"tensor {name} appears twice: malformed GGUF {path}")
+            if not ne or min(ne) < 1:
+                raise ModelFileError(f"tensor {name} has shape {ne}: malformed GGUF {path}")
+            if offset % self.alignment:
+                raise ModelFileError(f"tensor {name} starts at data offset {offset}, not a multiple of the "
+                                     f"file's alignment {self.alignment}: malformed GGUF {path}")
             cols = ne[0]
-            rows = int(np.prod(ne[1:])) if len(ne) > 1 else 1
+            rows = 1
+            for n in ne[1:]:
+                rows *= n
             elems, nbytes = block_geometry(qtype)
             if cols % elems:
                 raise ModelFileError(f"tensor {name} has {cols} columns, not a multiple of the "
@@ -124,16 +145,22 @@ class GgufFile:
             size = rows * (cols // elems) * nbytes
             start = data_start + offset
             if start + size > mm.size:
-                raise ModelFileError(f"tensor {name} ends at byte {start + size} of a {mm.size}-byte file: "
-                                     f"truncated or malformed GGUF {path}")
+                raise ModelFileError(f"tensor {name} ({qtype.name}, {rows}x{cols}) ends at byte {start + size} "
+                                     f"of a {mm.size}-byte file: truncated or malformed GGUF {path}")
+            spans.append((start, start + size, name))
             self.tensors[name] = TensorInfo(name, qtype, (rows, cols), mm[start:start + size].reshape(rows, -1))
         if unsupported:
             names = ", ".join(f"{k} (e.g. {v})" for k, v in unsupported.items())
             raise UnsupportedError(f"unsupported tensor type {names}; supported: {SUPPORTED_NAMES}")
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:                          # e.g. a quantized tensor relabelled F32
+                raise ModelFileError(f"tensors {a} and {b} overlap in the file (a wrong type or shape "
+                                     f"in the header): malformed GGUF {path}")
 
-    def _parse(self, buf: memoryview) -> tuple[dict, list[tuple[str, Q, list[int], int]], int]:
+    def _parse(self, buf: memoryview) -> tuple[dict, list[tuple[str, Q, list[int], int]], int, int]:
         """(metadata, tensor infos as (name, type, ne, offset in the data section),
-        byte offset of the data section)."""
+        byte offset of the data section, alignment of tensor offsets)."""
         c = _Cursor(buf)
         c.pos = 4
         version = c.u32()
@@ -143,7 +170,7 @@ class GgufFile:
             raise UnsupportedError(f"{what} is not supported (little-endian versions 2 and 3 are): {self.path}")
         n_tensors, n_kv = c.u64(), c.u64()
         if n_tensors > len(buf) or n_kv > len(buf):
-            raise ValueError(f"header claims {n_tensors} tensors and {n_kv} keys")
+            raise _Malformed(f"the header claims {n_tensors} tensors and {n_kv} keys in a {len(buf)}-byte file")
         metadata: dict[str, object] = {}
         for _ in range(n_kv):
             key = c.string()
@@ -153,7 +180,7 @@ class GgufFile:
             name = c.string()
             n_dims = c.u32()
             if n_dims > 8:
-                raise ValueError(f"tensor {name} has {n_dims} dimensions")
+                raise _Malformed(f"tensor {name} has {n_dims} dimensions")
             ne = [c.u64() for _ in range(n_dims)]
             type_id, offset = c.u32(), c.u64()
             try:
@@ -162,8 +189,10 @@ class GgufFile:
                 raise UnsupportedError(f"unsupported tensor type id {type_id} (tensor {name}); "
                                        f"supported: {SUPPORTED_NAMES}") from None
             infos.append((name, qtype, ne, offset))
-        align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT) or DEFAULT_ALIGNMENT)
-        return metadata, infos, -(-c.pos // align) * align
+        align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 2**16 or align & (align - 1):
+            raise _Malformed(f"general.alignment is {align!r}, not a power of two up to 65536")
+        return metadata, infos, -(-c.pos // align) * align, align
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)

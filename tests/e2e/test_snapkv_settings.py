@@ -44,7 +44,8 @@ def test_env_then_api(tiny_llama, monkeypatch):
 
 def test_budget_not_above_window_plus_sinks(tiny_llama, monkeypatch):
     monkeypatch.delenv("SHARPI_SNAPKV_BUDGET", raising=False)
-    with pytest.raises(ConfigError, match="window \\+ sinks"):
+    with pytest.raises(ConfigError, match=r"--kv-budget/SHARPI_SNAPKV_BUDGET \(36\) must be larger than "
+                                          r"--kv-window \+ --kv-sinks"):
         engine.load(tiny_llama, backend="reference", snapkv_budget=36)     # window 32 + sinks 4
 
 
