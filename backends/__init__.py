@@ -13,7 +13,7 @@ NAMES = ("cpu", "vulkan", "cuda", "reference", "auto")
 def get_backend(name: str = "cpu", threads: int | None = None, quiet: bool = False,
                 auto_gpu_only: bool = False):
     """Construct a backend by name; every op is checked present. `auto_gpu_only`:
-    a Vulkan CPU device (lavapipe) does not count (used by `auto`)."""
+    a Vulkan CPU device (lavapipe) and the CUDA CPU harness do not count (used by `auto`)."""
     if name not in NAMES:
         raise ConfigError(f"unknown backend '{name}'; choose one of: {', '.join(NAMES)}")
     if name == "auto":
@@ -30,8 +30,8 @@ def get_backend(name: str = "cpu", threads: int | None = None, quiet: bool = Fal
         from .vulkan import VulkanBackend
         backend = VulkanBackend(allow_cpu=not auto_gpu_only)
     else:
-        raise BackendUnavailable("backend 'cuda' is not available in this build (no CUDA backend yet); "
-                                 "use --backend cpu or vulkan")
+        from .cuda import CudaBackend
+        backend = CudaBackend(executor="device" if auto_gpu_only else None)
     check_complete(backend)
     return backend
 

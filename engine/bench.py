@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from datetime import datetime, timezone
 
@@ -67,27 +68,33 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def _llama_cpp_worker(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int) -> list[dict]:
+def _llama_cpp_worker(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int,
+                      gpu: bool = False) -> list[dict] | None:
     """Runs in a child process with the default environment (our process sets
-    OMP_WAIT_POLICY for numba, which would also slow llama.cpp's OpenMP pool)."""
-    from llama_cpp import Llama
-    llm = Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, logits_all=False, verbose=False)
+    OMP_WAIT_POLICY for numba, which would also slow llama.cpp's OpenMP pool).
+    `gpu`: every layer offloaded; None when this llama.cpp build cannot offload."""
+    import llama_cpp
+    if gpu and not llama_cpp.llama_supports_gpu_offload():
+        return None
+    llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, logits_all=False, verbose=False, n_gpu_layers=-1 if gpu else 0)
     _llama_cpp_case(llm, cases[0][:64], 4)     # warm up
     return [_llama_cpp_case(llm, ids, n_decode) for ids in cases]
 
 
-def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int) -> list[dict]:
+def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int,
+                  gpu: bool = False) -> list[dict] | None:
     import subprocess
     import sys
     import tempfile
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"path": str(path), "ctx": ctx, "threads": threads, "cases": cases, "n_decode": n_decode}, f)
+        json.dump({"path": str(path), "ctx": ctx, "threads": threads, "cases": cases, "n_decode": n_decode,
+                   "gpu": gpu}, f)
         job = f.name
     code = ("import json,sys; from engine.bench import _llama_cpp_worker; a=json.load(open(sys.argv[1])); "
-            "print(json.dumps(_llama_cpp_worker(a['path'],a['ctx'],a['threads'],a['cases'],a['n_decode'])))")
+            "print(json.dumps(_llama_cpp_worker(a['path'],a['ctx'],a['threads'],a['cases'],a['n_decode'],a['gpu'])))")
     try:
         r = subprocess.run([sys.executable, "-c", code, job], capture_output=True, text=True, env=env)
     finally:
@@ -120,6 +127,12 @@ def run_bench(args, settings) -> int:
     if need_ctx > model.ctx:
         raise EngineError(f"longest case needs {need_ctx} positions but --ctx is {model.ctx}")
     use_llama_cpp = args.llama_cpp and llama_cpp_available()
+    gpu = model.backend.name == "cuda"           # compare with llama.cpp on the same GPU
+    prompts = [bench_prompt(model.tokenizer, n) for n in lengths]
+    llama_rows = run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens, gpu) if use_llama_cpp else None
+    if use_llama_cpp and llama_rows is None:
+        print("llama.cpp: the installed build has no GPU offload; its columns are left out", file=sys.stderr)
+        use_llama_cpp = False
     warm = bench_prompt(model.tokenizer, 64)
     _engine_case(model, warm, 4)     # compile / warm caches once
     rows = []
@@ -127,8 +140,6 @@ def run_bench(args, settings) -> int:
     print(f"{'prompt':>7} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
           + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
           + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else ""))
-    prompts = [bench_prompt(model.tokenizer, n) for n in lengths]
-    llama_rows = run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens) if use_llama_cpp else None
     for i, (n, ids) in enumerate(zip(lengths, prompts)):
         row = {"prompt_tokens": n, "engine": _engine_case(model, ids, args.decode_tokens, snapkv=False)}
         e = row["engine"]
@@ -155,7 +166,7 @@ def run_bench(args, settings) -> int:
         "machine": platform.processor() or platform.machine(), "decode_tokens": args.decode_tokens,
         "settings": {k: v for k, v in vars(settings).items()}, "peak_rss_mib": peak_rss_mib(),
         "snapkv": model.snapkv.summary() if evicting else None,
-        "llama_cpp": use_llama_cpp, "cases": rows,
+        "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu, "cases": rows,
     }
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"bench-{model.backend.name}.json")

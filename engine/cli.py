@@ -184,6 +184,13 @@ def _print_devices() -> int:
                "portable, VNNI off by SHARPI_CPU_KERNELS" if HOST_VNNI else "portable, no AVX-512 VNNI")
     print(f"cpu: {os.cpu_count()} cores (numba; mat-vecs: {kernels})")
     try:
+        from backends.cuda import list_devices as cuda_devices
+        for d in cuda_devices():
+            print(f"cuda {d['index']}: {d['name']} (compute capability {d['compute_capability']}, "
+                  f"{d['total_bytes'] / 2**30:.1f} GiB, {d['free_bytes'] / 2**30:.1f} GiB free)")
+    except EngineError as e:
+        print(f"cuda: unavailable ({e})")
+    try:
         from backends.vulkan import list_devices
         devices = list_devices()
     except EngineError as e:
@@ -234,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="describe a GGUF model")
     info.add_argument("model", nargs="?", help="path to a .gguf file (default model if omitted)")
     info.add_argument("--json", action="store_true", help="print JSON")
-    info.add_argument("--devices", action="store_true", help="list the compute devices found (Vulkan, CPU)")
+    info.add_argument("--devices", action="store_true", help="list the compute devices found (CPU, CUDA, Vulkan)")
     info.set_defaults(func=cmd_info)
 
     bench = sub.add_parser("bench", help="prefill/decode throughput, optionally against llama.cpp")

@@ -94,6 +94,9 @@ SETTINGS = (
     Spec("cpu_kernels", "SHARPI_CPU_KERNELS", None, _choice("auto", "portable"), "auto",
          "CPU mat-vecs: auto = AVX-512 VNNI where the CPU has it, portable = portable vector code "
          "(read once per process, when the CPU backend is first imported)"),
+    Spec("cuda_executor", "SHARPI_CUDA_EXECUTOR", None, _choice("device", "cpu-harness"), "device",
+         "where CUDA kernels run: device = an NVIDIA GPU through cupy; cpu-harness = the same kernel "
+         "source on the CPU through our test harness (no GPU needed, ~1000x slower)"),
 )
 
 _BY_FIELD = {s.field: s for s in SETTINGS}
@@ -115,6 +118,7 @@ class Settings:
     snapkv_min_tokens: int = 128
     snapkv_auto_mib: int = 256
     cpu_kernels: str = "auto"
+    cuda_executor: str = "device"
 
     def with_overrides(self, source: str = "argument", **overrides) -> "Settings":
         """A copy with overrides applied (None values ignored). `source` names where

@@ -61,14 +61,19 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def check_context(cfg: ModelConfig, ctx: int, requested: bool, backend, page_size: int = PAGE_SIZE) -> None:
+def check_context(cfg: ModelConfig, ctx: int, requested: bool, backend, weight_bytes: int,
+                  page_size: int = PAGE_SIZE) -> None:
     """Before anything is allocated: a context above the model's trained length is
     warned about (as llama.cpp does); a KV pool that cannot fit in memory is refused
     with the numbers. The pool is allocated for the whole context up front (prefill
-    needs every prompt row before SnapKV compacts), so this is the peak."""
+    needs every prompt row before SnapKV compacts), so this is the peak. A backend
+    with memory of its own (`check_fits`: CUDA) checks the weights plus the pool there."""
     kv_bytes = cfg.kv_bytes_per_token() * (-(-ctx // page_size) * page_size)
+    check_fits = getattr(backend, "check_fits", None)
+    if check_fits is not None:
+        check_fits(weight_bytes, kv_bytes, ctx)
     what = f"a context of {ctx} tokens" if requested else f"the model's trained context of {ctx} tokens"
-    avail = None if hasattr(backend, "check_fits") else available_memory_bytes()   # device backends: own check
+    avail = None if check_fits is not None else available_memory_bytes()
     if avail is not None and kv_bytes > avail:
         raise EngineError(f"{what} needs a {_gib(kv_bytes)} bf16 KV cache "
                           f"({cfg.kv_bytes_per_token()} bytes per token) but only {_gib(avail)} of memory "
@@ -103,7 +108,8 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.backend = get_backend(settings.backend, settings.threads)
         self.ctx = settings.ctx or self.config.context_length   # positions the cache can hold
-        check_context(self.config, self.ctx, settings.ctx is not None, self.backend)
+        check_context(self.config, self.ctx, settings.ctx is not None, self.backend,
+                      sum(t.raw.nbytes for t in self.gguf.tensors.values()))
         if snapkv is None:
             self.snapkv, note = snapkv_from_settings(settings, self.config, self.ctx)
         else:

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))   # tests/tiny_gguf.py
+sys.path.insert(0, str(pathlib.Path(__file__).parent))               # tests/tiny_gguf.py
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "backends"))  # tests/backends/_backends.py
 
 
 @pytest.fixture(scope="session")

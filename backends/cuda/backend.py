@@ -1,0 +1,122 @@
+"""CudaBackend: every op of backends/base.py as CUDA C kernels (kernels/*.cu).
+
+Weights are uploaded once as raw GGUF blocks and dequantized inside the
+kernels; the paged bf16 KV cache, the SnapKV votes and the compaction stay on
+the device. Per decode token only the token id goes up (a kernel argument) and
+the logits come down. Kernels are launched on one stream with no host
+synchronisation until a result is downloaded.
+
+The executor (runtime.py) decides where the kernels run: `device` (a GPU
+through cupy) or `cpu-harness` (the same kernel source on the CPU, for tests).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.config import env_setting
+from engine.errors import EngineError
+
+from . import attention, elementwise, quant
+from .runtime import make_executor
+
+
+class CudaBackend:
+    """backend name "cuda". `device`: CUDA device index (default 0); `executor`:
+    "device" or "cpu-harness" (default: SHARPI_CUDA_EXECUTOR, i.e. "device")."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0, executor: str | None = None):
+        self.ex = make_executor(executor or env_setting("cuda_executor"), device)
+        self.bytes_to_device = 0                           # host<->device traffic counters
+        self.bytes_to_host = 0
+
+    # -- memory -----------------------------------------------------------------------
+    def alloc(self, shape, dtype=np.float32):
+        return self.ex.zeros(shape, dtype)
+
+    def upload(self, host: np.ndarray):
+        host = np.asarray(host)
+        self.bytes_to_device += host.nbytes
+        return self.ex.asarray(host)
+
+    def download(self, arr) -> np.ndarray:
+        out = self.ex.to_host(arr)
+        self.bytes_to_host += out.nbytes
+        return out
+
+    def load_weight(self, raw, qtype, shape):
+        w = quant.load_weight(self.ex, raw, qtype, shape)
+        self.bytes_to_device += w.nbytes
+        return w
+
+    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim):
+        if head_dim % 2 or head_dim > 256:
+            raise ValueError(f"backend 'cuda' needs an even head_dim <= 256, got {head_dim}")
+        shape = (n_pages, n_kv_heads, page_size, head_dim)
+        return self.ex.zeros(shape, np.uint16), self.ex.zeros(shape, np.uint16)
+
+    def synchronize(self) -> None:
+        self.ex.synchronize()
+
+    def check_fits(self, weight_bytes: int, kv_bytes: int, ctx: int) -> None:
+        """Before anything is allocated: the weights plus one KV cache for `ctx`
+        tokens must fit in the device's free memory (EngineError with the numbers)."""
+        free = self.ex.free_bytes()
+        if free is None:
+            return
+        need = weight_bytes + kv_bytes
+        if need > free:
+            mib = 2 ** 20
+            raise EngineError(f"model does not fit on {self.ex.label}: weights "
+                              f"{weight_bytes / mib:.0f} MiB + KV cache for {ctx} tokens {kv_bytes / mib:.0f} MiB "
+                              f"= {need / mib:.0f} MiB, but only {free / mib:.0f} MiB are free "
+                              f"(lower --ctx or use --kv-budget)")
+
+    # -- ops --------------------------------------------------------------------------
+    def embedding(self, table, ids, out) -> None:
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        quant.embedding(self.ex, table, ids, out)
+        if ids.size > 1:                                   # one id travels as a kernel argument
+            self.bytes_to_device += ids.nbytes
+
+    def rms_norm(self, x, weight, eps: float, out) -> None:
+        elementwise.rms_norm(self.ex, x, weight, eps, out)
+
+    def matmul(self, w, x, out, bias=None) -> None:
+        quant.matmul(self.ex, w, x, out, bias)
+
+    def rope(self, x, positions, n_heads: int, head_dim: int, rot_dim: int, freq_base: float,
+             neox: bool, freq_factors=None) -> None:
+        self.bytes_to_device += elementwise.rope(self.ex, x, positions, n_heads, head_dim, rot_dim,
+                                                 freq_base, neox, freq_factors)
+
+    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
+        elementwise.kv_write(self.ex, k_pages, v_pages, page_table, k, v, start_row)
+
+    def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
+                          n_q_heads: int, scale: float, out) -> None:
+        attention.attention_prefill(self.ex, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out)
+
+    def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
+                         n_q_heads: int, scale: float, out) -> None:
+        attention.attention_decode(self.ex, q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out)
+
+    def silu_gate(self, gate, up, out) -> None:
+        elementwise.silu_gate(self.ex, gate, up, out)
+
+    def add(self, a, b, out) -> None:
+        elementwise.add(self.ex, a, b, out)
+
+    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:
+        if isinstance(q_window, np.ndarray):                # the forward pass's host capture
+            self.bytes_to_device += q_window.nbytes
+        votes = attention.snapkv_votes(self.ex, q_window, k_pages, page_table, n_rows, scale)
+        self.bytes_to_host += votes.nbytes
+        return votes
+
+    def kv_gather(self, k_pages, v_pages, page_table, keep) -> None:
+        self.bytes_to_device += elementwise.kv_gather(self.ex, k_pages, v_pages, page_table, keep)
+
+    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages) -> None:
+        self.bytes_to_device += elementwise.kv_copy_pages(self.ex, src_k, src_v, dst_k, dst_v, pages)

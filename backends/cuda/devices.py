@@ -1,0 +1,19 @@
+"""CUDA devices as cupy sees them (for `engine info --devices` and the memory check)."""
+from __future__ import annotations
+
+from .runtime import device_count
+
+
+def list_devices() -> list[dict]:
+    """[{index, name, compute_capability, total_bytes, free_bytes}]; BackendUnavailable
+    (one line) without cupy, a driver or a device."""
+    import cupy
+    out = []
+    for i in range(device_count(cupy)):
+        props = cupy.cuda.runtime.getDeviceProperties(i)
+        with cupy.cuda.Device(i):
+            free, total = cupy.cuda.runtime.memGetInfo()
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        out.append({"index": i, "name": name, "compute_capability": f"{props['major']}.{props['minor']}",
+                    "total_bytes": int(total), "free_bytes": int(free)})
+    return out

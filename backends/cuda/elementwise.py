@@ -1,0 +1,148 @@
+"""Norm, elementwise, RoPE and KV-cache ops of the CUDA backend: argument lists and
+launch geometry (grid, block) of kernels/norm.cu, eltwise.cu, rope.cu and kv.cu.
+
+Activations are f32 [n, d] arrays of the executor (row-strided views allowed);
+KV pools are uint16 [n_pages, n_kv, page_size, head_dim] (bf16 bits), which the
+kernels address as u32 words of bf16 pairs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..base import rope_inv_freq
+
+VARIANTS = [("norm.cu", ()), ("eltwise.cu", ()), ("rope.cu", ()), ("kv.cu", ())]
+
+NORM_THREADS = 256
+ELTWISE_THREADS = 256
+COPY_THREADS = 256
+_i32, _f32 = np.int32, np.float32
+
+
+def row_stride(a) -> np.int32:
+    """Elements between consecutive rows of a 2-D view (columns must be contiguous)."""
+    if a.ndim != 2 or a.strides[1] != a.itemsize:
+        raise ValueError(f"cuda: expected a 2-D array with contiguous rows, got shape {a.shape} "
+                         f"strides {a.strides}")
+    return _i32(a.strides[0] // a.itemsize)
+
+
+def threads_for(n: int, cap: int) -> int:
+    """n rounded up to a whole warp, at most cap."""
+    return int(min(cap, max(32, -(-n // 32) * 32)))
+
+
+def rms_norm(ex, x, weight, eps: float, out) -> None:
+    n, d = x.shape
+    if out.shape != (n, d) or weight.shape != (d,):
+        raise ValueError(f"cuda rms_norm: x {x.shape}, weight {weight.shape}, out {out.shape}")
+    if n == 0:
+        return
+    ex.function("norm.cu", "rms_norm")((n,), (NORM_THREADS,),
+                                       (x, row_stride(x), weight, out, row_stride(out), _i32(d), _f32(eps)))
+
+
+def _eltwise(ex, name: str, a, b, out) -> None:
+    n, d = a.shape
+    if b.shape != (n, d) or out.shape != (n, d):
+        raise ValueError(f"cuda {name}: shapes {a.shape}, {b.shape}, {out.shape}")
+    if n == 0:
+        return
+    ex.function("eltwise.cu", name)((-(-d // ELTWISE_THREADS), n), (ELTWISE_THREADS,),
+                                    (a, row_stride(a), b, row_stride(b), out, row_stride(out), _i32(d)))
+
+
+def add(ex, a, b, out) -> None:
+    _eltwise(ex, "add", a, b, out)
+
+
+def silu_gate(ex, gate, up, out) -> None:
+    _eltwise(ex, "silu_gate", gate, up, out)
+
+
+def _rope_table(ex, base: float, rot_dim: int, max_pos: int, factors):
+    """(cos, sin) f32 [cap, rot_dim/2, 2] on the device, computed in float64 on the
+    host, uploaded once per (base, rot_dim, factors) and regrown when a position
+    passes the capacity (doubling)."""
+    inv_freq = rope_inv_freq(base, rot_dim, factors)                        # f64 [rot_dim/2]
+    tables = ex.cache.setdefault("rope_tables", {})
+    key = (int(rot_dim), inv_freq.tobytes())
+    have = tables.get(key)
+    if have is not None and have[1] > max_pos:
+        return have[0], 0
+    cap = max(4096, 1 << int(max_pos).bit_length())
+    angle = np.arange(cap, dtype=np.float64)[:, None] * inv_freq[None, :]
+    host = np.stack([np.cos(angle), np.sin(angle)], axis=-1).astype(np.float32)
+    tables[key] = (ex.asarray(host), cap)
+    return tables[key][0], host.nbytes
+
+
+def rope(ex, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int, freq_base: float,
+         neox: bool, freq_factors=None) -> int:
+    """Returns the bytes uploaded (a grown table, or non-contiguous positions)."""
+    positions = np.asarray(positions, dtype=np.int32).reshape(-1)
+    n = x.shape[0]
+    if n == 0:
+        return 0
+    if x.shape[1] < n_heads * head_dim or rot_dim > head_dim or rot_dim % 2 or rot_dim > 512:
+        raise ValueError(f"cuda rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
+    table, uploaded = _rope_table(ex, freq_base, rot_dim, int(positions.max()), freq_factors)
+    pos0 = int(positions[0])
+    if np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
+        pos_dev, use = table, 0                          # any valid pointer; not read
+    else:
+        pos_dev, use = ex.asarray(positions), 1
+        uploaded += positions.nbytes
+    ex.function("rope.cu", "rope")((n, n_heads), (threads_for(rot_dim // 2, 256),),
+                                   (x, row_stride(x), table, pos_dev, _i32(use), _i32(pos0),
+                                    _i32(head_dim), _i32(rot_dim), _i32(int(bool(neox)))))
+    return uploaded
+
+
+def _pool_dims(k_pages):
+    _, n_kv, page_size, head_dim = k_pages.shape
+    if head_dim % 2:
+        raise ValueError(f"cuda KV pages need an even head_dim, got {head_dim}")
+    return n_kv, page_size, head_dim
+
+
+def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
+    n_kv, page_size, head_dim = _pool_dims(k_pages)
+    n = k.shape[0]
+    if k.shape[1] < n_kv * head_dim or v.shape != k.shape or n == 0:
+        if n == 0:
+            return
+        raise ValueError(f"cuda kv_write: k {k.shape}, v {v.shape}, {n_kv} KV heads of {head_dim}")
+    ex.function("kv.cu", "kv_write")((n, n_kv), (threads_for(head_dim // 2, 128),),
+                                     (k_pages, v_pages, page_table, k, row_stride(k), v, row_stride(v),
+                                      _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row)))
+
+
+def kv_gather(ex, k_pages, v_pages, page_table, keep) -> int:
+    """Returns the bytes uploaded (the keep sets)."""
+    n_kv, page_size, head_dim = _pool_dims(k_pages)
+    keep = np.ascontiguousarray(keep, dtype=np.int32)
+    if keep.ndim != 2 or keep.shape[0] != n_kv:
+        raise ValueError(f"cuda kv_gather: keep {keep.shape}, expected ({n_kv}, n_keep)")
+    n_keep = keep.shape[1]
+    if n_keep == 0:
+        return 0
+    keep_dev = ex.asarray(keep)
+    tmp = ex.empty((2, n_kv, n_keep, head_dim // 2), np.uint32)
+    grid, block = (n_keep, n_kv), (threads_for(head_dim // 2, 128),)
+    dims = (_i32(n_keep), _i32(n_kv), _i32(head_dim), _i32(page_size))
+    ex.function("kv.cu", "kv_gather_read")(grid, block, (k_pages, v_pages, page_table, keep_dev, tmp) + dims)
+    ex.function("kv.cu", "kv_gather_write")(grid, block, (k_pages, v_pages, page_table, tmp) + dims)
+    return keep.nbytes
+
+
+def kv_copy_pages(ex, src_k, src_v, dst_k, dst_v, pages) -> int:
+    """Returns the bytes uploaded (the page list)."""
+    pages = np.ascontiguousarray(pages, dtype=np.int32).reshape(-1)
+    if pages.size == 0:
+        return 0
+    n_kv, page_size, head_dim = _pool_dims(src_k)
+    page_words = n_kv * page_size * head_dim // 2
+    ex.function("kv.cu", "kv_copy_pages")((-(-page_words // COPY_THREADS), pages.size), (COPY_THREADS,),
+                                          (src_k, src_v, dst_k, dst_v, ex.asarray(pages), _i32(page_words)))
+    return pages.nbytes

@@ -1,0 +1,344 @@
+"""Offline NVRTC compiles of kernels/*.cu to cubin for real GPUs, without a GPU.
+
+NVRTC (through cupy's binding) runs ptxas for a named arch, so a machine with no
+driver can still check that every kernel variant builds for sm_75..sm_90 and
+read ptxas's resource report (registers, spills, static shared memory):
+
+    result = compile_cubin("norm.cu", (), 80)
+    result.kernels["rms_norm"].registers
+
+`python -m backends.cuda.nvrtc [--arch 80] [FILE ...]` prints that report as a
+table of kernels x archs; tests/cuda/test_compile.py checks it for every
+(file, defines) in ALL_VARIANTS.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import BackendUnavailable
+
+KERNELS = Path(__file__).parent / "kernels"
+
+# Compute capabilities we build for: Turing, Ampere (A100, RTX 30xx), Ada, Hopper.
+# NVRTC 12.9 and 13.x both accept all five.
+ARCHS = (75, 80, 86, 89, 90)
+
+# Shared memory per block (static + dynamic), bytes. Without opt-in every arch
+# allows 48 KiB; more needs cudaFuncSetAttribute(MaxDynamicSharedMemorySize) and
+# is capped per arch (CUDA C Programming Guide, "Technical Specifications per
+# Compute Capability"). ptxas rejects static __shared__ above 48 KiB on every arch.
+SMEM_DEFAULT = 48 * 1024
+SMEM_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+# Passed as -D when common.cuh does not define DYN_SHARED itself (docs/cuda.md).
+DYN_SHARED_DEFINE = "DYN_SHARED(T,n)=extern __shared__ T n[]"
+
+INSTALL_HINT = ("pip install -e '.[cuda]' (cupy-cuda12x + nvidia-cuda-nvrtc-cu12; "
+                "with CUDA 13: cupy-cuda13x + nvidia-cuda-nvrtc)")
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """ptxas's report for one entry function (one arch)."""
+    registers: int
+    spill_stores: int          # bytes
+    spill_loads: int           # bytes
+    stack_bytes: int           # stack frame (local arrays and spills)
+    smem_bytes: int            # static __shared__ only; dynamic is set at launch
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    cubin: bytes
+    log: str                                 # NVRTC + ptxas -v output
+    kernels: dict[str, KernelResources]      # entry function name -> resources
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel source; str() is a header line followed by the
+    compiler's log. Picklable (compiles may run in worker processes)."""
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message, log)
+        self.log = log
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+# --- loading NVRTC --------------------------------------------------------------
+
+_binding = None
+
+
+def load():
+    """cupy's NVRTC binding module (cupy_backends.cuda.libs.nvrtc), usable without a
+    GPU or driver. When cupy cannot dlopen libnvrtc.so.<its CUDA major> itself, the
+    library is preloaded from the NVIDIA pip packages on sys.path (nvidia-cuda-nvrtc-cu12:
+    nvidia/cuda_nvrtc/lib; the CUDA 13 wheel: nvidia/cu13/lib) or a CUDA toolkit.
+    BackendUnavailable (one line, naming what to install) when that fails."""
+    global _binding
+    if _binding is not None:
+        return _binding
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except Exception as e:
+        raise BackendUnavailable(f"NVRTC: cupy is not installed ({type(e).__name__}); {INSTALL_HINT}") from None
+    if not _usable(nvrtc):
+        majors = _cuda_majors()
+        for path in _library_candidates(majors):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            if _usable(nvrtc):
+                break
+        else:
+            wanted = " or ".join(f"libnvrtc.so.{m}" for m in majors)
+            raise BackendUnavailable(f"NVRTC: cupy is installed but {wanted} was not found; {INSTALL_HINT}")
+    _binding = nvrtc
+    return nvrtc
+
+
+def _usable(nvrtc) -> bool:
+    try:
+        nvrtc.getVersion()
+    except RuntimeError:      # "CuPy failed to load libnvrtc.so.12: ..."; not cached by cupy
+        return False
+    return True
+
+
+def _cuda_majors() -> tuple[int, ...]:
+    """The CUDA major version(s) whose libnvrtc cupy's build dlopens."""
+    try:
+        from cupy_backends.cuda.api import runtime
+        return (int(runtime._getCUDAMajorVersion()),)
+    except Exception:
+        return (12, 13)
+
+
+def _library_candidates(majors: tuple[int, ...]) -> list[str]:
+    names = [f"libnvrtc.so.{m}" for m in majors]
+    dirs = []
+    for entry in sys.path:
+        dirs += sorted(glob.glob(os.path.join(entry or ".", "nvidia", "*", "lib")))
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            dirs.append(os.path.join(os.environ[var], "lib64"))
+    dirs += ["/usr/local/cuda/lib64"] + sorted(glob.glob("/usr/local/cuda-*/lib64"))
+    return [os.path.join(d, n) for n in names for d in dirs if os.path.isfile(os.path.join(d, n))]
+
+
+def version() -> tuple[int, int]:
+    return tuple(load().getVersion())
+
+
+# --- compiling -------------------------------------------------------------------
+
+def options(defines: tuple[str, ...], arch: int) -> list[str]:
+    """NVRTC options for kernels/ sources: the arch, ptxas's resource report, our
+    include dir, one -D per define, and DYN_SHARED when common.cuh lacks it."""
+    opts = [f"-arch=sm_{arch}", "-Xptxas=-v", "-std=c++17", f"-I{KERNELS}"]
+    opts += [f"-D{d}" for d in defines]
+    if not re.search(r"^\s*#\s*define\s+DYN_SHARED\b", (KERNELS / "common.cuh").read_text(), re.MULTILINE):
+        opts.append(f"-D{DYN_SHARED_DEFINE}")
+    return opts
+
+
+def compile_cubin(file: str, defines: tuple[str, ...], arch: int) -> CompileResult:
+    """kernels/<file> with -D<define>s -> cubin for sm_<arch>; CompileError with the log."""
+    return compile_source((KERNELS / file).read_text(), file, defines, arch)
+
+
+def compile_source(source: str, name: str, defines: tuple[str, ...], arch: int) -> CompileResult:
+    """Like compile_cubin for source text (`name` labels the compiler's messages);
+    `#include "common.cuh"` resolves to kernels/."""
+    nvrtc = load()
+    defines = tuple(defines)
+    prog = nvrtc.createProgram(source, name, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, options(defines, arch))
+        except nvrtc.NVRTCError:
+            log = nvrtc.getProgramLog(prog)
+            label = " ".join((name,) + tuple(f"-D{d}" for d in defines))
+            raise CompileError(f"NVRTC: {label} failed to compile for sm_{arch}:\n{_without_ptxas_info(log)}",
+                               log) from None
+        log = nvrtc.getProgramLog(prog)
+        return CompileResult(cubin=bytes(nvrtc.getCUBIN(prog)), log=log, kernels=parse_ptxas(log))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _without_ptxas_info(log: str) -> str:
+    """The log without ptxas's info lines (they bury a ptxas error; CompileError.log keeps them)."""
+    lines = [ln.rstrip() for ln in log.splitlines()
+             if ln.strip() and not re.match(r"\s*ptxas(\s+info\s*:|\s+\.)", ln)]
+    return "\n".join(lines) or log.strip()
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> dict[str, KernelResources]:
+    """Entry function -> resources from `ptxas -v` output. Spills and stack are the
+    entry's own frame (non-inlined callees report their own, not added here)."""
+    frames: dict[str, tuple[int, int, int]] = {}     # function -> (stack, spill st, spill ld)
+    used: dict[str, tuple[int, int]] = {}            # entry -> (registers, smem)
+    entry = props = None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            entry = m.group(1)
+        elif m := _PROPS.search(line):
+            props = m.group(1)
+        elif (m := _FRAME.search(line)) and props is not None:
+            frames[props] = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+            props = None
+        elif (m := _USED.search(line)) and entry is not None:
+            s = _SMEM.search(line)
+            used[entry] = (int(m.group(1)), int(s.group(1)) if s else 0)
+            entry = None
+    return {name: KernelResources(registers=regs, spill_stores=frames.get(name, (0, 0, 0))[1],
+                                  spill_loads=frames.get(name, (0, 0, 0))[2],
+                                  stack_bytes=frames.get(name, (0, 0, 0))[0], smem_bytes=smem)
+            for name, (regs, smem) in used.items()}
+
+
+# --- many variants ------------------------------------------------------------------
+
+def variants() -> tuple[list[tuple[str, tuple[str, ...]]], str]:
+    """(every (file, defines) the backend compiles, where the list came from):
+    backends.cuda.ALL_VARIANTS, or every kernels/*.cu without defines when the
+    package does not provide it yet."""
+    try:
+        from backends.cuda import ALL_VARIANTS
+    except ImportError:
+        return [(p.name, ()) for p in sorted(KERNELS.glob("*.cu"))], "kernels/*.cu (no defines)"
+    return [(f, tuple(d)) for f, d in ALL_VARIANTS], "ALL_VARIANTS"
+
+
+def _compile_job(job):
+    file, defines, arch = job
+    try:
+        return compile_cubin(file, defines, arch)
+    except CompileError as e:
+        return e
+
+
+def compile_all(jobs, pool_after_s: float = 90.0, workers: int = 2) -> dict:
+    """{(file, defines, arch): CompileResult or CompileError} for every job. Compiles
+    in this process; when the first jobs predict more than `pool_after_s` in all,
+    the rest go to a pool of `workers` processes."""
+    jobs = list(dict.fromkeys((f, tuple(d), a) for f, d, a in jobs))
+    load()
+    out, t0 = {}, time.perf_counter()
+    i = 0
+    while i < len(jobs):
+        out[jobs[i]] = _compile_job(jobs[i])
+        i += 1
+        elapsed = time.perf_counter() - t0
+        if i >= min(3, len(jobs)) and elapsed / i * len(jobs) > pool_after_s:
+            break
+    if i < len(jobs):
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            out.update(zip(jobs[i:], pool.map(_compile_job, jobs[i:])))
+    return out
+
+
+# --- command line ----------------------------------------------------------------------
+
+def _table(results: dict, var_list, archs) -> tuple[list[str], int]:
+    """Rows of kernel x arch; returns (lines, number of failed compiles)."""
+    single = len(archs) == 1
+    head = ["file", "defines", "kernel"]
+    head += ["regs", "stack", "spill st", "spill ld", "smem"] if single else [f"sm_{a}" for a in archs]
+    rows, failed = [], 0
+    for file, defines in var_list:
+        dtext = " ".join(defines) or "-"
+        errs = [(a, results[(file, defines, a)]) for a in archs
+                if isinstance(results[(file, defines, a)], CompileError)]
+        for a, e in errs:
+            failed += 1
+            first = next((ln for ln in e.log.splitlines() if "error" in ln.lower()), str(e).splitlines()[-1])
+            rows.append([file, dtext, f"COMPILE ERROR sm_{a}: {first.strip()}"])
+        ok = {a: results[(file, defines, a)] for a in archs if a not in dict(errs)}
+        names = sorted({k for r in ok.values() for k in r.kernels})
+        for name in names:
+            row = [file, dtext, name]
+            for a in archs:
+                k = ok[a].kernels.get(name) if a in ok else None
+                if single:
+                    row += ["-"] * 5 if k is None else [str(k.registers), str(k.stack_bytes),
+                                                        str(k.spill_stores), str(k.spill_loads), str(k.smem_bytes)]
+                else:
+                    spill = "0" if k is None or k.spill_stores == k.spill_loads == 0 \
+                        else f"{k.spill_stores}:{k.spill_loads}!"
+                    row.append("-" if k is None else f"{k.registers}/{spill}/{k.smem_bytes}")
+            rows.append(row)
+    widths = [max(len(r[i]) for r in [head] + rows if len(r) == len(head) or i < 2) for i in range(len(head))]
+
+    def fmt(r):
+        if len(r) == 3 and r[2].startswith("COMPILE ERROR"):
+            return f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}"
+        cells = [f"{c:<{w}}" if i < 3 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(r, widths))]
+        return "  ".join(cells).rstrip()
+    return [fmt(head)] + [fmt(r) for r in rows], failed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m backends.cuda.nvrtc",
+                                 description="Compile CUDA kernel variants offline with NVRTC (no GPU needed) "
+                                             "and print ptxas's registers / spills / static shared memory.")
+    ap.add_argument("--arch", type=int, action="append", choices=ARCHS,
+                    help="compute capability as 75, 80, ... (repeatable; default: all of %s)"
+                         % ", ".join(map(str, ARCHS)))
+    ap.add_argument("files", nargs="*", metavar="FILE", help="kernel files (e.g. norm.cu); default: all variants")
+    args = ap.parse_args(argv)
+    archs = tuple(args.arch or ARCHS)
+    try:
+        load()
+    except BackendUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    var_list, source = variants()
+    if args.files:
+        unknown = sorted(set(args.files) - {f for f, _ in var_list})
+        if unknown:
+            print(f"error: not among the variants ({source}): {', '.join(unknown)}", file=sys.stderr)
+            return 2
+        var_list = [(f, d) for f, d in var_list if f in args.files]
+    t0 = time.perf_counter()
+    results = compile_all([(f, d, a) for f, d in var_list for a in archs])
+    elapsed = time.perf_counter() - t0
+    lines, failed = _table(results, var_list, archs)
+    major, minor = version()
+    print(f"NVRTC {major}.{minor}; {len(var_list)} variants from {source} x {len(archs)} arch(es) "
+          f"compiled in {elapsed:.1f}s")
+    if len(archs) == 1:
+        print(f"sm_{archs[0]}: smem = static __shared__ bytes (per block: {SMEM_DEFAULT} without opt-in, "
+              f"{SMEM_LIMIT[archs[0]]} with); spills in bytes")
+    else:
+        print(f"cells: registers / spill stores:loads in bytes ('!' when any) / static __shared__ bytes "
+              f"(per block: {SMEM_DEFAULT} without opt-in)")
+    print("\n".join(lines))
+    if failed:
+        sys.stdout.flush()
+        print(f"{failed} compile(s) failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Executors: where the CUDA backend's kernels run and its arrays live.
+
+The op modules (quant.py, attention.py, elementwise.py) launch kernels and
+allocate memory only through an executor, so one host layer drives both:
+
+  device       cupy arrays on an NVIDIA GPU; kernels compiled by NVRTC
+               (cupy.RawModule); the prefill GEMM is cuBLAS (cupy.matmul).
+  cpu-harness  numpy arrays; the same kernel source compiled by g++ against
+               harness/cuda_cpu.h and run with one fiber per CUDA thread; the
+               GEMM is numpy's. For tests without a GPU: about 1000x slower.
+
+Launch convention (both): `ex.function(file, name, defines)(grid, block, args,
+shared_mem=0)` as cupy.RawKernel; array arguments are passed as the address of
+their first element (views allowed), scalars as numpy scalars of exactly the
+kernel parameter's type.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import BackendUnavailable
+
+KERNELS = Path(__file__).parent / "kernels"
+EXECUTORS = ("device", "cpu-harness")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def inline_includes(file: str, seen: set | None = None) -> str:
+    """The source of kernels/<file> with its local `#include "x"` lines replaced by
+    the files themselves (once each), so a compiled-kernel cache keyed by the
+    source text sees header changes too."""
+    seen = set() if seen is None else seen
+    seen.add(file)
+    text = (KERNELS / file).read_text()
+
+    def expand(m):
+        name = m.group(1)
+        return "" if name in seen else inline_includes(name, seen)
+    return _INCLUDE.sub(expand, text)
+
+
+class HarnessExecutor:
+    """Kernels on the CPU harness; arrays are numpy."""
+
+    name = "cpu-harness"
+    label = "the CUDA CPU harness"
+
+    def __init__(self):
+        from . import harness
+        self._harness = harness
+        self._modules: dict = {}
+        self.cache: dict = {}           # per-executor state of the op modules (scratch buffers)
+
+    def zeros(self, shape, dtype=np.float32) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    def empty(self, shape, dtype=np.float32) -> np.ndarray:
+        """Uninitialised on a GPU; NaN-filled (float) or 0xFF bytes here, so a read
+        of an unwritten element shows up."""
+        out = np.empty(shape, dtype=dtype)
+        out.view(np.uint8)[...] = 0xFF
+        return out
+
+    def asarray(self, host) -> np.ndarray:
+        return np.array(host, copy=True, order="C")
+
+    def to_host(self, arr) -> np.ndarray:
+        return np.array(arr, copy=True)
+
+    def function(self, file: str, name: str, defines: tuple[str, ...] = ()):
+        key = (file, tuple(defines))
+        mod = self._modules.get(key)
+        if mod is None:
+            mod = self._modules[key] = self._harness.build(KERNELS / file, tuple(defines))
+        return mod.get_function(name)
+
+    def gemm(self, x, w, out) -> None:
+        """out[...] = x @ w.T (f32)."""
+        out[...] = np.asarray(x) @ np.asarray(w).T
+
+    def synchronize(self) -> None:
+        pass
+
+    def free_bytes(self) -> int | None:
+        """None: host memory, no device limit to check (tests may patch this)."""
+        return None
+
+
+class CupyExecutor:
+    """Kernels on an NVIDIA GPU through cupy (cupy-cuda12x or -13x); one stream (the
+    current one), no host synchronisation except `to_host` and `synchronize`."""
+
+    name = "device"
+
+    def __init__(self, device: int = 0):
+        try:
+            import cupy
+        except Exception as e:   # pragma: no cover - depends on the machine
+            raise BackendUnavailable(f"backend 'cuda' needs cupy (pip install cupy-cuda12x or cupy-cuda13x): "
+                                     f"{type(e).__name__}: {e}") from None
+        n = device_count(cupy)
+        if device >= n:
+            raise BackendUnavailable(f"backend 'cuda': no CUDA device {device} ({n} found)")
+        self.cp = cupy
+        self.device_id = device
+        cupy.cuda.Device(device).use()
+        self.label = f"CUDA device {device}"
+        self._modules: dict = {}
+        self.cache: dict = {}
+
+    def zeros(self, shape, dtype=np.float32):
+        return self.cp.zeros(shape, dtype=dtype)
+
+    def empty(self, shape, dtype=np.float32):
+        return self.cp.empty(shape, dtype=dtype)
+
+    def asarray(self, host):
+        return self.cp.asarray(np.ascontiguousarray(host))
+
+    def to_host(self, arr) -> np.ndarray:
+        if isinstance(arr, np.ndarray):
+            return np.array(arr, copy=True)
+        return self.cp.asnumpy(arr)
+
+    def function(self, file: str, name: str, defines: tuple[str, ...] = ()):
+        key = (file, tuple(defines))
+        mod = self._modules.get(key)
+        if mod is None:
+            options = ("-std=c++17",) + tuple(f"-D{d}" for d in defines)
+            mod = self._modules[key] = self.cp.RawModule(code=inline_includes(file), options=options)
+        return mod.get_function(name)
+
+    def gemm(self, x, w, out) -> None:
+        """out[...] = x @ w.T (f32, cuBLAS)."""
+        out[...] = self.cp.matmul(x, w.T)
+
+    def synchronize(self) -> None:
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def free_bytes(self) -> int:
+        """Free device memory plus what cupy's pool holds unused."""
+        free, _ = self.cp.cuda.runtime.memGetInfo()
+        return int(free) + int(self.cp.get_default_memory_pool().free_bytes())
+
+
+def device_count(cupy=None) -> int:
+    """CUDA devices visible through cupy; BackendUnavailable (one line) when there is
+    no driver or no device."""
+    if cupy is None:
+        try:
+            import cupy
+        except Exception as e:
+            raise BackendUnavailable(f"backend 'cuda' needs cupy (pip install cupy-cuda12x or cupy-cuda13x): "
+                                     f"{type(e).__name__}: {e}") from None
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        raise BackendUnavailable(f"backend 'cuda': no usable CUDA driver or device "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if n == 0:
+        raise BackendUnavailable("backend 'cuda': no CUDA device found")
+    return n
+
+
+def make_executor(name: str = "device", device: int = 0):
+    if name == "device":
+        return CupyExecutor(device)
+    if name == "cpu-harness":
+        return HarnessExecutor()
+    raise ValueError(f"unknown CUDA executor {name!r}; choose one of: {', '.join(EXECUTORS)}")

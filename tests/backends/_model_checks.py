@@ -1,0 +1,81 @@
+"""End-to-end checks shared by the device backends' model tests (Vulkan, CUDA):
+a device model against the CPU backend on the same GGUF.
+
+Tolerances: last-token logits NMSE < 1e-5 (or the caller's) against CPU (f32 accumulation in a
+different order), the same argmax and identical greedy tokens; with SnapKV, per
+layer and KV head >= 95% of the keep set equal to CPU's (near-ties in votes may
+swap), identical tokens after compaction, and the device cache holding exactly
+the kept rows of the full cache, bit for bit (a branched copy too).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from backends.reference import read_rows
+from engine.snapkv import SnapKvConfig
+
+
+def greedy(model, ids, n, snapkv=False):
+    """Prefill once, then n greedy tokens: (cache, prompt logits, tokens)."""
+    cache, logits = model.prefill(ids, snapkv=snapkv)
+    first, tokens = logits, []
+    for _ in range(n):
+        tokens.append(int(np.argmax(logits)))
+        logits = model.forward.decode(tokens[-1], cache)
+    return cache, first, tokens
+
+
+def nmse(a, b):
+    return float(np.sum((np.asarray(a, np.float64) - b) ** 2) / np.sum(np.asarray(b, np.float64) ** 2))
+
+
+def _pool_rows(model, cache, layer, n_rows):
+    """f64 [n_kv, n_rows, head_dim] K and V rows of one layer, read back from the device."""
+    b = model.backend
+    table = np.asarray(cache.layers[layer]._table)
+    return (read_rows(b.download(cache.pool.k_pages), table, n_rows),
+            read_rows(b.download(cache.pool.v_pages), table, n_rows))
+
+
+def check_logits_and_tokens(cpu, dev, ids, n, tol=1e-5):
+    _, lc, tc = greedy(cpu, ids, n)
+    _, lg, tg = greedy(dev, ids, n)
+    assert nmse(lg, lc) < tol
+    assert int(np.argmax(lg)) == int(np.argmax(lc))
+    assert tg == tc
+
+
+def check_decode_moves_only_the_logits(model, ids):
+    """Per decode token: nothing to the device (the token id is a kernel argument or
+    push constant), the logits back."""
+    cache, logits = model.prefill(ids)
+    b = model.backend
+    before = (b.bytes_to_device, b.bytes_to_host)
+    model.forward.decode(int(np.argmax(logits)), cache)
+    assert b.bytes_to_device - before[0] == 0
+    assert b.bytes_to_host - before[1] == 4 * model.config.vocab_size
+
+
+def check_snapkv(cpu, dev, ids, budget, window, n_tokens, layers):
+    cfg = SnapKvConfig(budget=budget, window=window, min_tokens=32)
+    cache_c, _, tc = greedy(cpu, ids, n_tokens, snapkv=cfg)
+    cache_g, _, tg = greedy(dev, ids, n_tokens, snapkv=cfg)
+    assert cache_g.eviction["rows_after"] == budget
+    assert cache_g.length == budget + n_tokens and cache_g.logical_length == len(ids) + n_tokens
+    for lc, lg in zip(cache_c.layers, cache_g.layers):
+        assert lg.last_keep.shape == lc.last_keep.shape == (dev.config.n_kv_heads, budget)
+        for h in range(lg.last_keep.shape[0]):
+            same = len(np.intersect1d(lg.last_keep[h], lc.last_keep[h]))
+            assert same >= 0.95 * budget, f"keep sets differ beyond ties: {same}/{budget}"
+    assert tg == tc                                   # greedy continuation after compaction
+    full, _ = dev.prefill(ids, snapkv=False)         # the compacted cache = kept rows of the full one
+    for layer in layers:
+        keep = cache_g.layers[layer].last_keep
+        kf, vf = _pool_rows(dev, full, layer, len(ids))
+        kc, vc = _pool_rows(dev, cache_g, layer, budget)
+        for h in range(keep.shape[0]):
+            np.testing.assert_array_equal(kc[h], kf[h, keep[h]])
+            np.testing.assert_array_equal(vc[h], vf[h, keep[h]])
+    branch = cache_g.copy()                           # kv_copy_pages on the device
+    for got, want in zip(_pool_rows(dev, branch, 0, budget), _pool_rows(dev, cache_g, 0, budget)):
+        np.testing.assert_array_equal(got, want)

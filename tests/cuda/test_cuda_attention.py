@@ -1,0 +1,231 @@
+"""CUDA attention ops (backends/cuda/attention.py, kernels/attention.cu and
+kernels/snapkv_votes.cu) on the CPU harness against the numpy reference
+(backends/reference.py), NMSE < 1e-8 as in tests/backends/test_ops.py.
+
+Covers what the generic parity cases there do not: head_dim 64, 96, 128 and 256
+(all three prefill tile shapes, and words beyond a lane's share), GQA 32/8, 9/3, 4/1,
+14/2 (a group split over two decode blocks) and 8/8; decode over 1, 7, 300 and 3000
+rows (one split, a few, many); prefill chunks at start_row > 0 whose length is not a
+multiple of the query tile, through row-strided q/out views; SnapKV votes with
+windows 1, 16 and 32 over row counts that are not multiples of the page size, with
+several stats splits and partial query chunks. Unused page slots hold bf16 NaN and
+page tables are permuted, so a read outside the valid rows shows up; outputs are
+column slices of NaN-filled buffers, so a write outside the view shows up too.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from backends.bf16 import BF16_QNAN
+from backends.cuda import attention
+from backends.reference import ReferenceBackend
+
+REF = ReferenceBackend()
+TOL = 1e-8
+
+
+def nmse(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    assert np.all(np.isfinite(got)), "non-finite output (a read of a NaN-poisoned slot?)"
+    return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-300))
+
+
+def filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0):
+    """Host pools (bf16 NaN everywhere but rows 0..n_rows-1) and a permuted page table
+    with one spare entry."""
+    n_used = -(-n_rows // page_size)
+    shape = (n_used + 3, n_kv, page_size, head_dim)
+    k_pages = np.full(shape, BF16_QNAN, np.uint16)
+    v_pages = np.full(shape, BF16_QNAN, np.uint16)
+    page_table = rng.permutation(shape[0]).astype(np.int32)[:n_used + 1]
+    k = (rng.standard_normal((n_rows, n_kv * head_dim)) * kscale).astype(np.float32)
+    v = rng.standard_normal((n_rows, n_kv * head_dim)).astype(np.float32)
+    REF.kv_write(k_pages, v_pages, page_table, k, v, 0)
+    return k_pages, v_pages, page_table
+
+
+def nan_view(ex, host, pad_left, pad_right):
+    """Device copy of host f32 [n, w] as the column slice [:, pad_left:pad_left+w] of a
+    NaN-filled [n, pad_left + w + pad_right] buffer: (buffer, view)."""
+    n, w = host.shape
+    big = np.full((n, pad_left + w + pad_right), np.nan, np.float32)
+    big[:, pad_left:pad_left + w] = host
+    dev = ex.asarray(big)
+    return dev, dev[:, pad_left:pad_left + w]
+
+
+def upload(ex, *arrays):
+    return [ex.asarray(a) for a in arrays]
+
+
+# (n_q_heads, n_kv_heads, head_dim, page_size)
+SHAPES = [(32, 8, 128, 16), (9, 3, 64, 16), (4, 1, 256, 16), (14, 2, 96, 32)]
+
+
+# -- decode ------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", SHAPES + [(8, 8, 64, 16)])
+@pytest.mark.parametrize("n_rows", [1, 7, 300, 3000])
+def test_attention_decode(ex, n_q, n_kv, head_dim, page_size, n_rows):
+    rng = np.random.default_rng(n_rows * 7 + head_dim + n_q)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim)
+    width = n_q * head_dim
+    q = rng.standard_normal((1, width)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, want)
+
+    _, q_dev = nan_view(ex, q, 3, 5)
+    out_buf, out = nan_view(ex, np.full_like(q, np.nan), 2, 6)
+    attention.attention_decode(ex, q_dev, *upload(ex, k_pages, v_pages, page_table), n_rows, n_q, scale, out)
+    got = ex.to_host(out_buf)
+    assert nmse(got[:, 2:2 + width], want) < TOL
+    assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + width:]))
+
+
+def test_decode_geometry():
+    """1-2 splits for short contexts, many for long ones; no split is empty; group
+    chunks of at most DEC_HEADS query heads, balanced."""
+    assert attention.decode_geometry(7, 9, 3)[2:] == (1, 7)
+    assert attention.decode_geometry(100, 32, 8)[2] == 2
+    for n_rows, n_q, n_kv in [(300, 9, 3), (3000, 32, 8), (3000, 4, 1), (100_000, 32, 8), (65, 14, 2)]:
+        n_chunks, per_block, n_splits, rows = attention.decode_geometry(n_rows, n_q, n_kv)
+        assert 1 <= n_splits <= attention.DEC_MAX_SPLITS and (n_splits - 1) * rows < n_rows <= n_splits * rows
+        assert per_block <= attention.DEC_HEADS and (n_chunks - 1) * per_block < n_q // n_kv <= n_chunks * per_block
+    assert attention.decode_geometry(3000, 32, 8)[2] >= 32
+    assert attention.decode_geometry(65, 14, 2)[:2] == (2, 4)
+
+
+def test_decode_scratch_allocated_once(ex):
+    """A growing context reuses the partials buffer: a decode token allocates nothing."""
+    rng = np.random.default_rng(3)
+    n_q, n_kv, head_dim = 9, 3, 64
+    pools = filled_pool(rng, 900, n_kv, 16, head_dim)
+    k_pages, v_pages, page_table = upload(ex, *pools)
+    q_host = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
+    q, out = ex.asarray(q_host), ex.zeros((1, n_q * head_dim))
+    attention.attention_decode(ex, q, k_pages, v_pages, page_table, 200, n_q, 0.125, out)
+    buf = ex.cache["attention_decode"]
+    for n_rows in (201, 500, 900):
+        attention.attention_decode(ex, q, k_pages, v_pages, page_table, n_rows, n_q, 0.125, out)
+        want = np.empty_like(q_host)
+        REF.attention_decode(q_host, *pools, n_rows, n_q, 0.125, want)
+        assert nmse(ex.to_host(out), want) < TOL
+    assert ex.cache["attention_decode"] is buf
+
+
+# -- prefill ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", SHAPES)
+@pytest.mark.parametrize("start_row,n", [(0, 1), (0, 45), (37, 70), (300, 17)])
+def test_attention_prefill(ex, n_q, n_kv, head_dim, page_size, start_row, n):
+    rng = np.random.default_rng(start_row * 13 + n + head_dim)
+    n_rows = start_row + n
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim)
+    width = n_q * head_dim
+    q = rng.standard_normal((n, width)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, scale, want)
+
+    _, q_dev = nan_view(ex, q, 0, 2 * n_kv * head_dim)          # q of a fused qkv row
+    out_buf, out = nan_view(ex, np.full_like(q, np.nan), 4, 3)
+    attention.attention_prefill(ex, q_dev, *upload(ex, k_pages, v_pages, page_table), start_row, n_q, scale, out)
+    got = ex.to_host(out_buf)
+    assert nmse(got[:, 4:4 + width], want) < TOL
+    assert np.all(np.isnan(got[:, :4])) and np.all(np.isnan(got[:, 4 + width:]))
+
+
+def test_prefill_shared_memory_fits():
+    for head_dim in range(2, attention.MAX_HEAD_DIM + 1, 2):
+        name, bq = attention.prefill_kernel(head_dim)
+        assert attention.prefill_smem_bytes(bq, head_dim) <= 48 * 1024, (head_dim, name)
+
+
+def test_peaked_softmax(ex):
+    """Large logits (|s| ~ 50): the online max keeps every exponent in range."""
+    rng = np.random.default_rng(8)
+    n_q, n_kv, head_dim, start_row, n = 9, 3, 64, 90, 40
+    k_pages, v_pages, page_table = filled_pool(rng, start_row + n, n_kv, 16, head_dim, kscale=8.0)
+    q = (rng.standard_normal((n, n_q * head_dim)) * 6).astype(np.float32)
+    dev = upload(ex, k_pages, v_pages, page_table)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, 0.125, want)
+    out = ex.zeros(q.shape)
+    attention.attention_prefill(ex, ex.asarray(q), *dev, start_row, n_q, 0.125, out)
+    assert nmse(ex.to_host(out), want) < TOL
+    REF.attention_decode(q[-1:], k_pages, v_pages, page_table, start_row + n, n_q, 0.125, want[:1])
+    out = ex.zeros((1, q.shape[1]))
+    attention.attention_decode(ex, ex.asarray(q[-1:]), *dev, start_row + n, n_q, 0.125, out)
+    assert nmse(ex.to_host(out), want[:1]) < TOL
+    q_window = (rng.standard_normal((n_q, 16, head_dim)) * 6).astype(np.float32)
+    got = attention.snapkv_votes(ex, q_window, dev[0], dev[2], start_row + n, 0.125)
+    assert nmse(got, REF.snapkv_votes(q_window, k_pages, page_table, start_row + n, 0.125)) < TOL
+
+
+# -- SnapKV votes -----------------------------------------------------------------------------
+VOTES_CASES = [shape + rows for shape in SHAPES for rows in [(301, 32), (77, 32), (45, 16), (20, 1)]] + [
+    (32, 8, 128, 16, 1000, 32),      # stats splits of two row tiles (queries staged once)
+    (32, 8, 256, 16, 1000, 32),      # ... and of two 128-dim slices (queries staged per tile)
+]
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size,n_rows,window", VOTES_CASES)
+def test_snapkv_votes(ex, n_q, n_kv, head_dim, page_size, n_rows, window):
+    rng = np.random.default_rng(n_rows * 3 + window + head_dim)
+    k_pages, _, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim)
+    q_window = rng.standard_normal((n_q, window, head_dim)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = REF.snapkv_votes(q_window, k_pages, page_table, n_rows, scale)
+    got = attention.snapkv_votes(ex, q_window, ex.asarray(k_pages), ex.asarray(page_table), n_rows, scale)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    assert got.shape == want.shape == (n_kv, n_rows - window)
+    assert nmse(got, want) < TOL
+
+
+def test_votes_geometry():
+    """Several stats splits, each a whole number of 32-row tiles, none empty."""
+    n_qchunks, n_splits, rows = attention.votes_geometry(301, 96, 3)
+    assert n_qchunks == 3 and n_splits > 1 and rows % attention.SNAP_RT == 0
+    assert attention.votes_geometry(1000, 128, 8)[2] == 2 * attention.SNAP_RT
+    for n_rows, n_queries, n_kv in [(20, 7, 2), (301, 96, 3), (100_000, 128, 8), (100_000, 128, 1)]:
+        _, n_splits, rows = attention.votes_geometry(n_rows, n_queries, n_kv)
+        assert (n_splits - 1) * rows < n_rows <= n_splits * rows
+
+
+def test_snapkv_votes_device_query_and_empty_prefix(ex):
+    rng = np.random.default_rng(4)
+    k_pages, _, page_table = filled_pool(rng, 40, 3, 16, 64)
+    q_window = rng.standard_normal((9, 8, 64)).astype(np.float32)
+    dev_k, dev_pt = ex.asarray(k_pages), ex.asarray(page_table)
+    got = attention.snapkv_votes(ex, ex.asarray(q_window), dev_k, dev_pt, 40, 0.125)
+    assert nmse(got, REF.snapkv_votes(q_window, k_pages, page_table, 40, 0.125)) < TOL
+    empty = attention.snapkv_votes(ex, q_window, dev_k, dev_pt, 8, 0.125)
+    assert empty.shape == (3, 0) and empty.dtype == np.float32
+
+
+# -- argument checks -----------------------------------------------------------------------------
+def test_rejects_unsupported_shapes(ex):
+    def pools(head_dim, n_kv=3):
+        k = ex.zeros((2, n_kv, 16, head_dim), np.uint16)
+        return k, ex.zeros((2, n_kv, 16, head_dim), np.uint16), ex.asarray(np.arange(2, dtype=np.int32))
+
+    for head_dim, match in [(63, "even"), (258, "at most 256")]:
+        k, v, pt = pools(head_dim)
+        q = ex.zeros((1, 9 * head_dim))
+        with pytest.raises(ValueError, match=match):
+            attention.attention_decode(ex, q, k, v, pt, 5, 9, 0.1, ex.zeros(q.shape))
+        with pytest.raises(ValueError, match=match):
+            attention.attention_prefill(ex, q, k, v, pt, 0, 9, 0.1, ex.zeros(q.shape))
+    k, v, pt = pools(64)
+    q = ex.zeros((1, 10 * 64))
+    with pytest.raises(ValueError, match="multiple of 3 KV heads"):
+        attention.attention_decode(ex, q, k, v, pt, 5, 10, 0.1, ex.zeros(q.shape))
+    with pytest.raises(ValueError, match="multiple of 3 KV heads"):
+        attention.snapkv_votes(ex, np.zeros((10, 4, 64), np.float32), k, pt, 20, 0.1)
+    with pytest.raises(ValueError, match="pages"):                       # 40 rows need 3 pages
+        attention.attention_decode(ex, ex.zeros((1, 9 * 64)), k, v, pt, 40, 9, 0.1, ex.zeros((1, 9 * 64)))
+    with pytest.raises(ValueError, match="window"):
+        attention.snapkv_votes(ex, np.zeros((9, 40, 64), np.float32), k, pt, 20, 0.1)
