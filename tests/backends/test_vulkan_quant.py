@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from _backends import available_backends, make_backend
-from _quant_blocks import ALL, K_QUANTS, make_raw
+from _quant_blocks import ALL, K_QUANTS, check_matmul_output, make_raw, nan_output
 
 pytestmark = pytest.mark.skipif("vulkan" not in available_backends(), reason="no Vulkan device / kp")
 
@@ -27,19 +27,9 @@ def vk():
 
 
 def check_matmul(vk, w, W, x, bias=None):
-    n, rows = x.shape[0], W.shape[0]
-    big = vk.upload(np.full((n, rows + 5), np.nan, np.float32))
-    vk.matmul(w, vk.upload(x), big[:, 2:2 + rows], None if bias is None else vk.upload(bias))
-    got = vk.download(big)
-    ref = x.astype(np.float64) @ W.astype(np.float64).T
-    if bias is not None:
-        ref += bias
-    out = got[:, 2:2 + rows]
-    tol = 2e-5 * np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :] + 1e-6
-    err = np.abs(out - ref)
-    assert np.all(err <= tol), f"max err/tol {np.max(err / tol):.3g}"
-    assert np.sum(err ** 2) / max(np.sum(ref ** 2), 1e-30) <= 1e-9
-    assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + rows:]))
+    big = vk.upload(nan_output(x.shape[0], W.shape[0]))
+    vk.matmul(w, vk.upload(x), big[:, 2:2 + W.shape[0]], None if bias is None else vk.upload(bias))
+    check_matmul_output(vk.download(big), x, W, bias)
 
 
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
