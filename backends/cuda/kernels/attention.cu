@@ -372,29 +372,16 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
 }
 
 // head_dim <= 64: BQ 64; <= 128: BQ 32; <= 256: BQ 16 (attention.py picks by head_dim).
-extern "C" __global__ void __launch_bounds__(PRE_THREADS) attention_prefill_d64(
-        const float* __restrict__ q, int q_stride, const u32* __restrict__ k_pages, const u32* __restrict__ v_pages,
-        const int* __restrict__ page_table, float* __restrict__ out, int out_stride, int n, int start_row,
-        int n_q_heads, int n_kv, int head_dim, int page_size, float scale) {
-    DYN_SHARED(float, smem);
-    prefill_block<64, 8>(q, q_stride, k_pages, v_pages, page_table, out, out_stride, n, start_row, n_q_heads,
-                        n_kv, head_dim, page_size, scale, smem);
-}
-
-extern "C" __global__ void __launch_bounds__(PRE_THREADS) attention_prefill_d128(
-        const float* __restrict__ q, int q_stride, const u32* __restrict__ k_pages, const u32* __restrict__ v_pages,
-        const int* __restrict__ page_table, float* __restrict__ out, int out_stride, int n, int start_row,
-        int n_q_heads, int n_kv, int head_dim, int page_size, float scale) {
-    DYN_SHARED(float, smem);
-    prefill_block<32, 16>(q, q_stride, k_pages, v_pages, page_table, out, out_stride, n, start_row, n_q_heads,
-                         n_kv, head_dim, page_size, scale, smem);
-}
-
-extern "C" __global__ void __launch_bounds__(PRE_THREADS) attention_prefill_d256(
-        const float* __restrict__ q, int q_stride, const u32* __restrict__ k_pages, const u32* __restrict__ v_pages,
-        const int* __restrict__ page_table, float* __restrict__ out, int out_stride, int n, int start_row,
-        int n_q_heads, int n_kv, int head_dim, int page_size, float scale) {
-    DYN_SHARED(float, smem);
-    prefill_block<16, 32>(q, q_stride, k_pages, v_pages, page_table, out, out_stride, n, start_row, n_q_heads,
-                         n_kv, head_dim, page_size, scale, smem);
-}
+#define PREFILL_ENTRY(NAME, BQ, DL)                                                                          \
+    extern "C" __global__ void __launch_bounds__(PRE_THREADS) NAME(                                          \
+            const float* __restrict__ q, int q_stride, const u32* __restrict__ k_pages,                      \
+            const u32* __restrict__ v_pages, const int* __restrict__ page_table, float* __restrict__ out,     \
+            int out_stride, int n, int start_row, int n_q_heads, int n_kv, int head_dim, int page_size,      \
+            float scale) {                                                                                   \
+        DYN_SHARED(float, smem);                                                                             \
+        prefill_block<BQ, DL>(q, q_stride, k_pages, v_pages, page_table, out, out_stride, n, start_row,     \
+                              n_q_heads, n_kv, head_dim, page_size, scale, smem);                            \
+    }
+PREFILL_ENTRY(attention_prefill_d64, 64, 8)
+PREFILL_ENTRY(attention_prefill_d128, 32, 16)
+PREFILL_ENTRY(attention_prefill_d256, 16, 32)
