@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
-from engine.errors import UnsupportedError
-from engine.gguf.qtypes import SUPPORTED, SUPPORTED_NAMES, block_geometry
+from engine.gguf.qtypes import SUPPORTED, raw_blocks
 
 from .elementwise import row_stride
 
@@ -77,20 +75,9 @@ def _state(ex) -> _QuantState:
 
 def load_weight(ex, raw, qtype, shape) -> CudaWeight:
     """raw: uint8 [rows, row_bytes] GGUF blocks (may be a read-only memory map)."""
-    qtype = Q(int(qtype))
-    if qtype not in SUPPORTED:
-        raise UnsupportedError(f"backend 'cuda' does not support tensor type {qtype.name}; "
-                               f"supported: {SUPPORTED_NAMES}")
-    rows, cols = int(shape[0]), int(shape[1])
-    block, block_bytes = block_geometry(qtype)
-    if cols % block or (block > 1 and cols % 32):
-        raise UnsupportedError(f"{qtype.name} weight of {cols} columns: not a multiple of the block size {block}")
-    row_bytes = cols // block * block_bytes
-    data = np.asarray(raw).view(np.uint8).reshape(-1)
-    if data.size != rows * row_bytes:
-        raise ValueError(f"{qtype.name} weight {rows}x{cols}: {data.size} bytes, expected {rows * row_bytes}")
+    qtype, rows, row_bytes, data = raw_blocks(raw, qtype, shape, "cuda")
     padded = np.concatenate([data, np.zeros(PAD_BYTES, np.uint8)])
-    return CudaWeight(int(qtype), (rows, cols), ex.asarray(padded), row_bytes, f"QTYPE_{qtype.name}")
+    return CudaWeight(int(qtype), (rows, int(shape[1])), ex.asarray(padded), row_bytes, f"QTYPE_{qtype.name}")
 
 
 def _dequant_rows(ex, w: CudaWeight, n: int, ids, first_row: int, out) -> None:
