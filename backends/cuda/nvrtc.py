@@ -21,11 +21,10 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine.errors import BackendUnavailable
 
-KERNELS = Path(__file__).parent / "kernels"
+from .runtime import KERNELS, inline_includes
 
 # Compute capabilities we build for: Turing, Ampere (A100, RTX 30xx), Ada, Hopper.
 # NVRTC 12.9 and 13.x both accept all five.
@@ -37,9 +36,6 @@ ARCHS = (75, 80, 86, 89, 90)
 # Compute Capability"). ptxas rejects static __shared__ above 48 KiB on every arch.
 SMEM_DEFAULT = 48 * 1024
 SMEM_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-
-# Passed as -D when common.cuh does not define DYN_SHARED itself (docs/cuda.md).
-DYN_SHARED_DEFINE = "DYN_SHARED(T,n)=extern __shared__ T n[]"
 
 INSTALL_HINT = ("pip install -e '.[cuda]' (cupy-cuda12x + nvidia-cuda-nvrtc-cu12; "
                 "with CUDA 13: cupy-cuda13x + nvidia-cuda-nvrtc)")
@@ -144,18 +140,15 @@ def version() -> tuple[int, int]:
 # --- compiling -------------------------------------------------------------------
 
 def options(defines: tuple[str, ...], arch: int) -> list[str]:
-    """NVRTC options for kernels/ sources: the arch, ptxas's resource report, our
-    include dir, one -D per define, and DYN_SHARED when common.cuh lacks it."""
-    opts = [f"-arch=sm_{arch}", "-Xptxas=-v", "-std=c++17", f"-I{KERNELS}"]
-    opts += [f"-D{d}" for d in defines]
-    if not re.search(r"^\s*#\s*define\s+DYN_SHARED\b", (KERNELS / "common.cuh").read_text(), re.MULTILINE):
-        opts.append(f"-D{DYN_SHARED_DEFINE}")
-    return opts
+    """NVRTC options: the arch, ptxas's resource report, our include dir (for test
+    sources that include common.cuh), one -D per define."""
+    return [f"-arch=sm_{arch}", "-Xptxas=-v", "-std=c++17", f"-I{KERNELS}"] + [f"-D{d}" for d in defines]
 
 
 def compile_cubin(file: str, defines: tuple[str, ...], arch: int) -> CompileResult:
-    """kernels/<file> with -D<define>s -> cubin for sm_<arch>; CompileError with the log."""
-    return compile_source((KERNELS / file).read_text(), file, defines, arch)
+    """kernels/<file> with -D<define>s -> cubin for sm_<arch>; CompileError with the log.
+    The source is the one the GPU executor compiles: its includes inlined (runtime.py)."""
+    return compile_source(inline_includes(file), file, defines, arch)
 
 
 def compile_source(source: str, name: str, defines: tuple[str, ...], arch: int) -> CompileResult:
@@ -217,17 +210,6 @@ def parse_ptxas(log: str) -> dict[str, KernelResources]:
 
 
 # --- many variants ------------------------------------------------------------------
-
-def variants() -> tuple[list[tuple[str, tuple[str, ...]]], str]:
-    """(every (file, defines) the backend compiles, where the list came from):
-    backends.cuda.ALL_VARIANTS, or every kernels/*.cu without defines when the
-    package does not provide it yet."""
-    try:
-        from backends.cuda import ALL_VARIANTS
-    except ImportError:
-        return [(p.name, ()) for p in sorted(KERNELS.glob("*.cu"))], "kernels/*.cu (no defines)"
-    return [(f, tuple(d)) for f, d in ALL_VARIANTS], "ALL_VARIANTS"
-
 
 def _compile_job(job):
     file, defines, arch = job
@@ -313,11 +295,12 @@ def main(argv=None) -> int:
     except BackendUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    var_list, source = variants()
+    from backends.cuda import ALL_VARIANTS
+    var_list = [(f, tuple(d)) for f, d in ALL_VARIANTS]
     if args.files:
         unknown = sorted(set(args.files) - {f for f, _ in var_list})
         if unknown:
-            print(f"error: not among the variants ({source}): {', '.join(unknown)}", file=sys.stderr)
+            print(f"error: not among the variants (ALL_VARIANTS): {', '.join(unknown)}", file=sys.stderr)
             return 2
         var_list = [(f, d) for f, d in var_list if f in args.files]
     t0 = time.perf_counter()
@@ -325,7 +308,7 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - t0
     lines, failed = _table(results, var_list, archs)
     major, minor = version()
-    print(f"NVRTC {major}.{minor}; {len(var_list)} variants from {source} x {len(archs)} arch(es) "
+    print(f"NVRTC {major}.{minor}; {len(var_list)} variants from ALL_VARIANTS x {len(archs)} arch(es) "
           f"compiled in {elapsed:.1f}s")
     if len(archs) == 1:
         print(f"sm_{archs[0]}: smem = static __shared__ bytes (per block: {SMEM_DEFAULT} without opt-in, "

@@ -26,6 +26,7 @@ from engine.errors import BackendUnavailable
 KERNELS = Path(__file__).parent / "kernels"
 EXECUTORS = ("device", "cpu-harness")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+_PRAGMA_ONCE = re.compile(r'^\s*#\s*pragma\s+once\s*$', re.MULTILINE)
 
 
 def inline_includes(file: str, seen: set | None = None) -> str:
@@ -34,7 +35,7 @@ def inline_includes(file: str, seen: set | None = None) -> str:
     source text sees header changes too."""
     seen = set() if seen is None else seen
     seen.add(file)
-    text = (KERNELS / file).read_text()
+    text = _PRAGMA_ONCE.sub("", (KERNELS / file).read_text())
 
     def expand(m):
         name = m.group(1)

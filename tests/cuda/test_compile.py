@@ -6,7 +6,7 @@ import fnmatch
 
 import pytest
 
-from backends.cuda import nvrtc
+from backends.cuda import ALL_VARIANTS, nvrtc
 from engine.errors import BackendUnavailable
 
 # Kernels launched for every decoded token (once or more per layer): ptxas must
@@ -19,7 +19,7 @@ from engine.errors import BackendUnavailable
 #   add*              residual adds and the qwen2 q/k/v bias (add, add_bias)
 DECODE_PATH = ("matvec*", "attention_decode*", "rms_norm*", "rope*", "kv_write*", "add*", "silu*", "dequant*")
 
-VARIANTS, SOURCE = nvrtc.variants()    # [(file, defines)], "ALL_VARIANTS" once backends.cuda has it
+VARIANTS = [(f, tuple(d)) for f, d in ALL_VARIANTS]
 
 
 def _variant_id(variant) -> str:
@@ -46,8 +46,6 @@ def _result(compiled, variant, arch) -> nvrtc.CompileResult:
     file, defines = variant
     result = compiled[(file, tuple(defines), arch)]
     if isinstance(result, nvrtc.CompileError):
-        if SOURCE != "ALL_VARIANTS":     # no variant list yet: a file may need its defines
-            pytest.skip(f"{file} does not compile without defines (backends.cuda.ALL_VARIANTS not available)")
         pytest.fail(str(result), pytrace=False)
     return result
 
@@ -80,8 +78,6 @@ def test_decode_path_does_not_spill(compiled, variant, arch):
 
 
 def test_decode_path_patterns_match(compiled):
-    if SOURCE != "ALL_VARIANTS":
-        pytest.skip("backends.cuda.ALL_VARIANTS not available: the kernel set is incomplete")
     names = {name for r in compiled.values() if isinstance(r, nvrtc.CompileResult) for name in r.kernels}
     unmatched = [p for p in DECODE_PATH if not fnmatch.filter(names, p)]
     assert not unmatched, f"DECODE_PATH patterns matching no kernel: {unmatched}; kernels: {sorted(names)}"
