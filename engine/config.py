@@ -97,6 +97,10 @@ SETTINGS = (
     Spec("cuda_executor", "SHARPI_CUDA_EXECUTOR", None, _choice("device", "cpu-harness"), "device",
          "where CUDA kernels run: device = an NVIDIA GPU through cupy; cpu-harness = the same kernel "
          "source on the CPU through our test harness (no GPU needed, ~1000x slower)"),
+    # read once, when backends/cuda/harness.py is imported (its MEMCHECK switch)
+    Spec("cuda_harness_memcheck", "SHARPI_CUDA_HARNESS_MEMCHECK", None, _choice("1", "0"), "1",
+         "CUDA CPU harness: 1 = every array argument between guard pages, an out-of-bounds access "
+         "is an error naming the thread and the argument (docs/cuda.md); 0 = off"),
 )
 
 _BY_FIELD = {s.field: s for s in SETTINGS}
@@ -119,6 +123,7 @@ class Settings:
     snapkv_auto_mib: int = 256
     cpu_kernels: str = "auto"
     cuda_executor: str = "device"
+    cuda_harness_memcheck: str = "1"
 
     def with_overrides(self, source: str = "argument", **overrides) -> "Settings":
         """A copy with overrides applied (None values ignored). `source` names where

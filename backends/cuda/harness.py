@@ -15,7 +15,10 @@ wrappers and the compiler's version. Libraries live in <repo>/.cache/cuda_harnes
 are written under a temporary name, then renamed, so concurrent or interrupted builds
 never leave half a library behind. Every argument is checked against the parsed
 signature (on a GPU a mismatch silently shifts the parameters), and every error,
-from the compiler or from a launch, is a HarnessError with a short message.
+from the compiler or from a launch, is a HarnessError with a short message. With
+MEMCHECK (on unless SHARPI_CUDA_HARNESS_MEMCHECK=0) every array argument lies between
+PROT_NONE guard pages during the launch, so an access past its end (or before its
+start) is a HarnessError naming the thread and the argument (_Guarded, below).
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.config import env_setting
+
 _HERE = Path(__file__).resolve().parent
 HEADER = _HERE / "harness" / "cuda_cpu.h"
 KERNEL_DIR = _HERE / "kernels"
@@ -44,7 +49,7 @@ CXX = "g++"
 # join the cuda_cpu_shared section; -fno-strict-aliasing: kernels reinterpret loads.
 CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-weak", "-fno-strict-aliasing", "-fno-math-errno",
             "-fno-exceptions", "-fvisibility=hidden")
-_GENERATOR = "cuda_cpu wrappers v2"     # bump when the generated wrapper code changes meaning
+_GENERATOR = "cuda_cpu wrappers v3"     # bump when the generated wrapper code changes meaning
 
 # a scalar parameter's C type (qualifiers and name removed) -> the numpy type the host passes
 _SCALARS = {
@@ -290,9 +295,12 @@ def _wrapper_source(source_name: str, kernels: dict[str, tuple[Param, ...]]) -> 
         'extern "C" __attribute__((visibility("default"))) int cuda_cpu_launch(',
         "        int index, const unsigned* grid, const unsigned* block, unsigned long long dyn_smem,",
         "        unsigned long long static_smem, const long long* extra_shared, int n_extra,",
-        "        unsigned char* stacks, unsigned long long stride, void** args, char* err, int err_len) {",
+        "        unsigned char* stacks, unsigned long long stride, void** args,",
+        "        const unsigned long long* guards, const char* const* guard_names, int n_guards,",
+        "        char* err, int err_len) {",
         "    return ::cuda_cpu::launch(cuda_cpu_kernels[index], grid, block, dyn_smem, static_smem,",
-        "                              extra_shared, n_extra, stacks, stride, args, err, err_len);",
+        "                              extra_shared, n_extra, stacks, stride, args, guards, guard_names,",
+        "                              n_guards, err, err_len);",
         "}",
         "",
         'extern "C" __attribute__((visibility("default"))) unsigned long long cuda_cpu_static_shared_bytes() {',
@@ -317,7 +325,8 @@ class HarnessModule:
         self._launch.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
                                  ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_longlong),
                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong,
-                                 ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int]
+                                 ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_ulonglong),
+                                 ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         self._static_smem, extra = _shared_layout(path, list(kernels), self._lib)
         self._extra_shared = (ctypes.c_longlong * max(1, len(extra)))(*extra)
         self._n_extra_shared = len(extra) // 2
@@ -356,13 +365,19 @@ class HarnessFunction:
         err = ctypes.create_string_buffer(1024)
         stacks = _stacks()
         with _LAUNCH_LOCK:
-            rc = self.module._launch(self.index, (ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3),
-                                     int(shared_mem), self.static_smem, self.module._extra_shared,
-                                     self.module._n_extra_shared, stacks.base, stacks.stride, argv, err,
-                                     len(err))
-            _LIBC.fflush(None)       # kernel printf, in launch order
+            guarded = _Guarded(self, args, holders) if MEMCHECK else None
+            try:
+                rc = self.module._launch(self.index, (ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3),
+                                         int(shared_mem), self.static_smem, self.module._extra_shared,
+                                         self.module._n_extra_shared, stacks.base, stacks.stride, argv,
+                                         *(guarded.c_args() if guarded else (None, None, 0)), err, len(err))
+                _LIBC.fflush(None)       # kernel printf, in launch order
+            finally:
+                late = guarded.finish() if guarded else None
         if rc != 0:
             raise HarnessError(err.value.decode(errors="replace"))
+        if late:
+            raise HarnessError(late)
 
     def _dims(self, v, what: str) -> tuple[int, int, int]:
         dims = (v,) if isinstance(v, (int, np.integer)) else v
@@ -475,3 +490,176 @@ def _stacks() -> _StackPool:
         if not _POOL:
             _POOL.append(_StackPool())
         return _POOL[0]
+
+
+# ---------------------------------------------------------------- memcheck
+# Out-of-bounds accesses to array arguments, as compute-sanitizer's memcheck finds them
+# on a GPU. Each array (for a strided view: the whole extent of its base array, all the
+# memory the view may legitimately reach) is copied into its own mapping, laid out as
+#     [guard][fill][array][fill][guard]        guard: _GUARD bytes of PROT_NONE
+# with the array's end against the second guard, so a kernel access that starts at or
+# past its end faults; cuda_cpu.h's on_fault turns that into a HarnessError naming the
+# thread and the argument. The array keeps its address mod 16 (g++ may use aligned
+# vector loads), so when its end is not 16-byte aligned up to 15 bytes of fill lie
+# between it and the guard; the fill before it is what the page size leaves (none when
+# its length is a multiple of the page size). Fill bytes are 0xFF (NaN, as shared memory):
+# reads there are not caught, writes are (checked after the launch, without a thread).
+# Arrays are copied back after the launch when a non-const parameter points into them;
+# arguments whose memory overlaps share one mapping.
+
+MEMCHECK: bool = env_setting("cuda_harness_memcheck") == "1"   # tests may set it per module
+
+_PAGE = mmap.PAGESIZE
+_GUARD = 16 * _PAGE                  # PROT_NONE before and after each array (no memory cost)
+_ALIGN = 16                          # an array keeps its address mod _ALIGN
+_FILL = 0xFF
+_FILLED = bytes([_FILL]) * _PAGE
+_KEEP_BYTES = 256 << 20              # free mappings kept for reuse (their pages stay resident)
+_PROT_NONE, _PROT_RW = 0, 3
+_MAP_FLAGS = 0x02 | 0x20 | 0x4000    # MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_FREE: dict[int, list[int]] = {}     # data pages -> mappings (addresses of their first guard)
+_FREE_BYTES = [0]
+
+
+def _map(pages: int) -> int:
+    """A mapping of `pages` read-write pages between two guards (the address of the first)."""
+    free = _FREE.get(pages)
+    if free:
+        _FREE_BYTES[0] -= pages * _PAGE
+        return free.pop()
+    total = 2 * _GUARD + pages * _PAGE
+    base = _LIBC.mmap(None, total, _PROT_NONE, _MAP_FLAGS, -1, 0)
+    if base in (None, ctypes.c_void_p(-1).value):
+        raise HarnessError(f"memcheck: mmap of {total} bytes failed")
+    if _LIBC.mprotect(base + _GUARD, pages * _PAGE, _PROT_RW) != 0:
+        _LIBC.munmap(base, total)
+        raise HarnessError(f"memcheck: mprotect of {pages * _PAGE} bytes failed")
+    return base
+
+
+def _unmap(pages: int, base: int) -> None:
+    if _FREE_BYTES[0] + pages * _PAGE <= _KEEP_BYTES:
+        _FREE.setdefault(pages, []).append(base)
+        _FREE_BYTES[0] += pages * _PAGE
+    else:
+        _LIBC.munmap(base, 2 * _GUARD + pages * _PAGE)
+
+
+def _bounds(a: np.ndarray) -> tuple[int, int]:
+    """[first byte, one past the last byte) of the memory the array's elements occupy."""
+    lo = hi = a.ctypes.data
+    if a.size == 0:
+        return lo, lo
+    for n, step in zip(a.shape, a.strides):
+        if step < 0:
+            lo += (n - 1) * step
+        else:
+            hi += (n - 1) * step
+    return lo, hi + a.itemsize
+
+
+def _extent(a: np.ndarray) -> tuple[int, int, bool]:
+    """(lo, hi, whole base): a contiguous array's own bytes; for a strided view, those of
+    its outermost base array, which the view's first-element pointer may legitimately reach."""
+    if a.flags.c_contiguous or a.flags.f_contiguous:
+        return (*_bounds(a), False)
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    (lo, hi), (vlo, vhi) = _bounds(root), _bounds(a)
+    return min(lo, vlo), max(hi, vhi), True
+
+
+def _names(params: list[tuple[Param, bool]]) -> str:
+    parts = [f"'{p.name}'" + (" (a strided view: its base array)" if view else "") for p, view in params]
+    return ("argument " if len(parts) == 1 else "arguments ") + ", ".join(parts)
+
+
+@dataclass
+class _Region:
+    lo: int                  # the host memory it mirrors
+    hi: int
+    members: list            # (param, whole base, lo, hi, argument index, pointer)
+    pages: int = 0
+    base: int = 0            # the mapping: first guard
+    start: int = 0           # where the copy lies in the mapping
+    write_back: bool = False
+
+
+class _Guarded:
+    """The array arguments of one launch, each between guard pages (see above)."""
+
+    def __init__(self, fn: HarnessFunction, args, holders: list):
+        self.kernel = fn.name
+        arrays = []
+        for i, (p, a) in enumerate(zip(fn.params, args)):
+            if p.pointer:
+                lo, hi, view = _extent(a)
+                arrays.append((lo, hi, i, p, view, a.ctypes.data))
+        arrays.sort(key=lambda t: (t[0], t[1]))
+        self.regions: list[_Region] = []
+        for lo, hi, i, p, view, ptr in arrays:      # overlapping memory: one mapping
+            r = self.regions[-1] if self.regions else None
+            if r is None or lo >= r.hi:
+                r = _Region(lo, hi, [])
+                self.regions.append(r)
+            r.hi = max(r.hi, hi)
+            r.members.append((p, view, lo, hi, i, ptr))
+        guards, names = [], []
+        try:
+            for r in self.regions:
+                n = r.hi - r.lo
+                tail = -r.hi % _ALIGN                 # fill between the copy's end and the guard
+                r.pages = max(1, -(-(n + tail) // _PAGE))
+                r.base = _map(r.pages)
+                data, end = r.base + _GUARD, r.base + _GUARD + r.pages * _PAGE
+                r.start = end - tail - n
+                ctypes.memset(data, _FILL, r.start - data)
+                ctypes.memmove(r.start, r.lo, n)
+                ctypes.memset(r.start + n, _FILL, tail)
+                for p, view, lo, hi, i, ptr in r.members:
+                    holders[i].value = r.start + (ptr - r.lo)
+                    r.write_back |= not p.const
+                guards += [r.base, data, r.start, r.start + n, end, end + _GUARD]
+                names += [_names([(p, v) for p, v, lo, _, _, _ in r.members if lo == r.lo]).encode(),
+                          _names([(p, v) for p, v, _, hi, _, _ in r.members if hi == r.hi]).encode()]
+        except BaseException:
+            self.finish()
+            raise
+        self._guards = (ctypes.c_ulonglong * max(1, len(guards)))(*guards)
+        self._names = (ctypes.c_char_p * max(1, len(names)))(*names)
+
+    def c_args(self) -> tuple:
+        return self._guards, self._names, len(self.regions)
+
+    def finish(self) -> str | None:
+        """Copies back and gives the mappings back; a write into the fill, if any, as an error."""
+        error = None
+        for r in self.regions:
+            if not r.base:
+                continue
+            n = r.hi - r.lo
+            if r.write_back:
+                ctypes.memmove(r.lo, r.start, n)
+            data, end = r.base + _GUARD, r.base + _GUARD + r.pages * _PAGE
+            before, after = ctypes.string_at(data, r.start - data), ctypes.string_at(r.start + n, end - r.start - n)
+            if error is None and before != _FILLED[:len(before)]:
+                k = len(before) - min(i for i, b in enumerate(before) if b != _FILL)
+                who = _names([(p, v) for p, v, lo, _, _, _ in r.members if lo == r.lo])
+                error = (f"kernel '{self.kernel}': memcheck: a write {k} bytes before the start of {who} "
+                         f"({n} bytes; found after the launch, in the {len(before)} bytes between the "
+                         "guard page and the array)")
+            if error is None and after != _FILLED[:len(after)]:
+                k = min(i for i, b in enumerate(after) if b != _FILL)
+                who = _names([(p, v) for p, v, _, hi, _, _ in r.members if hi == r.hi])
+                error = (f"kernel '{self.kernel}': memcheck: a write {k} bytes past the end of {who} "
+                         f"({n} bytes; found after the launch, in the {len(after)} bytes between the "
+                         "array and the guard page)")
+            _unmap(r.pages, r.base)
+            r.base = 0
+        return error

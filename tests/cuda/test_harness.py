@@ -3,6 +3,12 @@ written here, run through the harness and compared with numpy; deliberately brok
 kernels that must fail; the real kernels/common.cuh helpers."""
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -10,6 +16,7 @@ from backends.bf16 import f32_to_bf16
 from backends.cuda.harness import HarnessError, build
 
 FULL = 0xFFFFFFFF
+ROOT = Path(__file__).resolve().parents[2]
 
 WARP_CU = r"""
 #include "common.cuh"
@@ -611,6 +618,151 @@ def test_build_cache(src):
     y = np.zeros(32, np.float32)
     second.get_function("k")(1, 32, (y,))
     assert (y == 2).all()
+
+
+# ---------------------------------------------------------------- memcheck
+
+MEMCHECK_CU = r"""
+// y[i] = x[i + shift] for i < n (read out of bounds when shift pushes i + shift out)
+extern "C" __global__ void read_at(const float* __restrict__ x, float* __restrict__ y, int n, int shift) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i + shift];
+}
+
+// y[i + shift] = x[i] for i < n
+extern "C" __global__ void write_at(const float* __restrict__ x, float* __restrict__ y, int n, int shift) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i + shift] = x[i];
+}
+
+// rows x cols column slices of row-major buffers with `stride` floats per row, addressed
+// from their first element as the CUDA host layer passes them
+extern "C" __global__ void scale_slice(const float* __restrict__ x, float* __restrict__ y, int rows, int cols,
+                                       int x_stride, int y_stride) {
+    const int c = threadIdx.x, r = blockIdx.x;
+    if (r < rows && c < cols) y[r * y_stride + c] = 2.0f * x[r * x_stride + c];
+}
+
+// in place (x and y alias): y[i] = y[i] + x[i]
+extern "C" __global__ void twice(const float* x, float* y) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    y[i] = y[i] + x[i];
+}
+
+extern "C" __global__ void address_mod_16(const float* __restrict__ x, unsigned* out) {
+    out[0] = (unsigned)((unsigned long long)x % 16);
+}
+
+extern "C" __global__ void wild_write(float* y, long long where) {
+    *(float*)where = y[0];
+}
+"""
+
+
+@pytest.fixture
+def memcheck(src, monkeypatch):
+    from backends.cuda import harness
+    monkeypatch.setattr(harness, "MEMCHECK", True)        # even under SHARPI_CUDA_HARNESS_MEMCHECK=0
+    return build(src("memcheck.cu", MEMCHECK_CU))
+
+
+@pytest.mark.parametrize("kernel, n, shift, message", [
+    ("read_at", 1024, 1, r"invalid read at 0x[0-9a-f]+, 0 bytes past the end of argument 'x' \(4096 bytes"),
+    ("read_at", 1000, 40, r"invalid read at 0x[0-9a-f]+, \d+ bytes past the end of argument 'x' \(4000 bytes"),
+    ("write_at", 1024, 1, r"invalid write at 0x[0-9a-f]+, 0 bytes past the end of argument 'y' \(4096 bytes"),
+    ("write_at", 1024, 3, r"invalid write at 0x[0-9a-f]+, 8 bytes past the end of argument 'y'"),
+    # a length that is a multiple of the page size starts right after the guard page
+    ("read_at", 1024, -1, r"invalid read at 0x[0-9a-f]+, 4 bytes before the start of argument 'x'"),
+    ("write_at", 1024, -2, r"invalid write at 0x[0-9a-f]+, 8 bytes before the start of argument 'y'"),
+])
+def test_memcheck_out_of_bounds_access(memcheck, kernel, n, shift, message):
+    x, y = np.arange(n, dtype=np.float32), np.zeros(n, np.float32)
+    with pytest.raises(HarnessError, match=message) as e:
+        memcheck.get_function(kernel)((-(-n // 256),), (256,), (x, y, np.int32(n), np.int32(shift)))
+    assert f"kernel '{kernel}' block (" in str(e.value) and ") thread (" in str(e.value)
+    assert "\n" not in str(e.value)
+    # the thread named made the access described (of several, the first to run)
+    m = re.search(r"block \((\d+),0,0\) thread \((\d+),0,0\).* (\d+) bytes (past the end|before the start)",
+                  str(e.value))
+    i = int(m[1]) * 256 + int(m[2])
+    assert i < n and int(m[3]) == 4 * (i + shift - n if shift > 0 else -(i + shift))
+    # the harness works on: a correct launch of the same kernel
+    memcheck.get_function("read_at")((-(-n // 256),), (256,), (x, y, np.int32(n), np.int32(0)))
+    np.testing.assert_array_equal(y, x)
+
+
+def test_memcheck_writes_into_the_alignment_fill(memcheck):
+    """An array whose end is not 16-byte aligned keeps up to 15 bytes of fill before the
+    guard page (it keeps its address mod 16), and an array shorter than a page has fill
+    before it: writes there are found after the launch, reads there read 0xFF bytes."""
+    x, y = np.arange(5, dtype=np.float32), np.zeros(5, np.float32)
+    fn = memcheck.get_function("write_at")
+    with pytest.raises(HarnessError, match=r"a write 0 bytes past the end of argument 'y' \(20 bytes; found after"):
+        fn(1, 32, (x, y, np.int32(5), np.int32(1)))
+    with pytest.raises(HarnessError, match=r"a write 4 bytes before the start of argument 'y' \(20 bytes; found"):
+        fn(1, 32, (x, y, np.int32(5), np.int32(-1)))
+    memcheck.get_function("read_at")(1, 32, (x, y, np.int32(4), np.int32(1)))     # in bounds
+    np.testing.assert_array_equal(y[:4], x[1:])
+
+
+def test_memcheck_column_slice_views_reach_their_base(memcheck):
+    """A strided view is passed as its first element; the kernel may index anything in
+    the view's base array, which is guarded as a whole."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, 200)).astype(np.float32)
+    out = np.full((7, 200), 5.0, np.float32)
+    fn = memcheck.get_function("scale_slice")
+    fn(7, 64, (x[:, 136:200], out[:, 100:164], np.int32(7), np.int32(64), np.int32(200), np.int32(200)))
+    np.testing.assert_array_equal(out[:, 100:164], 2 * x[:, 136:200])
+    assert np.all(out[:, :100] == 5.0) and np.all(out[:, 164:] == 5.0)
+    # one column too many on the last row of the input runs past the base array
+    with pytest.raises(HarnessError, match=r"0 bytes past the end of argument 'x' \(a strided view: its base "
+                                           r"array\) \(5600 bytes"):
+        fn(7, 65, (x[:, 136:200], out[:, 100:164], np.int32(7), np.int32(65), np.int32(200), np.int32(200)))
+
+
+def test_memcheck_aliased_arguments_share_memory(memcheck):
+    y = np.arange(256, dtype=np.float32)
+    memcheck.get_function("twice")(2, 128, (y, y))
+    np.testing.assert_array_equal(y, 2 * np.arange(256, dtype=np.float32))
+    z = np.arange(512, dtype=np.float32)          # overlapping views: x reaches y's memory
+    memcheck.get_function("twice")(2, 128, (z, z[256:]))
+    np.testing.assert_array_equal(z, np.r_[np.arange(256), np.arange(256, 512) + np.arange(256)])
+
+
+def test_memcheck_keeps_addresses_mod_16(memcheck):
+    x, out = np.zeros(64, np.float32), np.zeros(1, np.uint32)
+    for start in range(4):
+        memcheck.get_function("address_mod_16")(1, 32, (x[start:], out))
+        assert out[0] == x[start:].ctypes.data % 16
+
+
+def test_memcheck_other_faults_still_crash(src):
+    """A fault outside the guard pages is not swallowed: the process dies as it would
+    without memcheck (here after a caught out-of-bounds access, so the handler is back)."""
+    path = src("memcheck_crash.cu", MEMCHECK_CU)
+    code = (
+        "import numpy as np\n"
+        "from backends.cuda.harness import build, HarnessError\n"
+        f"m = build({str(path)!r})\n"
+        "x = np.zeros(1024, np.float32)\n"
+        "try:\n"
+        "    m.get_function('read_at')(4, 256, (x, x.copy(), np.int32(1024), np.int32(1)))\n"
+        "except HarnessError as e:\n"
+        "    print('caught', e, flush=True)\n"
+        "m.get_function('wild_write')(1, 1, (x, np.int64(16)))\n"
+        "print('survived', flush=True)\n")
+    env = {**os.environ, "SHARPI_CUDA_HARNESS_MEMCHECK": "1"}
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], check=False, capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=120)
+    assert "caught kernel 'read_at'" in r.stdout and "survived" not in r.stdout
+    assert r.returncode != 0 and "Segmentation fault" in r.stderr
+
+
+def test_memcheck_setting():
+    from engine.config import env_setting
+    assert env_setting("cuda_harness_memcheck", env={}) == "1"
+    assert env_setting("cuda_harness_memcheck", env={"SHARPI_CUDA_HARNESS_MEMCHECK": "0"}) == "0"
 
 
 # ---------------------------------------------------------------- the real common.cuh

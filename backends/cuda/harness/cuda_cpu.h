@@ -36,6 +36,10 @@
 // passes them as extra ranges. The section, the extra ranges and the dynamic shared
 // memory (DYN_SHARED) are filled with 0xFF bytes before every block.
 //
+// Memcheck (harness.py, on by default): every array argument lies in its own mapping
+// whose end touches a PROT_NONE guard page; a kernel access that faults in a guard
+// page is reported with the thread and the argument (on_fault) and aborts the launch.
+//
 // No system headers: the libc/libm functions used are declared below, so a kernel
 // that calls something NVRTC lacks fails to compile here too. x86-64 Linux only.
 #pragma once
@@ -329,6 +333,11 @@ struct Launch {   // the launch in progress
     void* sched_sp;
     bool failed;
     char error[640];
+    // memcheck (harness.py): per guarded array 6 addresses (guard before: begin, end;
+    // the array: begin, end; guard after: begin, end) and 2 descriptions (before, after)
+    const unsigned long long* guards;
+    const char* const* guard_names;
+    int n_guards;
 };
 static Launch g;
 
@@ -378,6 +387,72 @@ static void report(const Thread* t, const char* fmt, ...) {
     void* abandoned;
     cuda_cpu_switch(&abandoned, g.sched_sp);
     __builtin_trap();
+}
+
+// ---------------------------------------------------------------- memcheck
+// harness.py puts every array argument in its own mapping between PROT_NONE guard
+// pages; during a launch with guards, SIGSEGV/SIGBUS go to on_fault (on an alternate
+// stack). A fault inside a guard aborts the launch like fail(): the running fiber is
+// abandoned, with the handler's frame on the alternate stack (SA_NODEFER: no signal
+// stays blocked). Any other fault puts the previous handler back and returns, so the
+// access faults again and crashes the process as it would without memcheck. The
+// structures are glibc's x86-64 layouts, declared here rather than from <signal.h>.
+struct SigAction {
+    void (*action)(int, void*, void*);
+    unsigned long mask[16];
+    int flags;
+    void (*restorer)();
+};
+struct AltStack {
+    void* sp;
+    int flags;
+    unsigned long size;
+};
+extern "C" int sys_sigaction(int, const SigAction*, SigAction*) __asm__("sigaction");
+extern "C" int sys_sigaltstack(const AltStack*, AltStack*) __asm__("sigaltstack");
+constexpr int kSigBus = 7, kSigSegv = 11;
+constexpr int kSaSigInfo = 0x4, kSaOnStack = 0x08000000, kSaNoDefer = 0x40000000;
+constexpr unsigned long kSiAddrOffset = 16;     // siginfo_t::si_addr
+constexpr unsigned long kErrOffset = 192;       // ucontext_t::uc_mcontext.gregs[REG_ERR]
+static SigAction saved_segv, saved_bus;
+static AltStack saved_alt;
+alignas(64) static unsigned char alt_stack[64 << 10];
+
+static void on_fault(int sig, void* info, void* uctx) {
+    const unsigned long long a = *(const unsigned long long*)((const char*)info + kSiAddrOffset);
+    const bool write = sig == kSigSegv && (*(const unsigned long long*)((const char*)uctx + kErrOffset) & 2);
+    const char* what = sig == kSigSegv ? (write ? "write" : "read") : "access";
+    for (int i = 0; g.cur && i < g.n_guards; i++) {
+        const unsigned long long* r = g.guards + 6 * i;
+        if (a >= r[0] && a < r[1])
+            report(g.cur, "memcheck: invalid %s at 0x%llx, %llu bytes before the start of %s (%llu bytes "
+                   "at 0x%llx)", what, a, r[2] - a, g.guard_names[2 * i], r[3] - r[2], r[2]);
+        else if (a >= r[4] && a < r[5])
+            report(g.cur, "memcheck: invalid %s at 0x%llx, %llu bytes past the end of %s (%llu bytes "
+                   "at 0x%llx)", what, a, a - r[3], g.guard_names[2 * i + 1], r[3] - r[2], r[2]);
+        else
+            continue;
+        void* abandoned;
+        cuda_cpu_switch(&abandoned, g.sched_sp);
+        __builtin_trap();
+    }
+    sys_sigaction(sig, sig == kSigSegv ? &saved_segv : &saved_bus, nullptr);
+}
+
+static void install_fault_handler() {
+    AltStack alt{alt_stack, 0, sizeof alt_stack};
+    sys_sigaltstack(&alt, &saved_alt);
+    SigAction sa{};
+    sa.action = on_fault;
+    sa.flags = kSaSigInfo | kSaOnStack | kSaNoDefer;
+    sys_sigaction(kSigSegv, &sa, &saved_segv);
+    sys_sigaction(kSigBus, &sa, &saved_bus);
+}
+
+static void restore_fault_handler() {
+    sys_sigaction(kSigSegv, &saved_segv, nullptr);
+    sys_sigaction(kSigBus, &saved_bus, nullptr);
+    sys_sigaltstack(&saved_alt, nullptr);
 }
 
 __forceinline__ Thread& lane_thread(unsigned warp, unsigned lane) { return g.threads[warp * 32 + lane]; }
@@ -633,13 +708,18 @@ static bool run_block(unsigned char* stacks, unsigned long long stride) {
 
 // Runs kernel `k` over the grid. stacks: 1024 stacks of `stride` bytes each (thread i
 // uses the one that ends at stacks + (i+1)*stride); extra_shared: n_extra (offset, bytes)
-// pairs of static shared memory outside the section. Returns 0, or 1 with a one-line
-// message in err.
+// pairs of static shared memory outside the section; guards, guard_names, n_guards: the
+// memcheck guard pages around the array arguments (see on_fault; n_guards 0: memcheck
+// off). Returns 0, or 1 with a one-line message in err.
 static int launch(const KernelEntry& k, const unsigned* grid, const unsigned* block,
                   unsigned long long dyn_smem_bytes, unsigned long long static_smem_bytes,
                   const long long* extra_shared, int n_extra, unsigned char* stacks,
-                  unsigned long long stride, void** args, char* err, int err_len) {
+                  unsigned long long stride, void** args, const unsigned long long* guards,
+                  const char* const* guard_names, int n_guards, char* err, int err_len) {
     g.kernel = &k;
+    g.guards = guards;
+    g.guard_names = guard_names;
+    g.n_guards = n_guards;
     g.extra_shared = extra_shared;
     g.n_extra_shared = n_extra;
     g.failed = false;
@@ -660,6 +740,7 @@ static int launch(const KernelEntry& k, const unsigned* grid, const unsigned* bl
         report(nullptr, "launch: %llu bytes of static + %llu bytes of dynamic shared memory = %llu > %llu",
                static_smem_bytes, dyn_smem_bytes, static_smem_bytes + dyn_smem_bytes, kMaxSharedBytes);
     if (!g.failed) {
+        if (n_guards > 0) install_fault_handler();
         g.n_threads = (unsigned)n_threads;
         g.n_warps = (g.n_threads + 31) / 32;
         g.block_linear = 0;
@@ -669,8 +750,10 @@ static int launch(const KernelEntry& k, const unsigned* grid, const unsigned* bl
                     g.block_idx = {x, y, z};
                     run_block(stacks, stride);
                 }
+        if (n_guards > 0) restore_fault_handler();
     }
     g.cur = nullptr;
+    g.n_guards = 0;
     if (!g.failed) return 0;
     if (err_len > 0) __builtin_snprintf(err, (unsigned long)err_len, "%s", g.error);
     return 1;
