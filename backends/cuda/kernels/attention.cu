@@ -201,6 +201,22 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_combi
 }
 
 // -- prefill ----------------------------------------------------------------------------
+// Rows k0 .. k0 + PRE_BK - 1 of KV head g (zeros from n_vis on) -> tile[PRE_BK][ks], a warp per row.
+__device__ __forceinline__ void load_tile(u32* tile, int ks, const u32* __restrict__ pages,
+                                          const int* __restrict__ page_table, int k0, int n_vis, int g,
+                                          int n_kv, int page_size, int hd2) {
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    for (int j = warp; j < PRE_BK; j += PRE_THREADS / WARP_SIZE) {
+        u32* dst = tile + j * ks;
+        if (k0 + j < n_vis) {
+            const u32* src = pages + row_word(page_table, k0 + j, g, n_kv, page_size, hd2);
+            for (int p = lane; p < hd2; p += WARP_SIZE) dst[p] = src[p];
+        } else {
+            for (int p = lane; p < hd2; p += WARP_SIZE) dst[p] = 0u;
+        }
+    }
+}
+
 // Per configuration (BQ queries per block, DL lanes across a row's words in the P V step):
 //   S step:   thread (qg = tid / 16, rj = tid % 16) computes queries qg*QT .. qg*QT+QT-1
 //             against tile rows rj and rj + 16 (QT = BQ / 8).
@@ -265,15 +281,7 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
 
     for (int k0 = 0; k0 < n_vis; k0 += PRE_BK) {
         __syncthreads();                             // previous P V step is done with kv and sc
-        for (int j = warp; j < PRE_BK; j += PRE_THREADS / WARP_SIZE) {
-            u32* dst = kv + j * ks;
-            if (k0 + j < n_vis) {
-                const u32* src = k_pages + row_word(page_table, k0 + j, g, n_kv, page_size, hd2);
-                for (int p = lane; p < hd2; p += WARP_SIZE) dst[p] = src[p];
-            } else {
-                for (int p = lane; p < hd2; p += WARP_SIZE) dst[p] = 0u;
-            }
-        }
+        load_tile(kv, ks, k_pages, page_table, k0, n_vis, g, n_kv, page_size, hd2);
         __syncthreads();
 
         float s[QT][2];
@@ -298,15 +306,7 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
         }
         __syncthreads();                             // S complete; the K tile is no longer read
 
-        for (int j = warp; j < PRE_BK; j += PRE_THREADS / WARP_SIZE) {       // V tile over K
-            u32* dst = kv + j * ks;
-            if (k0 + j < n_vis) {
-                const u32* src = v_pages + row_word(page_table, k0 + j, g, n_kv, page_size, hd2);
-                for (int p = lane; p < hd2; p += WARP_SIZE) dst[p] = src[p];
-            } else {
-                for (int p = lane; p < hd2; p += WARP_SIZE) dst[p] = 0u;
-            }
-        }
+        load_tile(kv, ks, v_pages, page_table, k0, n_vis, g, n_kv, page_size, hd2);   // V tile over K
         const int row = k0 + lane;
         for (int qi = warp; qi < BQ; qi += PRE_THREADS / WARP_SIZE) {     // online softmax, lane = column
             const bool vis = row <= start_row + q0 + qi && row < n_vis;
