@@ -26,13 +26,15 @@ from engine.errors import BackendUnavailable
 # The complete op list. `check_complete` verifies a backend has every one.
 OPS = (
     "embedding",          # token rows of a (possibly quantized) table -> f32
-    "rms_norm",
+    "rms_norm",           # per row, or per group of columns (Gemma 3's per-head QK norm)
+    "scale",              # out = x * s (Gemma's embedding scale)
     "matmul",             # quantized mat-vec (n == 1) and mat-mat (n > 1), optional bias
     "rope",               # adjacent-pair (llama) or NEOX (qwen2), in place
     "kv_write",           # K/V rows (f32) -> bf16 pages at physical rows
     "attention_prefill",  # causal attention of n queries over the paged cache
     "attention_decode",   # one query over the paged cache
     "silu_gate",
+    "gelu_gate",          # gelu_tanh(gate) * up (Gemma)
     "add",
     "snapkv_votes",       # SnapKV window votes over the paged cache
     "kv_gather",          # KV compaction: keep rows -> leading rows
@@ -64,7 +66,11 @@ class Backend(Protocol):
     def embedding(self, table: Weight, ids: np.ndarray, out) -> None:
         """ids: int32 [n] (host); out: f32 [n, cols]."""
     def rms_norm(self, x, weight, eps: float, out) -> None:
-        """x, out: f32 [n, d]; weight: f32 [d]. out = x / sqrt(mean(x^2) + eps) * weight."""
+        """x, out: f32 [n, d] (out may alias x); weight: f32 [g], g divides d. Each g-wide
+        group of columns of a row is normalised on its own: out = x / sqrt(mean(x^2) + eps)
+        * weight over the group (g == d: the usual row norm; g == head_dim: per-head norm)."""
+    def scale(self, x, s: float, out) -> None:
+        """x, out: f32 [n, d] (out may alias x). out = x * s."""
     def matmul(self, w: Weight, x, out, bias=None) -> None:
         """x: f32 [n, cols]; out: f32 [n, rows]; bias: f32 [rows] or None."""
     def rope(self, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int,
@@ -76,15 +82,22 @@ class Backend(Protocol):
     def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
         """k, v: f32 [n, n_kv_heads*head_dim] -> bf16 rows start_row .. start_row+n-1."""
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
-                          n_q_heads: int, scale: float, out) -> None:
+                          n_q_heads: int, scale: float, out, window: int = 0) -> None:
         """q, out: f32 [n, n_q_heads*head_dim]. Query i sees physical rows
-        0 .. start_row + i (its own K/V already written). GQA: query head h reads
-        KV head h // (n_q_heads // n_kv_heads)."""
+        0 .. start_row + i (its own K/V already written); with window > 0 only the last
+        `window` of them, max(0, start_row + i - window + 1) .. start_row + i (sliding-
+        window layers; their rows are never compacted, so rows are positions). Rows
+        below that are never read (their pages may have been returned to the pool).
+        GQA: query head h reads KV head h // (n_q_heads // n_kv_heads)."""
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
-                         n_q_heads: int, scale: float, out) -> None:
-        """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1."""
+                         n_q_heads: int, scale: float, out, window: int = 0) -> None:
+        """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1, or with
+        window > 0 rows max(0, n_rows - window) .. n_rows-1."""
     def silu_gate(self, gate, up, out) -> None:
         """out = silu(gate) * up, all f32 [n, f]."""
+    def gelu_gate(self, gate, up, out) -> None:
+        """out = gelu_tanh(gate) * up, all f32 [n, f];
+        gelu_tanh(g) = 0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 * g^3)))."""
     def add(self, a, b, out) -> None:
         """out = a + b (out may alias a)."""
     def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:

@@ -7,6 +7,7 @@ device kernel reads.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,11 +29,13 @@ def _page_slots(page_table: np.ndarray, page_size: int, rows: np.ndarray):
     return page_table[rows // page_size].astype(np.int64), rows % page_size
 
 
-def read_rows(pages: np.ndarray, page_table: np.ndarray, n_rows: int) -> np.ndarray:
-    """bf16 pages [n_pages, n_kv_heads, page_size, head_dim] -> f64 [n_kv_heads, n_rows, head_dim]."""
-    page, offset = _page_slots(page_table, pages.shape[2], np.arange(n_rows))
-    rows = pages[page, :, offset, :]                       # [n_rows, n_kv_heads, head_dim]
-    return bf16_to_f32(rows).astype(np.float64).transpose(1, 0, 2)
+def read_rows(pages: np.ndarray, page_table: np.ndarray, rows) -> np.ndarray:
+    """bf16 pages [n_pages, n_kv_heads, page_size, head_dim] -> f64 [n_kv_heads, m, head_dim]:
+    rows 0 .. rows-1 (an int), or the physical rows listed (int [m])."""
+    rows = np.arange(rows) if np.ndim(rows) == 0 else np.asarray(rows)
+    page, offset = _page_slots(page_table, pages.shape[2], rows)
+    bits = pages[page, :, offset, :]                       # [m, n_kv_heads, head_dim]
+    return bf16_to_f32(bits).astype(np.float64).transpose(1, 0, 2)
 
 
 def _causal_softmax(logits: np.ndarray, visible: np.ndarray) -> np.ndarray:
@@ -71,9 +74,17 @@ class ReferenceBackend:
         out[...] = table.data[np.asarray(ids, dtype=np.int64)]
 
     def rms_norm(self, x, weight, eps: float, out) -> None:
-        x64 = np.asarray(x, dtype=np.float64)
+        w64 = np.asarray(weight, dtype=np.float64)                          # [g]
+        n, d = x.shape
+        g = w64.shape[0]
+        if d % g:
+            raise ValueError(f"rms_norm: weight width {g} does not divide row width {d}")
+        x64 = np.asarray(x, dtype=np.float64).reshape(n, d // g, g)        # [n, groups, g]
         inv = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
-        out[...] = x64 * inv * np.asarray(weight, dtype=np.float64)
+        out[...] = (x64 * inv * w64).reshape(n, d)
+
+    def scale(self, x, s: float, out) -> None:
+        out[...] = np.asarray(x, dtype=np.float64) * float(s)
 
     def matmul(self, w: ReferenceWeight, x, out, bias=None) -> None:
         y = np.asarray(x, dtype=np.float64) @ w.data.astype(np.float64).T
@@ -109,37 +120,48 @@ class ReferenceBackend:
             pages[page, :, offset, :] = f32_to_bf16(rows)
 
     def _attend(self, q, k_pages, v_pages, page_table, n_rows: int, query_rows: np.ndarray,
-                n_q_heads: int, scale: float) -> np.ndarray:
-        """q f32 [n, n_q_heads*head_dim]; query i sees rows 0..query_rows[i] -> f64 [n, n_q_heads*head_dim]."""
+                n_q_heads: int, scale: float, window: int) -> np.ndarray:
+        """q f32 [n, n_q_heads*head_dim]; query i sees rows 0..query_rows[i], or with
+        window > 0 rows query_rows[i]-window+1 .. query_rows[i] -> f64 [n, n_q_heads*head_dim].
+        Rows below the first query's window are never read."""
         n_kv_heads, _, head_dim = k_pages.shape[1:]
         group = n_q_heads // n_kv_heads
-        keys = read_rows(k_pages, page_table, n_rows)                      # [n_kv, n_rows, d]
-        values = read_rows(v_pages, page_table, n_rows)                    # [n_kv, n_rows, d]
+        lo = max(0, int(query_rows[0]) - window + 1) if window > 0 else 0
+        rows = np.arange(lo, n_rows)                                       # [m] rows read
+        keys = read_rows(k_pages, page_table, rows)                        # [n_kv, m, d]
+        values = read_rows(v_pages, page_table, rows)                      # [n_kv, m, d]
         n = q.shape[0]
         qh = np.asarray(q, dtype=np.float64).reshape(n, n_q_heads, head_dim)
         kv_of = np.arange(n_q_heads) // group                              # [n_q_heads]
-        logits = np.einsum("nhd,hrd->hnr", qh, keys[kv_of]) * scale       # [n_q_heads, n, n_rows]
-        visible = np.arange(n_rows)[None, :] <= query_rows[:, None]        # [n, n_rows]
+        logits = qh.transpose(1, 0, 2) @ keys[kv_of].transpose(0, 2, 1) * scale   # [n_q_heads, n, m]
+        visible = rows[None, :] <= query_rows[:, None]                     # [n, m]
+        if window > 0:
+            visible &= rows[None, :] > query_rows[:, None] - window
         probs = _causal_softmax(logits, visible[None])
-        out = np.einsum("hnr,hrd->nhd", probs, values[kv_of])
-        return out.reshape(n, n_q_heads * head_dim)
+        out = probs @ values[kv_of]                                        # [n_q_heads, n, d]
+        return out.transpose(1, 0, 2).reshape(n, n_q_heads * head_dim)
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
-                          n_q_heads: int, scale: float, out) -> None:
+                          n_q_heads: int, scale: float, out, window: int = 0) -> None:
         n = q.shape[0]
         query_rows = start_row + np.arange(n)
         out[...] = self._attend(q, k_pages, v_pages, page_table, start_row + n, query_rows,
-                                n_q_heads, scale)
+                                n_q_heads, scale, window)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
-                         n_q_heads: int, scale: float, out) -> None:
+                         n_q_heads: int, scale: float, out, window: int = 0) -> None:
         query_rows = np.array([n_rows - 1])
         out[...] = self._attend(q, k_pages, v_pages, page_table, n_rows, query_rows,
-                                n_q_heads, scale)
+                                n_q_heads, scale, window)
 
     def silu_gate(self, gate, up, out) -> None:
         g = np.asarray(gate, dtype=np.float64)
         out[...] = g / (1.0 + np.exp(-g)) * np.asarray(up, dtype=np.float64)
+
+    def gelu_gate(self, gate, up, out) -> None:
+        g = np.asarray(gate, dtype=np.float64)
+        gelu = 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
+        out[...] = gelu * np.asarray(up, dtype=np.float64)
 
     def add(self, a, b, out) -> None:
         out[...] = np.asarray(a, dtype=np.float64) + np.asarray(b, dtype=np.float64)

@@ -1,7 +1,9 @@
 #version 450
 // Causal attention over the paged bf16 cache, for prefill and decode alike.
-// Query t (of n) sees physical rows 0 .. start_row + t; decode is n = 1 with
-// start_row = n_rows - 1. GQA: query head h reads KV head h / (n_q_heads / n_kv).
+// Query t (of n) sees physical rows 0 .. start_row + t, or with window > 0 only the
+// last `window` of them (sliding-window layers): rows below are never read, and the
+// row loop starts at the window, so a decode step costs O(window). Decode is n = 1
+// with start_row = n_rows - 1. GQA: query head h reads KV head h / (n_q_heads / n_kv).
 // One workgroup per (query head, query); rows are processed in tiles of 64 with
 // an online softmax (running max M, running sum L, per-thread V accumulators),
 // so no scores ever leave shared memory. Grid: (n_q_heads, n, 1).
@@ -16,7 +18,7 @@ layout(set = 0, binding = 3) readonly buffer PTB { int PT[]; };
 layout(set = 0, binding = 4) buffer OB { float O[]; };
 layout(push_constant) uniform P {
     uint n, n_q_heads, n_kv, head_dim, page_size, start_row;
-    uint q_off, q_stride, o_off, o_stride, scale_bits;
+    uint q_off, q_stride, o_off, o_stride, scale_bits, window;
 } pc;
 #include "common.glsl"
 #include "kv.glsl"
@@ -29,7 +31,8 @@ void main() {
     uint h = gl_WorkGroupID.x, t = gl_WorkGroupID.y, tid = gl_LocalInvocationID.x;
     uint hd2 = pc.head_dim / 2u;
     uint kvh = h / (pc.n_q_heads / pc.n_kv);
-    uint n_vis = pc.start_row + t + 1u;
+    uint n_vis = pc.start_row + t + 1u;                              // rows lo .. n_vis-1
+    uint lo = pc.window != 0u && n_vis > pc.window ? n_vis - pc.window : 0u;
     float scale = uintBitsToFloat(pc.scale_bits);
     uint qo = pc.q_off + t * pc.q_stride + h * pc.head_dim;
     for (uint p = tid; p < hd2; p += 64u) qs[p] = vec2(Q[qo + 2u * p], Q[qo + 2u * p + 1u]) * scale;
@@ -37,7 +40,7 @@ void main() {
 
     float M = -1.0 / 0.0, L = 0.0;
     vec2 acc0 = vec2(0.0), acc1 = vec2(0.0);      // pairs tid and tid + 64
-    for (uint base = 0u; base < n_vis; base += TILE) {
+    for (uint base = lo; base < n_vis; base += TILE) {
         uint r = base + tid;
         float s = -1.0 / 0.0;
         if (r < n_vis) {

@@ -1,24 +1,39 @@
 #version 450
-// Elementwise binary ops on [n, d] f32 views: OP_ADD (a + b) or OP_SILU_GATE
-// (silu(a) * b). `out` may alias `a`. Grid: (ceil(d / 64), n, 1).
+// Elementwise ops on [n, d] f32 views, one variant each:
+//   OP_ADD        a + b
+//   OP_SILU_GATE  silu(a) * b
+//   OP_GELU_GATE  gelu_tanh(a) * b
+//   OP_SCALE      a * s       (B is not read; s travels as its bits)
+// `out` may alias `a`. Grid: (ceil(d / 64), n, 1).
 layout(local_size_x = 64) in;
 layout(set = 0, binding = 0) readonly buffer AB { float A[]; };
 layout(set = 0, binding = 1) readonly buffer BB { float B[]; };
 layout(set = 0, binding = 2) buffer OB { float O[]; };
 layout(push_constant) uniform P {
-    uint n, d, a_off, a_stride, b_off, b_stride, o_off, o_stride;
+    uint n, d, a_off, a_stride, b_off, b_stride, o_off, o_stride, s_bits;
 } pc;
 
 void main() {
     uint c = gl_GlobalInvocationID.x, t = gl_WorkGroupID.y;
     if (c >= pc.d || t >= pc.n) return;
     float a = A[pc.a_off + t * pc.a_stride + c];
+    uint o = pc.o_off + t * pc.o_stride + c;
+#if defined(OP_SCALE)
+    O[o] = a * uintBitsToFloat(pc.s_bits);
+#else
     float b = B[pc.b_off + t * pc.b_stride + c];
 #if defined(OP_ADD)
-    O[pc.o_off + t * pc.o_stride + c] = a + b;
+    O[o] = a + b;
 #elif defined(OP_SILU_GATE)
-    O[pc.o_off + t * pc.o_stride + c] = a / (1.0 + exp(-a)) * b;
+    O[o] = a / (1.0 + exp(-a)) * b;
+#elif defined(OP_GELU_GATE)
+    // 0.5 * (1 + tanh(u)) == 1 / (1 + exp(-2u)), u = sqrt(2/pi) * (a + 0.044715 a^3): no
+    // tanh, which some drivers compute as a quotient of exps (inf / inf = NaN for large |u|),
+    // and the exponent clamped so exp never overflows (a / (1 + e^80) < 1e-34 * |a|).
+    float u = 0.7978845608028654 * a * (1.0 + 0.044715 * a * a);
+    O[o] = a / (1.0 + exp(min(-2.0 * u, 80.0))) * b;
 #else
-#error "define OP_ADD or OP_SILU_GATE"
+#error "define OP_ADD, OP_SILU_GATE, OP_GELU_GATE or OP_SCALE"
+#endif
 #endif
 }

@@ -49,15 +49,20 @@ class CpuBackend:
     embedding = staticmethod(quant.embedding)
     matmul = staticmethod(quant.matmul)
     rms_norm = staticmethod(ops.rms_norm)
+    scale = staticmethod(ops.scale)
     rope = staticmethod(ops.rope)
     kv_write = staticmethod(ops.kv_write)
     @staticmethod
-    def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out):
-        # long chunks: two sgemms per KV head; short ones: the tiled numba kernel
+    def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
+                          window=0):
+        # long chunks: two sgemms per KV head (per query block with a window);
+        # short ones: the tiled numba kernel
         kernel = attention_blas if q.shape[0] >= attention_blas.BLAS_MIN_QUERIES else ops
-        kernel.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out)
+        kernel.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
+                                 window)
     attention_decode = staticmethod(ops.attention_decode)
     silu_gate = staticmethod(ops.silu_gate)
+    gelu_gate = staticmethod(ops.gelu_gate)
     add = staticmethod(ops.add)
     snapkv_votes = staticmethod(ops.snapkv_votes)
     kv_gather = staticmethod(ops.kv_gather)

@@ -60,17 +60,19 @@ def _f32_to_bf16(x):
     return np.uint16((u + np.uint32(0x7FFF) + lsb) >> np.uint32(16))
 
 
-# -- rms_norm ----------------------------------------------------------------
+# -- rms_norm / scale --------------------------------------------------------
 @njit(inline="always", **_JIT)
 def _rms_norm_row(x, weight, eps, out, t):
-    d = x.shape[1]
-    ss = 0.0
-    for i in range(d):
-        v = np.float64(x[t, i])
-        ss += v * v
-    inv = np.float32(1.0 / math.sqrt(ss / d + eps))
-    for i in range(d):
-        out[t, i] = x[t, i] * inv * weight[i]
+    """Row t, each weight-wide group of columns on its own (out may alias x)."""
+    g = weight.shape[0]
+    for b in range(0, x.shape[1], g):
+        ss = 0.0
+        for i in range(g):
+            v = np.float64(x[t, b + i])
+            ss += v * v
+        inv = np.float32(1.0 / math.sqrt(ss / g + eps))
+        for i in range(g):
+            out[t, b + i] = x[t, b + i] * inv * weight[i]
 
 
 @njit(**_JIT)
@@ -86,11 +88,35 @@ def _rms_norm_parallel(x, weight, eps, out):
 
 
 def rms_norm(x, weight, eps, out):
-    """x, out: f32 [n, d]; weight: f32 [d]."""
+    """x, out: f32 [n, d] (out may alias x); weight: f32 [g], g divides d (per-group norm)."""
+    if x.shape[1] % weight.shape[0]:
+        raise ValueError(f"rms_norm: weight width {weight.shape[0]} does not divide row width {x.shape[1]}")
     if x.shape[0] > 1 and x.size >= _PARALLEL_MIN:
         _rms_norm_parallel(x, weight, eps, out)
     else:
         _rms_norm_serial(x, weight, eps, out)
+
+
+@njit(**_JIT)
+def _scale_serial(x, s, out):
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            out[t, i] = x[t, i] * s
+
+
+@njit(parallel=True, **_JIT)
+def _scale_parallel(x, s, out):
+    for t in prange(x.shape[0]):
+        for i in range(x.shape[1]):
+            out[t, i] = x[t, i] * s
+
+
+def scale(x, s, out):
+    """out = x * s, f32 [n, d]; out may alias x."""
+    if x.shape[0] > 1 and x.size >= _PARALLEL_MIN:
+        _scale_parallel(x, np.float32(s), out)
+    else:
+        _scale_serial(x, np.float32(s), out)
 
 
 # -- rope --------------------------------------------------------------------
@@ -220,8 +246,8 @@ def _exp_f32(x):
 @njit(inline="always", **_JIT)
 def _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_hi,
           qs, scores, acc, m, l, head_dim):
-    """Attend rows row_lo .. row_hi-1 (row_lo on a page boundary) of kv head `kv`
-    for its `group` query heads; fills acc [group, head_dim], m, l [group]."""
+    """Attend rows row_lo .. row_hi-1 of kv head `kv` for its `group` query heads;
+    fills acc [group, head_dim], m, l [group]. Rows outside the range are never read."""
     page_size = k_pages.shape[2]
     for g in range(group):
         qbase = (kv * group + g) * head_dim
@@ -236,6 +262,7 @@ def _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_
         phys = page_table[pidx]
         kp = k_pages[phys, kv]
         vp = v_pages[phys, kv]
+        first = max(0, row_lo - pidx * page_size)     # > 0 only on the first page
         n_page = min(page_size, row_hi - pidx * page_size)
         # next page of this task (pages sit apart in memory: the hardware
         # prefetcher does not follow the page table)
@@ -246,7 +273,7 @@ def _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_
             n_next = min(page_size, row_hi - (pidx + 1) * page_size)
             kn = k_pages[page_table[pidx + 1], kv]
             vn = v_pages[page_table[pidx + 1], kv]
-        for t0 in range(0, n_page, _TILE):
+        for t0 in range(first, n_page, _TILE):
             n = min(_TILE, n_page - t0)
             # prefetch the same rows of the next page, one page ahead
             for b in range(t0 * head_dim * 2, min(t0 + n, n_next) * head_dim * 2, 64):
@@ -341,7 +368,7 @@ def _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_
 
 
 @njit(**_JIT)
-def _decode_serial(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out):
+def _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out):
     n_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[3]
     group = n_q_heads // n_kv_heads
     qs = np.empty((group, head_dim), dtype=np.float32)
@@ -351,10 +378,10 @@ def _decode_serial(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, ou
     l = np.empty(group, dtype=np.float32)
     for kv in range(n_kv_heads):
         if head_dim == 64:   # constant trip counts: fully unrolled zmm code
-            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, 0, n_rows,
+            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, n_rows,
                          qs, scores, acc, m, l, 64)
         else:
-            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, 0, n_rows,
+            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, n_rows,
                          qs, scores, acc, m, l, head_dim)
         for g in range(group):
             inv = np.float32(1.0) / l[g]
@@ -364,27 +391,30 @@ def _decode_serial(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, ou
 
 
 @njit(parallel=True, **_JIT)
-def _decode_parallel(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
+def _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
                      chunk_rows):
+    """Chunks are the chunk_rows-aligned (whole-page) row ranges, the first one clipped
+    to start at row_lo."""
     n_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[3]
     group = n_q_heads // n_kv_heads
-    n_chunks = (n_rows + chunk_rows - 1) // chunk_rows
+    chunk0 = row_lo // chunk_rows
+    n_chunks = (n_rows + chunk_rows - 1) // chunk_rows - chunk0
     n_tasks = n_kv_heads * n_chunks
     part_acc = np.empty((n_tasks, group, head_dim), dtype=np.float32)
     part_max = np.empty((n_tasks, group), dtype=np.float32)
     part_sum = np.empty((n_tasks, group), dtype=np.float32)
     for task in prange(n_tasks):
         kv = task // n_chunks
-        chunk = task % n_chunks
+        chunk = chunk0 + task % n_chunks
         qs = np.empty((group, head_dim), dtype=np.float32)
         scores = np.empty((group, _TILE), dtype=np.float32)
-        row_lo = chunk * chunk_rows
-        row_hi = min(n_rows, row_lo + chunk_rows)
+        lo = max(row_lo, chunk * chunk_rows)
+        hi = min(n_rows, (chunk + 1) * chunk_rows)
         if head_dim == 64:
-            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_hi,
+            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, lo, hi,
                          qs, scores, part_acc[task], part_max[task], part_sum[task], 64)
         else:
-            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_hi,
+            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, lo, hi,
                          qs, scores, part_acc[task], part_max[task], part_sum[task], head_dim)
     for h in range(n_q_heads):
         kv = h // group
@@ -407,14 +437,17 @@ def _decode_parallel(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, 
                 o[i] += w * pa[i]
 
 
-def attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out):
-    """q, out: f32 [1, n_q_heads*head_dim]; attends physical rows 0 .. n_rows-1."""
-    if n_rows <= _SERIAL_MAX_ROWS:
-        _decode_serial(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out)
+def attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out, window=0):
+    """q, out: f32 [1, n_q_heads*head_dim]; attends physical rows 0 .. n_rows-1, or with
+    window > 0 only rows max(0, n_rows-window) .. n_rows-1 (the rest are never read,
+    so a token costs O(window), not O(n_rows))."""
+    row_lo = max(0, n_rows - window) if window > 0 else 0
+    if n_rows - row_lo <= _SERIAL_MAX_ROWS:
+        _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out)
     else:
         page_size = k_pages.shape[2]
         chunk_rows = max(1, _CHUNK_ROWS // page_size) * page_size
-        _decode_parallel(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
+        _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
                          chunk_rows)
 
 
@@ -422,12 +455,15 @@ def attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, 
 # Tasks = (kv head, block of queries). A task holds the group's queries of its
 # block ([group*QB, head_dim]), converts K/V tiles of TILE rows to f32 once
 # (K transposed so scores vectorise over rows) and runs an online softmax.
+# With a sliding window the tiles start at the block's first query's first
+# visible row: rows below it are never read, so a block costs O(QB + window).
 _PREFILL_QB = 16
 _PREFILL_TILE = 64
 
 
 @njit(parallel=True, **_JIT)
-def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out):
+def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
+                       window):
     n = q.shape[0]
     n_kv_heads, page_size, head_dim = k_pages.shape[1], k_pages.shape[2], k_pages.shape[3]
     group = n_q_heads // n_kv_heads
@@ -454,7 +490,10 @@ def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sc
         m = np.full(nv, _NEG_INF, dtype=np.float32)
         l = np.zeros(nv, dtype=np.float32)
         rows_end = start_row + t0 + nq        # rows visible to the block's last query
-        for r0 in range(0, rows_end, _PREFILL_TILE):
+        rows_lo = 0                           # first row visible to the block's first query
+        if window > 0:
+            rows_lo = max(0, start_row + t0 - window + 1)
+        for r0 in range(rows_lo, rows_end, _PREFILL_TILE):
             tn = min(_PREFILL_TILE, rows_end - r0)
             for j in range(tn):
                 r = r0 + j
@@ -467,17 +506,20 @@ def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sc
                 for i in range(head_dim):
                     vt[j, i] = _bf16_to_f32(vrow[i])
             for a in range(nv):
+                visible = min(tn, last[a] - r0 + 1)
+                j0 = 0                        # first visible column of the tile
+                if window > 0:
+                    j0 = max(0, last[a] - window + 1 - r0)
+                if visible <= j0:             # tile wholly masked for this query
+                    continue
                 for j in range(tn):
                     s[a, j] = 0.0
                 for i in range(head_dim):
                     qi = qs[a, i]
                     for j in range(tn):
                         s[a, j] += qi * kt[i, j]
-                visible = min(tn, last[a] - r0 + 1)
-                if visible <= 0:
-                    continue
                 bm = m[a]
-                for j in range(visible):
+                for j in range(j0, visible):
                     bm = max(bm, s[a, j])
                 alpha = _exp_f32(m[a] - bm)
                 m[a] = bm
@@ -486,7 +528,7 @@ def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sc
                     acc[a, i] *= alpha
                 la = l[a]
                 aa = acc[a]
-                for j in range(visible):
+                for j in range(j0, visible):
                     p = _exp_f32(s[a, j] - bm)
                     la += p
                     vj = vt[j]
@@ -502,9 +544,12 @@ def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sc
                     out[t0 + t, obase + i] = acc[a, i] * inv
 
 
-def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out):
-    """q, out: f32 [n, n_q_heads*head_dim]; query i sees rows 0 .. start_row+i."""
-    _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out)
+def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
+                      window=0):
+    """q, out: f32 [n, n_q_heads*head_dim]; query i sees rows 0 .. start_row+i, or with
+    window > 0 rows max(0, start_row+i-window+1) .. start_row+i."""
+    _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
+                       int(window))
 
 
 # -- silu_gate / add ---------------------------------------------------------
@@ -530,6 +575,40 @@ def silu_gate(gate, up, out):
         _silu_gate_parallel(gate, up, out)
     else:
         _silu_gate_serial(gate, up, out)
+
+
+# gelu_tanh(g) = 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3):
+# the exp form vectorises 16-wide through _exp_f32 (exp clamps at 88, so a very
+# negative g gives a tiny negative number, as tanh does).
+_GELU_K2 = np.float32(2.0 * math.sqrt(2.0 / math.pi))
+_GELU_C = np.float32(0.044715)
+
+
+@njit(inline="always", **_JIT)
+def _gelu_tanh(g):
+    return g / (np.float32(1.0) + _exp_f32(-_GELU_K2 * (g + _GELU_C * g * g * g)))
+
+
+@njit(**_JIT)
+def _gelu_gate_serial(gate, up, out):
+    for t in range(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            out[t, i] = _gelu_tanh(gate[t, i]) * up[t, i]
+
+
+@njit(parallel=True, **_JIT)
+def _gelu_gate_parallel(gate, up, out):
+    for t in prange(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            out[t, i] = _gelu_tanh(gate[t, i]) * up[t, i]
+
+
+def gelu_gate(gate, up, out):
+    """out = gelu_tanh(gate) * up, all f32 [n, f]."""
+    if gate.shape[0] > 1 and gate.size >= _PARALLEL_MIN:
+        _gelu_gate_parallel(gate, up, out)
+    else:
+        _gelu_gate_serial(gate, up, out)
 
 
 @njit(**_JIT)

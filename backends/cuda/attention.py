@@ -90,14 +90,16 @@ def prefill_smem_bytes(bq: int, head_dim: int) -> int:
 
 
 def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_heads: int, scale: float,
-                      out) -> None:
-    """q, out: f32 [n, n_q_heads*head_dim]; query i sees rows 0 .. start_row + i."""
+                      out, window: int = 0) -> None:
+    """q, out: f32 [n, n_q_heads*head_dim]; query i sees rows 0 .. start_row + i, or with
+    window > 0 only rows max(0, start_row + i - window + 1) .. start_row + i (a block's
+    tiles start at its first query's lowest row: O(window) tiles per block)."""
     n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_prefill")
     n = q.shape[0]
     _check_rows(q, n, n_q_heads * head_dim, "q", "attention_prefill")
     _check_rows(out, n, n_q_heads * head_dim, "out", "attention_prefill")
-    if start_row < 0:
-        raise ValueError(f"cuda attention_prefill: start_row {start_row} < 0")
+    if start_row < 0 or window < 0:
+        raise ValueError(f"cuda attention_prefill: start_row {start_row} and window {window} must be >= 0")
     if n == 0:
         return
     _check_table(page_table, page_size, start_row + n, "attention_prefill")
@@ -106,7 +108,7 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
     ex.function("attention.cu", name)(
         grid, block,
         (q, row_stride(q), k_pages, v_pages, page_table, out, row_stride(out), _i32(n), _i32(start_row),
-         _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _f32(scale)),
+         _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(window), _f32(scale)),
         shared_mem=prefill_smem_bytes(bq, head_dim))
 
 
@@ -125,15 +127,17 @@ def decode_geometry(n_rows: int, n_q_heads: int, n_kv: int) -> tuple[int, int, i
 
 
 def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads: int, scale: float,
-                     out) -> None:
-    """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1."""
+                     out, window: int = 0) -> None:
+    """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1, or with window > 0
+    rows max(0, n_rows - window) .. n_rows-1: the splits cover only those."""
     n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_decode")
     _check_rows(q, 1, n_q_heads * head_dim, "q", "attention_decode")
     _check_rows(out, 1, n_q_heads * head_dim, "out", "attention_decode")
-    if n_rows < 1:
-        raise ValueError(f"cuda attention_decode: n_rows must be >= 1, got {n_rows}")
+    if n_rows < 1 or window < 0:
+        raise ValueError(f"cuda attention_decode: n_rows must be >= 1 and window >= 0, got {n_rows}, {window}")
     _check_table(page_table, page_size, n_rows, "attention_decode")
-    n_chunks, heads_per_block, n_splits, rows_per_split = decode_geometry(n_rows, n_q_heads, n_kv)
+    row0 = max(0, n_rows - window) if window > 0 else 0
+    n_chunks, heads_per_block, n_splits, rows_per_split = decode_geometry(n_rows - row0, n_q_heads, n_kv)
     # partials: acc f32 [n_q_heads, n_splits, head_dim] then (max, sum) f32 [n_q_heads, n_splits, 2];
     # sized once for DEC_MAX_SPLITS so a growing context never reallocates
     n_acc = n_q_heads * n_splits * head_dim
@@ -141,7 +145,7 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
     part_acc, part_ml = buf[:n_acc], buf[n_acc:n_acc + 2 * n_q_heads * n_splits]
     ex.function("attention.cu", "attention_decode_split")(
         (n_kv * n_chunks, n_splits), (DEC_THREADS,),
-        (q, k_pages, v_pages, page_table, out, part_acc, part_ml, _i32(n_rows), _i32(rows_per_split),
+        (q, k_pages, v_pages, page_table, out, part_acc, part_ml, _i32(row0), _i32(n_rows), _i32(rows_per_split),
          _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(heads_per_block), _f32(scale)))
     if n_splits > 1:                                 # with one split the first kernel wrote out
         ex.function("attention.cu", "attention_decode_combine")(

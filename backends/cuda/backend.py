@@ -83,6 +83,9 @@ class CudaBackend:
     def rms_norm(self, x, weight, eps: float, out) -> None:
         elementwise.rms_norm(self.ex, x, weight, eps, out)
 
+    def scale(self, x, s: float, out) -> None:
+        elementwise.scale(self.ex, x, s, out)
+
     def matmul(self, w, x, out, bias=None) -> None:
         quant.matmul(self.ex, w, x, out, bias)
 
@@ -95,15 +98,20 @@ class CudaBackend:
         elementwise.kv_write(self.ex, k_pages, v_pages, page_table, k, v, start_row)
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
-                          n_q_heads: int, scale: float, out) -> None:
-        attention.attention_prefill(self.ex, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out)
+                          n_q_heads: int, scale: float, out, window: int = 0) -> None:
+        attention.attention_prefill(self.ex, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
+                                    window)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
-                         n_q_heads: int, scale: float, out) -> None:
-        attention.attention_decode(self.ex, q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out)
+                         n_q_heads: int, scale: float, out, window: int = 0) -> None:
+        attention.attention_decode(self.ex, q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
+                                   window)
 
     def silu_gate(self, gate, up, out) -> None:
         elementwise.silu_gate(self.ex, gate, up, out)
+
+    def gelu_gate(self, gate, up, out) -> None:
+        elementwise.gelu_gate(self.ex, gate, up, out)
 
     def add(self, a, b, out) -> None:
         elementwise.add(self.ex, a, b, out)

@@ -14,6 +14,8 @@ from ..base import rope_inv_freq
 VARIANTS = [("norm.cu", ()), ("eltwise.cu", ()), ("rope.cu", ()), ("kv.cu", ())]
 
 NORM_THREADS = 256
+NORM_WARP_COLS = 256         # norm.cu: groups up to this wide get a warp each (rms_norm_warp)
+NORM_WARP_WARPS = 4          # warps (groups) per rms_norm_warp block
 ELTWISE_THREADS = 256
 COPY_THREADS = 256
 _i32, _f32 = np.int32, np.float32
@@ -33,13 +35,35 @@ def threads_for(n: int, cap: int) -> int:
 
 
 def rms_norm(ex, x, weight, eps: float, out) -> None:
+    """x, out: f32 [n, d] (out may alias x); weight: f32 [g], g divides d: each g-wide
+    group of a row is normalised on its own."""
     n, d = x.shape
-    if out.shape != (n, d) or weight.shape != (d,):
-        raise ValueError(f"cuda rms_norm: x {x.shape}, weight {weight.shape}, out {out.shape}")
+    g = weight.shape[0] if weight.ndim == 1 else 0
+    if out.shape != (n, d) or g < 1 or d % g:
+        raise ValueError(f"cuda rms_norm: x {x.shape}, weight {weight.shape} (its length must divide "
+                         f"the row), out {out.shape}")
     if n == 0:
         return
-    ex.function("norm.cu", "rms_norm")((n,), (NORM_THREADS,),
-                                       (x, row_stride(x), weight, out, row_stride(out), _i32(d), _f32(eps)))
+    n_groups = d // g
+    if g <= NORM_WARP_COLS:                          # a warp per (row, group)
+        warps = NORM_WARP_WARPS
+        ex.function("norm.cu", "rms_norm_warp")(
+            (-(-n * n_groups // warps),), (warps * 32,),
+            (x, row_stride(x), weight, out, row_stride(out), _i32(n), _i32(n_groups), _i32(g), _f32(eps)))
+    else:                                            # a block per (row, group)
+        ex.function("norm.cu", "rms_norm")((n, n_groups), (threads_for(g, NORM_THREADS),),
+                                           (x, row_stride(x), weight, out, row_stride(out), _i32(g), _f32(eps)))
+
+
+def scale(ex, x, s: float, out) -> None:
+    """out = x * s, f32 [n, d] (out may alias x)."""
+    n, d = x.shape
+    if out.shape != (n, d):
+        raise ValueError(f"cuda scale: shapes {x.shape}, {out.shape}")
+    if n == 0:
+        return
+    ex.function("eltwise.cu", "scale")((-(-d // ELTWISE_THREADS), n), (ELTWISE_THREADS,),
+                                       (x, row_stride(x), out, row_stride(out), _i32(d), _f32(s)))
 
 
 def _eltwise(ex, name: str, a, b, out) -> None:
@@ -58,6 +82,10 @@ def add(ex, a, b, out) -> None:
 
 def silu_gate(ex, gate, up, out) -> None:
     _eltwise(ex, "silu_gate", gate, up, out)
+
+
+def gelu_gate(ex, gate, up, out) -> None:
+    _eltwise(ex, "gelu_gate", gate, up, out)
 
 
 def _rope_table(ex, base: float, rot_dim: int, max_pos: int, factors):

@@ -222,8 +222,14 @@ class VulkanBackend:
     def rms_norm(self, x, weight, eps: float, out) -> None:
         x, out, weight = self._f32(x, "rms_norm"), self._f32(out, "rms_norm"), self._f32(weight, "rms_norm", 1)
         n, d = x.shape
-        push = _u32(n, d, x.offset, x.row_stride, weight.offset, out.offset, out.row_stride, _fbits(eps))
-        self._dispatch("rms_norm", (), [x.buffer, weight.buffer, out.buffer], (n, 1, 1), push)
+        g = weight.shape[0]                                # group width: d (row norm) or head_dim
+        if g == 0 or d % g or out.shape != (n, d):
+            raise ValueError(f"vulkan rms_norm: x {x.shape}, weight {weight.shape}, out {out.shape}")
+        push = _u32(n, g, x.offset, x.row_stride, weight.offset, out.offset, out.row_stride, _fbits(eps))
+        self._dispatch("rms_norm", (), [x.buffer, weight.buffer, out.buffer], (d // g, n, 1), push)
+
+    def scale(self, x, s: float, out) -> None:
+        self._eltwise("scale", x, None, out, s)
 
     def matmul(self, w: VulkanWeight, x, out, bias=None) -> None:
         x, out = self._f32(x, "matmul"), self._f32(out, "matmul")
@@ -282,36 +288,48 @@ class VulkanBackend:
         self._dispatch("kv_write", (), [k_pages.buffer, v_pages.buffer, page_table.buffer, k.buffer, v.buffer],
                        (n_kv, n, 1), push)
 
-    def _attention(self, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out):
+    def _attention(self, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window):
         q, out = self._f32(q, "attention"), self._f32(out, "attention")
         _, n_kv, page_size, head_dim = k_pages.shape
-        if n_q_heads % n_kv or head_dim > 256:
-            raise ValueError(f"vulkan attention: {n_q_heads} query heads over {n_kv} KV heads, head_dim {head_dim}")
+        if n_q_heads % n_kv or head_dim > 256 or window < 0:
+            raise ValueError(f"vulkan attention: {n_q_heads} query heads over {n_kv} KV heads, "
+                             f"head_dim {head_dim}, window {window}")
         n = q.shape[0]
         push = _u32(n, n_q_heads, n_kv, head_dim, page_size, start_row, q.offset, q.row_stride,
-                    out.offset, out.row_stride, _fbits(scale))
+                    out.offset, out.row_stride, _fbits(scale), window)
         self._dispatch("attention", (), [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, out.buffer],
                        (n_q_heads, n, 1), push)
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
-                          n_q_heads: int, scale: float, out) -> None:
-        self._attention(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out)
+                          n_q_heads: int, scale: float, out, window: int = 0) -> None:
+        self._attention(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
-                         n_q_heads: int, scale: float, out) -> None:
-        self._attention(q, k_pages, v_pages, page_table, n_rows - 1, n_q_heads, scale, out)
+                         n_q_heads: int, scale: float, out, window: int = 0) -> None:
+        self._attention(q, k_pages, v_pages, page_table, n_rows - 1, n_q_heads, scale, out, window)
 
-    def _eltwise(self, op: str, a, b, out) -> None:
-        a, b, out = self._f32(a, op), self._f32(b, op), self._f32(out, op)
+    def _eltwise(self, op: str, a, b, out, s: float = 0.0) -> None:
+        """out = op(a, b) (b None for "scale", which multiplies by s) over [n, d] views."""
+        a, out = self._f32(a, op), self._f32(out, op)
         n, d = a.shape
-        if b.shape != (n, d) or out.shape != (n, d):
-            raise ValueError(f"vulkan {op}: shapes {a.shape}, {b.shape}, {out.shape}")
-        push = _u32(n, d, a.offset, a.row_stride, b.offset, b.row_stride, out.offset, out.row_stride)
-        define = "OP_ADD" if op == "add" else "OP_SILU_GATE"
-        self._dispatch("eltwise", (define,), [a.buffer, b.buffer, out.buffer], (-(-d // 64), n, 1), push)
+        if b is None:
+            b_buf, b_off, b_stride = self._dummy, 0, 0
+        else:
+            b = self._f32(b, op)
+            if b.shape != (n, d):
+                raise ValueError(f"vulkan {op}: shapes {a.shape}, {b.shape}, {out.shape}")
+            b_buf, b_off, b_stride = b.buffer, b.offset, b.row_stride
+        if out.shape != (n, d):
+            raise ValueError(f"vulkan {op}: shapes {a.shape}, {out.shape}")
+        push = _u32(n, d, a.offset, a.row_stride, b_off, b_stride, out.offset, out.row_stride, _fbits(s))
+        self._dispatch("eltwise", (shaders.ELTWISE_OPS[op],), [a.buffer, b_buf, out.buffer],
+                       (-(-d // 64), n, 1), push)
 
     def silu_gate(self, gate, up, out) -> None:
         self._eltwise("silu_gate", gate, up, out)
+
+    def gelu_gate(self, gate, up, out) -> None:
+        self._eltwise("gelu_gate", gate, up, out)
 
     def add(self, a, b, out) -> None:
         self._eltwise("add", a, b, out)

@@ -27,13 +27,16 @@ QTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", 
 
 MATMUL_TN = 2   # tokens per invocation of the mat-mat variant (best on lavapipe)
 
+# elementwise op -> its eltwise.comp variant
+ELTWISE_OPS = {"add": "OP_ADD", "silu_gate": "OP_SILU_GATE", "gelu_gate": "OP_GELU_GATE", "scale": "OP_SCALE"}
+
 
 def variants() -> list[tuple[str, tuple[str, ...]]]:
     """Every (shader, defines) the backend can dispatch."""
-    out = [("rms_norm", ()), ("eltwise", ("OP_ADD",)), ("eltwise", ("OP_SILU_GATE",)),
-           ("rope", ()), ("kv_write", ()), ("attention", ()),
+    out = [("rms_norm", ()), ("rope", ()), ("kv_write", ()), ("attention", ()),
            ("snapkv_votes", ("PASS_STATS",)), ("snapkv_votes", ("PASS_VOTES",)),
            ("kv_gather", ("PASS_GATHER",)), ("kv_gather", ("PASS_SCATTER",)), ("kv_copy_pages", ())]
+    out += [("eltwise", (define,)) for define in ELTWISE_OPS.values()]
     for q in QTYPES:
         out.append(("embedding", (f"QTYPE_{q}",)))
         out.append(("matmul", (f"QTYPE_{q}", "TN=1u")))

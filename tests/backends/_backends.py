@@ -23,8 +23,8 @@ _DEVICE_BACKENDS = {
     "cuda-harness": ("backends.cuda", "CudaBackend", {"executor": "cpu-harness"}),
 }
 
-_OPS = ("rms_norm", "rope", "kv_write", "attention_prefill", "attention_decode",
-        "silu_gate", "add", "snapkv_votes", "kv_gather")
+_OPS = ("rms_norm", "scale", "rope", "kv_write", "attention_prefill", "attention_decode",
+        "silu_gate", "gelu_gate", "add", "snapkv_votes", "kv_gather")
 
 
 class CpuOpsShim:
@@ -78,3 +78,13 @@ def available_backends() -> list[str]:
             continue
         names.append(name)
     return names
+
+
+def nmse(got, want) -> float:
+    """sum((got - want)^2) / sum(want^2), float64; got must be finite (a NaN means a
+    read of a poisoned slot or garbage logits) and shaped like want."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
+    assert np.all(np.isfinite(got)), "non-finite output (read of a NaN-poisoned slot?)"
+    return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-300))

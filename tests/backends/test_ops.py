@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from _backends import available_backends, make_backend
+from _backends import available_backends, make_backend, nmse
 from backends.bf16 import BF16_QNAN, bf16_to_f32, f32_to_bf16
 from backends.reference import ReferenceBackend
 from tiny_gguf import llama3_rope_factors
@@ -30,14 +30,6 @@ TOL_ATTN = 1e-8
 @pytest.fixture(params=BACKENDS, scope="module")
 def backend(request):
     return make_backend(request.param)
-
-
-def nmse(got, want) -> float:
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape
-    assert np.all(np.isfinite(got)), "non-finite output (read of a NaN-poisoned slot?)"
-    return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-300))
 
 
 def run_op(be, op, *args, outputs=()):
@@ -142,6 +134,91 @@ def test_rms_norm_column_slice(backend):
     backend.rms_norm(x[:, 64:128], w, 1e-6, out[:, 100:164])
     assert nmse(out[:, 100:164], want) < TOL_F32
     assert np.all(out[:, :100] == 5.0) and np.all(out[:, 164:] == 5.0)
+
+
+@pytest.mark.parametrize("n,d,g", [
+    (1, 64, 64),          # g == d: the usual row norm
+    (7, 576, 576),
+    (1, 9 * 64, 64),      # per-head norm, head_dim 64 (decode)
+    (7, 4 * 64, 64),
+    (33, 8 * 128, 128),   # head_dim 128, parallel path
+    (1, 32 * 128, 128),
+])
+def test_rms_norm_grouped(backend, n, d, g):
+    """Each g-wide group of a row normalised on its own, out separate and in place."""
+    rng = np.random.default_rng(n * d + g)
+    x = (rng.standard_normal((n, d)) * 3).astype(np.float32)
+    x[:, :g] *= 50.0                                  # groups of very different scale
+    w = rng.standard_normal(g).astype(np.float32)
+    want = np.empty_like(x)
+    REF.rms_norm(x, w, 1e-6, want)
+    for j in range(d // g):                           # the reference: g == d per group
+        part = np.empty((n, g), dtype=np.float32)
+        REF.rms_norm(x[:, j * g:(j + 1) * g], w, 1e-6, part)
+        np.testing.assert_array_equal(want[:, j * g:(j + 1) * g], part)
+    _, (got,) = run_op(backend, "rms_norm", x, w, 1e-6, np.zeros_like(x), outputs=(3,))
+    assert nmse(got, want) < TOL_F32
+    dx = backend.upload(x)                            # in place: out aliases x
+    backend.rms_norm(dx, backend.upload(w), 1e-6, dx)
+    backend.synchronize()
+    assert nmse(backend.download(dx), want) < TOL_F32
+
+
+def test_rms_norm_grouped_in_place_column_slice(backend):
+    """Gemma 3's Q norm: the q columns of a qkv activation, per head, in place."""
+    if backend.name != "cpu":
+        pytest.skip("column-slice views are a host-array case")
+    rng = np.random.default_rng(3)
+    qkv = rng.standard_normal((7, 4 * 128 + 2 * 128)).astype(np.float32)
+    w = rng.standard_normal(128).astype(np.float32)
+    want = qkv.copy()
+    REF.rms_norm(qkv[:, :512], w, 1e-6, want[:, :512])
+    backend.rms_norm(qkv[:, :512], w, 1e-6, qkv[:, :512])
+    assert nmse(qkv[:, :512], want[:, :512]) < TOL_F32
+    np.testing.assert_array_equal(qkv[:, 512:], want[:, 512:])
+
+
+@pytest.mark.parametrize("n,d", [(1, 640), (7, 100), (40, 1152)])
+def test_scale(backend, n, d):
+    rng = np.random.default_rng(n + d)
+    x = (rng.standard_normal((n, d)) * 4).astype(np.float32)
+    s = math.sqrt(d)
+    want = (x.astype(np.float64) * s).astype(np.float32)
+    got = np.empty_like(x)
+    REF.scale(x, s, got)
+    np.testing.assert_array_equal(got, want)
+    _, (got,) = run_op(backend, "scale", x, s, np.zeros_like(x), outputs=(2,))
+    assert nmse(got, want) < TOL_F32
+    dx = backend.upload(x)                            # in place: out aliases x
+    backend.scale(dx, s, dx)
+    backend.synchronize()
+    assert nmse(backend.download(dx), want) < TOL_F32
+
+
+def gelu_tanh_f64(g: np.ndarray) -> np.ndarray:
+    g = np.asarray(g, dtype=np.float64)
+    return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
+
+
+@pytest.mark.parametrize("n,f", [(1, 2001), (7, 100), (40, 1536)])
+def test_gelu_gate(backend, n, f):
+    """Against the tanh-approximation formula in float64, gate values -10 .. 10."""
+    rng = np.random.default_rng(n * f)
+    gate = np.linspace(-10.0, 10.0, n * f).reshape(n, f)
+    gate = rng.permuted(gate, axis=1).astype(np.float32)
+    gate[0, :5] = [-10.0, 10.0, 0.0, -0.5, 3.0]
+    up = rng.standard_normal((n, f)).astype(np.float32)
+    want = gelu_tanh_f64(gate) * up.astype(np.float64)
+    # spot values of gelu_tanh itself
+    np.testing.assert_allclose(gelu_tanh_f64([0.0, 1.0, -1.0]), [0.0, 0.8411919906, -0.1588080094],
+                               rtol=1e-9)
+    ref = np.empty_like(gate)
+    REF.gelu_gate(gate, up, ref)
+    assert nmse(ref, want) < 1e-14
+    _, (got,) = run_op(backend, "gelu_gate", gate, up, np.zeros_like(gate), outputs=(2,))
+    assert nmse(got, want) < TOL_F32
+    # the far negative tail is (almost) zero, never a large or non-finite value
+    assert np.all(np.abs(got[gate < -6.0]) < 1e-6)
 
 
 @pytest.mark.parametrize("n,f", [(1, 1536), (7, 100), (40, 1536)])
@@ -292,6 +369,127 @@ def test_attention_decode_matches_prefill_last_row():
     dec = np.empty_like(q[:1])
     REF.attention_decode(q[4:5], k_pages, v_pages, page_table, 45, 9, 0.125, dec)
     np.testing.assert_allclose(dec[0], pre[4], rtol=1e-12, atol=1e-12)
+
+
+# -- sliding-window attention -----------------------------------------------------
+WINDOWS = [1, 7, 64, 512]
+WINDOW_SHAPES = ATTN_SHAPES + [(4, 1, 256, 16)]     # + Gemma 3 1B: 4 query heads on 1 KV head, head_dim 256
+
+
+def poison_below(k_pages, v_pages, page_table, lo):
+    """Copies in which rows 0 .. lo-1 are gone, as after a sliding-window layer returned
+    them: their slots hold NaN, and the table entries of pages wholly below row lo point
+    at an all-NaN page (one the table does not hold). Any read of them gives NaN."""
+    k_pages, v_pages, page_table = k_pages.copy(), v_pages.copy(), page_table.copy()
+    ps = k_pages.shape[2]
+    rows = np.arange(lo)
+    for pages in (k_pages, v_pages):
+        pages[page_table[rows // ps], :, rows % ps] = BF16_QNAN
+    nan_page = np.setdiff1d(np.arange(k_pages.shape[0]), page_table)[0]
+    assert np.all(k_pages[nan_page] == BF16_QNAN) and np.all(v_pages[nan_page] == BF16_QNAN)
+    page_table[:lo // ps] = nan_page
+    return k_pages, v_pages, page_table
+
+
+def windowed_attention_f64(q, k_pages, v_pages, page_table, query_rows, n_q, scale, window):
+    """Independent oracle: f64 softmax over each query's window rows, read one by one."""
+    from backends.reference import read_rows
+    n, hd = q.shape[0], k_pages.shape[3]
+    group = n_q // k_pages.shape[1]
+    out = np.empty((n, n_q, hd))
+    for t, r in enumerate(query_rows):
+        rows = np.arange(max(0, r - window + 1) if window else 0, r + 1)
+        keys, values = read_rows(k_pages, page_table, rows), read_rows(v_pages, page_table, rows)
+        for h in range(n_q):
+            logits = keys[h // group] @ q[t, h * hd:(h + 1) * hd].astype(np.float64) * scale
+            p = np.exp(logits - logits.max())
+            out[t, h] = (p / p.sum()) @ values[h // group]
+    return out.reshape(n, n_q * hd)
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 20])
+@pytest.mark.parametrize("start_row,n", [(0, 9), (30, 5)])
+def test_reference_window_attention_by_hand(window, start_row, n):
+    """The reference's window mask against a per-query loop; window 1 returns V of the
+    query's own row; decode equals the last prefill query; NaN below the window is unread."""
+    rng = np.random.default_rng(window + n)
+    n_rows = start_row + n
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, 3, 4, 64, kscale=2.0)
+    lo = max(0, start_row - window + 1) if window else 0
+    k_pages, v_pages, page_table = poison_below(k_pages, v_pages, page_table, lo)
+    q = rng.standard_normal((n, 9 * 64)).astype(np.float32)
+    got = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, 9, 0.125, got, window=window)
+    want = windowed_attention_f64(q, k_pages, v_pages, page_table, start_row + np.arange(n), 9,
+                                  0.125, window)
+    assert nmse(got, want) < 1e-12
+    if window == 1:
+        rows = start_row + np.arange(n)
+        v_own = bf16_to_f32(v_pages[page_table[rows // 4], :, rows % 4, :])       # [n, 3, 64]
+        np.testing.assert_allclose(got.reshape(n, 9, 64), np.repeat(v_own, 3, axis=1), rtol=1e-6)
+    dec = np.empty_like(q[:1])
+    REF.attention_decode(q[-1:], k_pages, v_pages, page_table, n_rows, 9, 0.125, dec, window=window)
+    np.testing.assert_allclose(dec[0], got[-1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", WINDOW_SHAPES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("start_row,n", [(0, 7), (0, 40), (37, 7), (5, 40), (300, 64),
+                                         (600, 1), (700, 300)])
+def test_attention_prefill_window(backend, n_q, n_kv, head_dim, page_size, window, start_row, n):
+    """Sliding window over chunks shorter and longer than the window (n >= 32: the CPU's
+    BLAS path, in several query blocks for n > window); rows below the first query's
+    window are poisoned."""
+    rng = np.random.default_rng(start_row * 31 + n + head_dim + window)
+    n_rows = start_row + n
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    k_pages, v_pages, page_table = poison_below(k_pages, v_pages, page_table,
+                                                max(0, start_row - window + 1))
+    q = rng.standard_normal((n, n_q * head_dim)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, scale, want, window)
+    _, (got,) = run_op(backend, "attention_prefill", q, k_pages, v_pages, page_table,
+                       start_row, n_q, scale, np.zeros_like(q), window, outputs=(7,))
+    assert nmse(got, want) < TOL_ATTN
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", WINDOW_SHAPES)
+@pytest.mark.parametrize("window,n_rows", [(w, r) for w in WINDOWS for r in (1, 7, 17, 300, 1000, 2000)]
+                         + [(1500, 3000), (1030, 5000)])      # > 1024 rows: the CPU's parallel path
+def test_attention_decode_window(backend, n_q, n_kv, head_dim, page_size, window, n_rows):
+    rng = np.random.default_rng(n_rows + head_dim + page_size + window)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    k_pages, v_pages, page_table = poison_below(k_pages, v_pages, page_table,
+                                                max(0, n_rows - window))
+    q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, want, window)
+    _, (got,) = run_op(backend, "attention_decode", q, k_pages, v_pages, page_table,
+                       n_rows, n_q, scale, np.zeros_like(q), window, outputs=(7,))
+    assert nmse(got, want) < TOL_ATTN
+
+
+@pytest.mark.parametrize("op,start_row,n", [("prefill", 0, 40), ("prefill", 290, 10),
+                                            ("decode", 0, 300)])
+def test_attention_window_zero_or_covering_is_full(backend, op, start_row, n):
+    """window=0 (the default) and a window covering every row both give full causal attention."""
+    rng = np.random.default_rng(n + start_row)
+    n_rows = start_row + n
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, 3, 16, 64, kscale=2.0)
+    n_q = 1 if op == "decode" else n
+    q = rng.standard_normal((n_q, 9 * 64)).astype(np.float32)
+    name, pos = ("attention_decode", n_rows) if op == "decode" else ("attention_prefill", start_row)
+    want = np.empty_like(q)
+    getattr(REF, name)(q, k_pages, v_pages, page_table, pos, 9, 0.125, want)
+    for window in (0, n_rows, n_rows + 100):
+        ref = np.empty_like(q)
+        getattr(REF, name)(q, k_pages, v_pages, page_table, pos, 9, 0.125, ref, window=window)
+        np.testing.assert_array_equal(ref, want)
+        _, (got,) = run_op(backend, name, q, k_pages, v_pages, page_table, pos, 9, 0.125,
+                           np.zeros_like(q), window, outputs=(7,))
+        assert nmse(got, want) < TOL_ATTN
 
 
 # -- snapkv_votes ------------------------------------------------------------------

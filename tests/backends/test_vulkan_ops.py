@@ -85,3 +85,173 @@ def test_gpu_required_but_only_cpu_device():
         pick_device([{"index": 0, "name": "llvmpipe", "type": "cpu", "vendor": "Mesa"}], allow_cpu=False)
     with pytest.raises(BackendUnavailable, match="no Vulkan device found"):
         pick_device([])
+
+
+# -- Gemma 3 ops: grouped rms_norm, scale, gelu_gate, sliding-window attention --------
+# The views, aliasing and saturation cases the forward pass hits; the shared parity cases
+# in test_ops.py cover the plain shapes. Oracle: backends/reference.py.
+def ref(op, *args):
+    """Run a reference op whose last argument is its output; return that output (f64)."""
+    out = np.empty(np.shape(args[0]), np.float64)
+    getattr(REF, op)(*args, out)
+    return out
+
+
+@pytest.mark.parametrize("n,n_heads,head_dim", [(1, 8, 256), (7, 9, 64), (5, 32, 128), (3, 1, 576)])
+def test_rms_norm_per_head_in_place(vk, n, n_heads, head_dim):
+    """Gemma 3's Q norm: weight [head_dim] over the q columns of a fused qkv buffer, in place;
+    the K/V columns after them are left alone. (1 head: the usual row norm, in place.)"""
+    rng = np.random.default_rng(n * head_dim + n_heads)
+    width = n_heads * head_dim
+    qkv = (rng.standard_normal((n, width + 2 * head_dim)) * 3).astype(np.float32)
+    qkv[:, :head_dim] *= 100.0                                # groups of very different scale
+    w = rng.standard_normal(head_dim).astype(np.float32)
+    dx = vk.upload(qkv)
+    vk.rms_norm(dx[:, :width], vk.upload(w), 1e-6, dx[:, :width])
+    got = vk.download(dx)
+    assert nmse(got[:, :width], ref("rms_norm", qkv[:, :width], w, 1e-6)) < 1e-10
+    np.testing.assert_array_equal(got[:, width:], qkv[:, width:])
+
+
+def test_rms_norm_groups_out_of_place_and_bad_group(vk):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 384)).astype(np.float32)
+    w = rng.standard_normal(200).astype(np.float32)
+    out = vk.alloc((4, 384))
+    vk.rms_norm(vk.upload(x), vk.upload(w)[72:200], 1e-5, out)         # weight view, g = 128
+    assert nmse(vk.download(out), ref("rms_norm", x, w[72:200], 1e-5)) < 1e-10
+    with pytest.raises(ValueError, match="rms_norm"):
+        vk.rms_norm(vk.upload(x), vk.upload(w[:100]), 1e-5, out)       # 100 does not divide 384
+
+
+def test_scale(vk):
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((7, 300)) * 10).astype(np.float32)
+    s = float(np.sqrt(np.float32(2304.0)))                             # Gemma's sqrt(n_embd)
+    want = x * np.float32(s)                                           # one f32 multiply: exact
+    out = vk.alloc((7, 300))
+    vk.scale(vk.upload(x), s, out)
+    np.testing.assert_array_equal(vk.download(out), want)
+    dx = vk.upload(x)                                                  # in place, on a view
+    vk.scale(dx[2:5][:, 100:200], -0.5, dx[2:5][:, 100:200])
+    got = vk.download(dx)
+    np.testing.assert_array_equal(got[2:5, 100:200], x[2:5, 100:200] * np.float32(-0.5))
+    got[2:5, 100:200] = x[2:5, 100:200]
+    np.testing.assert_array_equal(got, x)
+
+
+@pytest.mark.parametrize("n,f", [(1, 1152), (7, 100), (40, 6912)])
+def test_gelu_gate(vk, n, f):
+    rng = np.random.default_rng(n + f)
+    gate = (rng.standard_normal((n, f)) * 4).astype(np.float32)
+    gate[0, :8] = [-1e4, 1e4, -100.0, 100.0, -10.0, 10.0, 0.0, -3.0]   # tanh saturation both ways
+    up = rng.standard_normal((n, f)).astype(np.float32)
+    out = vk.alloc((n, f))
+    vk.gelu_gate(vk.upload(gate), vk.upload(up), out)
+    got = vk.download(out)
+    assert np.all(np.isfinite(got))
+    want = ref("gelu_gate", gate, up)
+    assert nmse(got, want) < 1e-10
+    np.testing.assert_allclose(got[0, :8], want[0, :8], rtol=1e-6, atol=1e-30)
+
+
+def test_gelu_gate_in_place_on_views(vk):
+    """The forward pass's fused gate|up buffer: out aliases the gate columns."""
+    rng = np.random.default_rng(6)
+    gu = (rng.standard_normal((3, 200)) * 3).astype(np.float32)
+    d = vk.upload(gu)
+    vk.gelu_gate(d[:, :100], d[:, 100:], d[:, :100])
+    got = vk.download(d)
+    assert nmse(got[:, :100], ref("gelu_gate", gu[:, :100], gu[:, 100:])) < 1e-10
+    np.testing.assert_array_equal(got[:, 100:], gu[:, 100:])
+
+
+def windowed_pool(rng, n_rows, n_kv, page_size, head_dim, first_visible):
+    """Pools with rows 0..n_rows-1 written and then rows below `first_visible` (and every
+    unused slot) NaN: a read below the window shows up as NaN."""
+    from backends.bf16 import BF16_QNAN, f32_to_bf16
+    n_used = -(-n_rows // page_size)
+    shape = (n_used + 2, n_kv, page_size, head_dim)
+    k_pages, v_pages = np.full(shape, BF16_QNAN, np.uint16), np.full(shape, BF16_QNAN, np.uint16)
+    page_table = rng.permutation(n_used + 2).astype(np.int32)[:n_used + 1]
+    rows = np.arange(first_visible, n_rows)
+    page, off = page_table[rows // page_size], rows % page_size
+    for pages in (k_pages, v_pages):
+        vals = rng.standard_normal((len(rows), n_kv, head_dim)) * 2.0
+        pages[page, :, off, :] = f32_to_bf16(vals.astype(np.float32))
+    return k_pages, v_pages, page_table
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", [(9, 3, 64, 16), (32, 8, 128, 16), (8, 4, 256, 256)])
+@pytest.mark.parametrize("start_row,n,window", [
+    (0, 7, 3), (37, 7, 5), (5, 40, 16), (300, 64, 100), (250, 1, 64), (10, 5, 1), (3, 9, 512)])
+def test_attention_prefill_window(vk, n_q, n_kv, head_dim, page_size, start_row, n, window):
+    rng = np.random.default_rng(start_row * 31 + n + window + head_dim)
+    first = max(0, start_row - window + 1)                  # lowest row any query of the chunk sees
+    k_pages, v_pages, page_table = windowed_pool(rng, start_row + n, n_kv, page_size, head_dim, first)
+    q = rng.standard_normal((n, n_q * head_dim)).astype(np.float32)
+    scale = 1.0 / np.sqrt(head_dim)
+    out = vk.alloc(q.shape)
+    vk.attention_prefill(vk.upload(q), vk.upload(k_pages), vk.upload(v_pages), vk.upload(page_table),
+                         start_row, n_q, scale, out, window=window)
+    got = vk.download(out)
+    assert np.all(np.isfinite(got)), "read below the window"
+    want = np.empty(q.shape)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, scale, want, window=window)
+    assert nmse(got, want) < 1e-8
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", [(9, 3, 64, 16), (32, 8, 128, 16), (8, 4, 256, 256)])
+@pytest.mark.parametrize("n_rows,window", [(1, 4), (7, 7), (17, 16), (300, 64), (1000, 513), (1000, 1)])
+def test_attention_decode_window(vk, n_q, n_kv, head_dim, page_size, n_rows, window):
+    rng = np.random.default_rng(n_rows + window + head_dim)
+    first = max(0, n_rows - window)
+    k_pages, v_pages, page_table = windowed_pool(rng, n_rows, n_kv, page_size, head_dim, first)
+    q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
+    scale = 1.0 / np.sqrt(head_dim)
+    out = vk.alloc(q.shape)
+    vk.attention_decode(vk.upload(q), vk.upload(k_pages), vk.upload(v_pages), vk.upload(page_table),
+                        n_rows, n_q, scale, out, window=window)
+    got = vk.download(out)
+    assert np.all(np.isfinite(got)), "read below the window"
+    want = np.empty(q.shape)
+    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, want, window=window)
+    assert nmse(got, want) < 1e-8
+
+
+def test_attention_window_zero_is_full_causal(vk):
+    """window=0 (the default) keeps the full causal attention."""
+    rng = np.random.default_rng(12)
+    k_pages, v_pages, page_table = windowed_pool(rng, 45, 3, 16, 64, 0)
+    q = rng.standard_normal((5, 9 * 64)).astype(np.float32)
+    dev = [vk.upload(a) for a in (q, k_pages, v_pages, page_table)]
+    out0, out1 = vk.alloc(q.shape), vk.alloc(q.shape)
+    vk.attention_prefill(*dev, 40, 9, 0.125, out0)
+    vk.attention_prefill(*dev, 40, 9, 0.125, out1, window=0)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, 40, 9, 0.125, want)
+    np.testing.assert_array_equal(vk.download(out0), vk.download(out1))
+    assert nmse(vk.download(out0), want) < 1e-8
+
+
+def test_attention_decode_window_cost_is_window_not_context(vk):
+    """The decode loop starts at the window, it does not mask the rows below it: at 16k rows
+    a 64-row window costs a small fraction of full attention (about 1/100 on lavapipe)."""
+    import time
+    rng = np.random.default_rng(13)
+    n_rows = 16384
+    k_pages, v_pages, page_table = windowed_pool(rng, n_rows, 1, 256, 128, 0)
+    q = rng.standard_normal((1, 4 * 128)).astype(np.float32)
+    dev = [vk.upload(a) for a in (q, k_pages, v_pages, page_table)]
+    out = vk.alloc(q.shape)
+
+    def best_of_3(window):
+        times = []
+        for _ in range(4):                                     # the first run builds the pipeline
+            t = time.perf_counter()
+            vk.attention_decode(*dev, n_rows, 4, 0.088, out, window=window)
+            vk.synchronize()
+            times.append(time.perf_counter() - t)
+        return min(times[1:])
+    full, windowed = best_of_3(0), best_of_3(64)
+    assert windowed < 0.25 * full, f"window 64: {windowed * 1e3:.2f} ms, full: {full * 1e3:.2f} ms"

@@ -17,7 +17,10 @@ from engine.errors import BackendUnavailable
 #   attention_decode* flash-decoding split + combine (attention.cu)
 #   dequant*          the token's embedding row (dequant_rows, dequant.cu)
 #   add*              residual adds and the qwen2 q/k/v bias (add, add_bias)
-DECODE_PATH = ("matvec*", "attention_decode*", "rms_norm*", "rope*", "kv_write*", "add*", "silu*", "dequant*")
+#   rms_norm*         row norms and Gemma 3's per-head Q/K norm (rms_norm, rms_norm_warp)
+#   scale*, gelu*     Gemma's embedding scale and gated FFN (eltwise.cu)
+DECODE_PATH = ("matvec*", "attention_decode*", "rms_norm*", "rope*", "kv_write*", "add*", "scale*", "silu*",
+               "gelu*", "dequant*")
 
 VARIANTS = [(f, tuple(d)) for f, d in ALL_VARIANTS]
 

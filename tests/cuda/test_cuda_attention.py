@@ -8,9 +8,12 @@ Covers what the generic parity cases there do not: head_dim 64, 96, 128 and 256
 rows (one split, a few, many); prefill chunks at start_row > 0 whose length is not a
 multiple of the query tile, through row-strided q/out views; SnapKV votes with
 windows 1, 16 and 32 over row counts that are not multiples of the page size, with
-several stats splits and partial query chunks. Unused page slots hold bf16 NaN and
-page tables are permuted, so a read outside the valid rows shows up; outputs are
-column slices of NaN-filled buffers, so a write outside the view shows up too.
+several stats splits and partial query chunks; sliding windows 1, 7, 64 and 512 over
+row counts below and above the window. Unused page slots hold bf16 NaN and page
+tables are permuted, so a read outside the valid rows shows up (with a window, the
+rows below it are NaN too and its whole pages are gone from the table: entry -1, a
+read there is a memcheck error); outputs are column slices of NaN-filled buffers,
+so a write outside the view shows up too.
 """
 from __future__ import annotations
 
@@ -21,17 +24,11 @@ import pytest
 
 from backends.bf16 import BF16_QNAN
 from backends.cuda import attention
+from _backends import nmse
 from backends.reference import ReferenceBackend
 
 REF = ReferenceBackend()
 TOL = 1e-8
-
-
-def nmse(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    assert np.all(np.isfinite(got)), "non-finite output (a read of a NaN-poisoned slot?)"
-    return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-300))
 
 
 def filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0):
@@ -45,6 +42,20 @@ def filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0):
     k = (rng.standard_normal((n_rows, n_kv * head_dim)) * kscale).astype(np.float32)
     v = rng.standard_normal((n_rows, n_kv * head_dim)).astype(np.float32)
     REF.kv_write(k_pages, v_pages, page_table, k, v, 0)
+    return k_pages, v_pages, page_table
+
+
+def drop_below(k_pages, v_pages, page_table, lo):
+    """Copies as a sliding-window layer leaves them: rows below `lo` bf16 NaN, and the
+    pages wholly below it returned to the pool (page-table entry -1)."""
+    page_size = k_pages.shape[2]
+    k_pages, v_pages, page_table = k_pages.copy(), v_pages.copy(), page_table.copy()
+    for r in range(lo):
+        page = page_table[r // page_size]
+        if page >= 0:
+            k_pages[page, :, r % page_size] = BF16_QNAN
+            v_pages[page, :, r % page_size] = BF16_QNAN
+    page_table[:lo // page_size] = -1
     return k_pages, v_pages, page_table
 
 
@@ -84,6 +95,62 @@ def test_attention_decode(ex, n_q, n_kv, head_dim, page_size, n_rows):
     got = ex.to_host(out_buf)
     assert nmse(got[:, 2:2 + width], want) < TOL
     assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + width:]))
+
+
+# (window, n_rows): rows below, at and above the window
+WINDOW_DECODE = [(1, 1), (1, 2), (1, 100), (7, 3), (7, 7), (7, 8), (7, 300),
+                 (64, 40), (64, 65), (64, 1000), (512, 300), (512, 513), (512, 3000)]
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", SHAPES)
+@pytest.mark.parametrize("window,n_rows", WINDOW_DECODE)
+def test_attention_decode_window(ex, n_q, n_kv, head_dim, page_size, window, n_rows):
+    rng = np.random.default_rng(n_rows * 5 + window + head_dim)
+    pools = drop_below(*filled_pool(rng, n_rows, n_kv, page_size, head_dim), max(0, n_rows - window))
+    width = n_q * head_dim
+    q = rng.standard_normal((1, width)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_decode(q, *pools, n_rows, n_q, scale, want, window=window)
+
+    out_buf, out = nan_view(ex, np.full_like(q, np.nan), 2, 6)
+    attention.attention_decode(ex, ex.asarray(q), *upload(ex, *pools), n_rows, n_q, scale, out, window=window)
+    got = ex.to_host(out_buf)
+    assert nmse(got[:, 2:2 + width], want) < TOL
+    assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + width:]))
+
+
+class LaunchLog:
+    """An executor that records (kernel name, grid) of every launch, then runs it."""
+
+    def __init__(self, ex):
+        self.ex, self.launches = ex, []
+
+    def __getattr__(self, name):
+        return getattr(self.ex, name)
+
+    def function(self, file, name, defines=()):
+        fn = self.ex.function(file, name, defines)
+
+        def launch(grid, block, args, **kw):
+            self.launches.append((name, tuple(grid)))
+            return fn(grid, block, args, **kw)
+        return launch
+
+
+def test_decode_window_work(ex):
+    """With a window the splits cover only the window's rows: the same launch as a
+    context of `window` rows, whatever n_rows is."""
+    rng = np.random.default_rng(11)
+    n_q, n_kv, head_dim, n_rows, window = 32, 8, 64, 3000, 64
+    pools = drop_below(*filled_pool(rng, n_rows, n_kv, 16, head_dim), n_rows - window)
+    q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
+    log = LaunchLog(ex)
+    attention.attention_decode(log, ex.asarray(q), *upload(ex, *pools), n_rows, n_q, 0.125, ex.zeros(q.shape),
+                               window=window)
+    n_chunks, _, n_splits, _ = attention.decode_geometry(window, n_q, n_kv)
+    assert log.launches[0] == ("attention_decode_split", (n_kv * n_chunks, n_splits))
+    assert n_splits < attention.decode_geometry(n_rows, n_q, n_kv)[2]
 
 
 def test_decode_geometry():
@@ -136,6 +203,45 @@ def test_attention_prefill(ex, n_q, n_kv, head_dim, page_size, start_row, n):
     got = ex.to_host(out_buf)
     assert nmse(got[:, 4:4 + width], want) < TOL
     assert np.all(np.isnan(got[:, :4])) and np.all(np.isnan(got[:, 4 + width:]))
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", SHAPES)
+@pytest.mark.parametrize("window", [1, 7, 64, 512])
+@pytest.mark.parametrize("start_row,n", [(0, 45), (37, 70), (600, 40)])
+def test_attention_prefill_window(ex, n_q, n_kv, head_dim, page_size, window, start_row, n):
+    """Windows that start inside, at and below a block's first tile; queries of one block
+    whose windows begin tiles apart (window 1 and 7 with BQ 64); whole tiles skipped."""
+    rng = np.random.default_rng(start_row * 11 + n + window + head_dim)
+    n_rows = start_row + n
+    pools = drop_below(*filled_pool(rng, n_rows, n_kv, page_size, head_dim), max(0, start_row - window + 1))
+    width = n_q * head_dim
+    q = rng.standard_normal((n, width)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, *pools, start_row, n_q, scale, want, window=window)
+
+    _, q_dev = nan_view(ex, q, 0, 2 * n_kv * head_dim)          # q of a fused qkv row
+    out_buf, out = nan_view(ex, np.full_like(q, np.nan), 4, 3)
+    attention.attention_prefill(ex, q_dev, *upload(ex, *pools), start_row, n_q, scale, out, window=window)
+    got = ex.to_host(out_buf)
+    assert nmse(got[:, 4:4 + width], want) < TOL
+    assert np.all(np.isnan(got[:, :4])) and np.all(np.isnan(got[:, 4 + width:]))
+
+
+def test_prefill_window_matches_decode(ex):
+    """Token-by-token decode and one windowed prefill chunk agree on every query."""
+    rng = np.random.default_rng(12)
+    n_q, n_kv, head_dim, start_row, n, window = 9, 3, 64, 50, 20, 16
+    pools = upload(ex, *filled_pool(rng, start_row + n, n_kv, 16, head_dim))
+    q = rng.standard_normal((n, n_q * head_dim)).astype(np.float32)
+    out = ex.zeros(q.shape)
+    attention.attention_prefill(ex, ex.asarray(q), *pools, start_row, n_q, 0.125, out, window=window)
+    got = ex.to_host(out)
+    for i in range(n):
+        one = ex.zeros((1, q.shape[1]))
+        attention.attention_decode(ex, ex.asarray(q[i:i + 1]), *pools, start_row + i + 1, n_q, 0.125, one,
+                                   window=window)
+        np.testing.assert_allclose(got[i], ex.to_host(one)[0], rtol=1e-4, atol=1e-5)
 
 
 def test_prefill_shared_memory_fits():

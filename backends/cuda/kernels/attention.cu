@@ -2,26 +2,31 @@
 //   pages[n_pages][n_kv][page_size][head_dim / 2]   u32 words of bf16 pairs (element 2i low)
 // physical row r in page page_table[r / page_size] at offset r % page_size.
 // Query head h reads KV head h / (n_q_heads / n_kv); head_dim even, <= 256.
+// Sliding window (window > 0): the query at row r sees only rows max(0, r - window + 1) .. r;
+// rows below are never read (their pages may be back in the pool, the table entries stale).
 //
 // Decode (one query per head), flash-decoding in two launches:
 //   attention_decode_split    grid (n_kv * n_chunks, n_splits), DEC_THREADS threads. A block
 //                             serves up to DEC_HEADS query heads of one KV group (a "chunk" of
-//                             the group) over one contiguous range of rows, so each K/V row is
+//                             the group) over one contiguous range of the attended rows
+//                             row0 .. n_rows-1 (row0 > 0 with a window), so each K/V row is
 //                             read once per chunk. Warp w takes rows w, w + DEC_WARPS, ... two
 //                             at a time; a lane holds words lane + 32 k of q, K, V and the
 //                             accumulator; dot products are warp sums. Partial (max, sum,
 //                             unnormalised accumulator) per (query head, split) go to scratch,
 //                             or, with one split, the normalised result straight to out.
 //   attention_decode_combine  grid (n_q_heads), DEC_THREADS threads: merges the splits.
-// Prefill (n queries, query i sees rows 0 .. start_row + i):
+// Prefill (n queries, query i sees rows 0 .. start_row + i, or its window of them):
 //   attention_prefill_d{64,128,256}  (BQ = 64, 32, 16) grid (ceil(n / BQ), n_q_heads),
 //                             PRE_THREADS threads, dynamic shared memory
 //                             attention.prefill_smem_bytes(BQ, head_dim) (<= 35 KiB).
 //                             A block stages BQ queries (scaled, f32) once, then walks 32-row
-//                             tiles of the cache: K tile -> S = Q K^T (registers, QT x 2 per
-//                             thread) -> online softmax per query (a warp per query row, lane =
-//                             column) -> V tile (into the K tile's buffer) -> O = alpha O + P V
-//                             (registers, 4 queries x 4 words per thread). Queries of one block
+//                             tiles of the cache from the lowest row any of its queries sees
+//                             (0, or its first query's window start; tiles below are skipped):
+//                             K tile -> S = Q K^T (registers, QT x 2 per thread) -> online
+//                             softmax per query (a warp per query row, lane = column) -> V
+//                             tile (into the K tile's buffer) -> O = alpha O + P V (registers,
+//                             4 queries x 4 words per thread). Queries of one block
 //                             share every K/V tile; one KV head's query heads run side by side.
 #include "common.cuh"
 
@@ -40,8 +45,8 @@
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split(
         const float* __restrict__ q, const u32* __restrict__ k_pages, const u32* __restrict__ v_pages,
         const int* __restrict__ page_table, float* __restrict__ out, float* __restrict__ part_acc,
-        float* __restrict__ part_ml, int n_rows, int rows_per_split, int n_q_heads, int n_kv, int head_dim,
-        int page_size, int heads_per_block, float scale) {
+        float* __restrict__ part_ml, int row0, int n_rows, int rows_per_split, int n_q_heads, int n_kv,
+        int head_dim, int page_size, int heads_per_block, float scale) {
     __shared__ float sh_acc[DEC_WARPS][DEC_HEADS][MAX_HEAD_DIM];
     __shared__ float sh_m[DEC_WARPS][DEC_HEADS];
     __shared__ float sh_l[DEC_WARPS][DEC_HEADS];
@@ -52,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
     const int h0 = g * group + chunk * heads_per_block;
     const int nh = min(heads_per_block, group - chunk * heads_per_block);
     const int split = blockIdx.y, n_splits = gridDim.y;
-    const int r_begin = split * rows_per_split, r_end = min(n_rows, r_begin + rows_per_split);
+    const int r_begin = row0 + split * rows_per_split, r_end = min(n_rows, r_begin + rows_per_split);
 
     float2 qr[DEC_HEADS][DEC_WORDS];                 // scaled query words of this lane
     float2 acc[DEC_HEADS][DEC_WORDS];
@@ -202,6 +207,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_combi
 
 // -- prefill ----------------------------------------------------------------------------
 // Rows k0 .. k0 + PRE_BK - 1 of KV head g (zeros from n_vis on) -> tile[PRE_BK][ks], a warp per row.
+// k0 need not be a multiple of PRE_BK (a windowed block starts at its lowest visible row).
 __device__ __forceinline__ void load_tile(u32* tile, int ks, const u32* __restrict__ pages,
                                           const int* __restrict__ page_table, int k0, int n_vis, int g,
                                           int n_kv, int page_size, int hd2) {
@@ -236,7 +242,8 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
                                               const u32* __restrict__ k_pages, const u32* __restrict__ v_pages,
                                               const int* __restrict__ page_table, float* __restrict__ out,
                                               int out_stride, int n, int start_row, int n_q_heads, int n_kv,
-                                              int head_dim, int page_size, float scale, float* smem) {
+                                              int head_dim, int page_size, int window, float scale,
+                                              float* smem) {
     constexpr int QT = PrefillShape<BQ>::QT, SS = PrefillShape<BQ>::SS;
     constexpr int QO = BQ * DL / PRE_THREADS, DW = 4;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
@@ -248,7 +255,8 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
     const int h = linear % n_q_heads, g = h / (n_q_heads / n_kv);
     const int q0 = (gridDim.x - 1 - linear / n_q_heads) * BQ;
     const int nq = min(BQ, n - q0);
-    const int n_vis = start_row + q0 + nq;          // rows any query of this block sees
+    const int n_vis = start_row + q0 + nq;          // rows any query of this block sees: k_lo .. n_vis-1
+    const int k_lo = window > 0 ? max(0, start_row + q0 - window + 1) : 0;     // the first query's lowest
 
     float2* qs = reinterpret_cast<float2*>(smem);   // [BQ][hd2]
     u32* kv = reinterpret_cast<u32*>(smem + BQ * head_dim);      // [PRE_BK][ks]
@@ -279,7 +287,7 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
 #pragma unroll
         for (int k = 0; k < DW; ++k) acc[i][k] = make_float2(0.0f, 0.0f);
 
-    for (int k0 = 0; k0 < n_vis; k0 += PRE_BK) {
+    for (int k0 = k_lo; k0 < n_vis; k0 += PRE_BK) {
         __syncthreads();                             // previous P V step is done with kv and sc
         load_tile(kv, ks, k_pages, page_table, k0, n_vis, g, n_kv, page_size, hd2);
         __syncthreads();
@@ -309,15 +317,17 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
         load_tile(kv, ks, v_pages, page_table, k0, n_vis, g, n_kv, page_size, hd2);   // V tile over K
         const int row = k0 + lane;
         for (int qi = warp; qi < BQ; qi += PRE_THREADS / WARP_SIZE) {     // online softmax, lane = column
-            const bool vis = row <= start_row + q0 + qi && row < n_vis;
+            const int q_row = start_row + q0 + qi;
+            const bool vis = row <= q_row && row < n_vis && (window <= 0 || row > q_row - window);
             const float sv = vis ? sc[qi * SS + lane] : NEG_INF;
             const float m_old = mq[qi];
-            const float m_new = fmaxf(m_old, warp_max(sv));           // finite: row 0 is in every row
+            // -inf only while a windowed query has seen no row yet (its window starts in a later tile)
+            const float m_new = fmaxf(m_old, warp_max(sv));
             const float p = vis ? __expf(sv - m_new) : 0.0f;
             const float psum = warp_sum(p);
             sc[qi * SS + lane] = p;
             if (lane == 0) {
-                const float alpha = __expf(m_old - m_new);
+                const float alpha = m_new == NEG_INF ? 1.0f : __expf(m_old - m_new);
                 aq[qi] = alpha;
                 lq[qi] = lq[qi] * alpha + psum;
                 mq[qi] = m_new;
@@ -377,10 +387,10 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
             const float* __restrict__ q, int q_stride, const u32* __restrict__ k_pages,                      \
             const u32* __restrict__ v_pages, const int* __restrict__ page_table, float* __restrict__ out,     \
             int out_stride, int n, int start_row, int n_q_heads, int n_kv, int head_dim, int page_size,      \
-            float scale) {                                                                                   \
+            int window, float scale) {                                                                       \
         DYN_SHARED(float, smem);                                                                             \
         prefill_block<BQ, DL>(q, q_stride, k_pages, v_pages, page_table, out, out_stride, n, start_row,     \
-                              n_q_heads, n_kv, head_dim, page_size, scale, smem);                            \
+                              n_q_heads, n_kv, head_dim, page_size, window, scale, smem);                    \
     }
 PREFILL_ENTRY(attention_prefill_d64, 64, 8)
 PREFILL_ENTRY(attention_prefill_d128, 32, 16)
