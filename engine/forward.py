@@ -2,7 +2,9 @@
 over a Backend, writing post-RoPE K/V into a paged bf16 cache.
 
 One generic layer graph; architecture differences come from ArchSpec flags
-(`qkv_bias`, `rope_neox`). Intermediates live in named scratch buffers so a
+(`qkv_bias`, `rope_neox`, `embed_scale`, `qk_norm`, `post_norms`, `ffn_act`) and
+from ModelConfig's per-layer attention windows and RoPE bases (Gemma 3's
+sliding-window layers). Intermediates live in named scratch buffers so a
 divergence can be dumped layer by layer.
 """
 from __future__ import annotations
@@ -29,6 +31,10 @@ class LayerWeights:
     ffn_norm: object         # f32 [dim]
     gate_up: list            # [(Weight, first_col, last_col)] fused when gate/up share a type
     ffn_down: object         # Weight [dim, ffn_dim]
+    attn_q_norm: object | None = None          # f32 [head_dim] (qk_norm)
+    attn_k_norm: object | None = None          # f32 [head_dim] (qk_norm)
+    post_attention_norm: object | None = None  # f32 [dim] (post_norms)
+    post_ffw_norm: object | None = None        # f32 [dim] (post_norms)
 
 
 @dataclass
@@ -70,6 +76,12 @@ def load_weights(g: GgufFile, cfg: ModelConfig, backend) -> ModelWeights:
         bias = None
         if cfg.arch.qkv_bias:
             bias = backend.upload(np.concatenate([host_vector(p + n) for n in cfg.arch.bias_tensors]))
+        extra = {}
+        if cfg.arch.qk_norm:
+            extra.update(attn_q_norm=vector(p + "attn_q_norm.weight"), attn_k_norm=vector(p + "attn_k_norm.weight"))
+        if cfg.arch.post_norms:
+            extra.update(post_attention_norm=vector(p + "post_attention_norm.weight"),
+                         post_ffw_norm=vector(p + "post_ffw_norm.weight"))
         layers.append(LayerWeights(
             attn_norm=vector(p + "attn_norm.weight"),
             qkv=stacked([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
@@ -78,6 +90,7 @@ def load_weights(g: GgufFile, cfg: ModelConfig, backend) -> ModelWeights:
             ffn_norm=vector(p + "ffn_norm.weight"),
             gate_up=stacked([p + "ffn_gate.weight", p + "ffn_up.weight"]),
             ffn_down=weight(p + "ffn_down.weight"),
+            **extra,
         ))
     embd = weight("token_embd.weight")
     output = embd if cfg.tied_output else weight("output.weight")
@@ -97,13 +110,13 @@ class Scratch:
         self.attn = a((n, cfg.q_dim))         # attention output (pre-projection)
         self.proj = a((n, cfg.dim))           # sublayer output before the residual add
         self.gate_up = a((n, 2 * cfg.ffn_dim))
-        self.act = a((n, cfg.ffn_dim))        # silu(gate) * up
+        self.act = a((n, cfg.ffn_dim))        # act(gate) * up
         self.logits = a((1, cfg.vocab_size))
 
 
 class WindowCapture:
-    """Collects the post-RoPE queries of the last W prompt positions of every layer,
-    whichever prefill chunks they fall in."""
+    """Collects the post-RoPE queries of the last W prompt positions of every
+    full-attention layer (the ones SnapKV scores), whichever prefill chunks they fall in."""
 
     def __init__(self, cfg: ModelConfig, window: int, first_pos: int):
         self.cfg, self.window, self.first_pos = cfg, window, first_pos
@@ -129,6 +142,11 @@ class ForwardPass:
         self.max_ctx, self.chunk, self.page_size = max_ctx, chunk, page_size
         self.weights = load_weights(g, cfg, backend)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.embed_scale = math.sqrt(cfg.dim) if cfg.arch.embed_scale else None
+        acts = {"silu": backend.silu_gate, "gelu_tanh": backend.gelu_gate}
+        if cfg.arch.ffn_act not in acts:
+            raise EngineError(f"unknown feed-forward activation '{cfg.arch.ffn_act}' ({', '.join(acts)})")
+        self.gate_act = acts[cfg.arch.ffn_act]
         factors = cfg.rope_freq_factors
         self.rope_factors = None if factors is None else np.asarray(factors, np.float32)   # [rot_dim/2]
         self._decode_scratch = Scratch(backend, cfg, 1)
@@ -136,8 +154,11 @@ class ForwardPass:
         self.window_capture: WindowCapture | None = None   # set during a SnapKV prefill
 
     def new_cache(self) -> KvCache:
+        """A cache for max_ctx positions; sliding-window layers get pages for their
+        window plus one prefill chunk only."""
         c = self.cfg
-        return KvCache(self.backend, c.n_layers, c.n_kv_heads, c.head_dim, self.max_ctx, self.page_size)
+        return KvCache(self.backend, c.n_layers, c.n_kv_heads, c.head_dim, self.max_ctx, self.page_size,
+                       windows=[c.window(i) for i in range(c.n_layers)], max_step=self.chunk)
 
     # -- public steps -------------------------------------------------------------
     def prefill(self, ids, cache: KvCache, all_logits: bool = False, on_chunk=None,
@@ -146,16 +167,17 @@ class ForwardPass:
         Returns host f32 logits [vocab] of the last token, or [n, vocab] with all_logits.
         `on_chunk(done, total)` reports progress.
 
-        Post-prefill hook: with `snapkv`, the last W post-RoPE queries of every layer
-        are captured (across chunk boundaries), scored against the cached keys, and
-        every layer is compacted to its keep set. A prompt continued from an existing
-        cache is compacted only with `compact_continued`."""
+        Post-prefill hook: with `snapkv`, the last W post-RoPE queries of every
+        full-attention layer are captured (across chunk boundaries), scored against the
+        cached keys, and those layers are compacted to their keep sets (sliding-window
+        layers hold only their window already and are left as they are). A prompt
+        continued from an existing cache is compacted only with `compact_continued`."""
         ids = np.asarray(ids, dtype=np.int32)
         if self._prefill_scratch is None:
             self._prefill_scratch = Scratch(self.backend, self.cfg, self.chunk)
         rows_after = cache.length + len(ids)
         evict = (snapkv is not None and (cache.logical_length == 0 or compact_continued)
-                 and len(ids) >= snapkv.window and snapkv.compacts(rows_after))
+                 and len(ids) >= snapkv.window and snapkv.compacts(rows_after) and bool(cache.full_layers))
         if evict:
             self.window_capture = WindowCapture(self.cfg, snapkv.window,
                                                 cache.logical_length + len(ids) - snapkv.window)
@@ -180,21 +202,25 @@ class ForwardPass:
         return np.concatenate(out) if all_logits else logits
 
     def evict(self, cache: KvCache, q_window: np.ndarray, cfg: SnapKvConfig) -> dict:
-        """Score every layer's rows with the window queries and compact.
-        q_window: f32 [n_layers, n_heads, W, head_dim]. Returns the eviction report
-        (also kept as cache.eviction)."""
+        """Score the full-attention layers' rows with the window queries and compact
+        them; sliding-window layers are bounded already and stay as they are.
+        q_window: f32 [n_layers, n_heads, W, head_dim] (rows of sliding-window layers
+        unused). Returns the eviction report (also kept as cache.eviction); its bytes
+        and ratio are over everything the cache holds, sliding-window layers included."""
         t0 = time.perf_counter()
         selector = SnapKvSelector(cfg)
-        n_rows = cache.layers[0].length
-        votes = [self.backend.snapkv_votes(q_window[i], cache.pool.k_pages, layer.page_table(), n_rows,
-                                           self.scale) for i, layer in enumerate(cache.layers)]
+        scored = cache.full_layers
+        n_rows = cache.layers[scored[0]].length
+        votes = [self.backend.snapkv_votes(q_window[i], cache.pool.k_pages, cache.layers[i].page_table(),
+                                           n_rows, self.scale) for i in scored]
         t_scored = time.perf_counter()
         keeps = selector.keep_from_model_votes(votes, n_rows)
         bytes_before = cache.bytes
-        cache.compactions = [layer.compact(keep, window=cfg.window) for layer, keep in zip(cache.layers, keeps)]
+        cache.compactions = [cache.layers[i].compact(keep, window=cfg.window) for i, keep in zip(scored, keeps)]
         t1 = time.perf_counter()
         cache.eviction = {
-            "policy": cfg.summary(), "rows_before": n_rows, "rows_after": cache.layers[0].length,
+            "policy": cfg.summary(), "rows_before": n_rows, "rows_after": cache.layers[scored[0]].length,
+            "layers_compacted": list(scored),
             "bytes_before": bytes_before, "bytes_after": cache.bytes,
             "ratio": bytes_before / max(cache.bytes, 1), "seconds": t1 - t0,
             "scoring_seconds": t_scored - t0,
@@ -216,7 +242,10 @@ class ForwardPass:
         q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
         positions = np.arange(cache.logical_length, cache.logical_length + n, dtype=np.int32)
         b.embedding(w.token_embd, ids, x)
+        if self.embed_scale is not None:
+            b.scale(x, self.embed_scale, x)
         for li, (lw, kv) in enumerate(zip(w.layers, cache.layers)):
+            window = c.window(li)            # 0: full attention; else the last `window` positions
             kv.reserve(n)
             start_row = kv.length
             table = kv.page_table()
@@ -224,27 +253,34 @@ class ForwardPass:
             b.rms_norm(x, lw.attn_norm, c.norm_eps, h)
             for wt, lo, hi in lw.qkv:
                 b.matmul(wt, h, qkv[:, lo:hi], None if lw.qkv_bias is None else lw.qkv_bias[lo:hi])
+            if lw.attn_q_norm is not None:   # per-head norm: weight [head_dim] over each head
+                b.rms_norm(qkv[:, :q_end], lw.attn_q_norm, c.norm_eps, qkv[:, :q_end])
+                b.rms_norm(qkv[:, q_end:k_end], lw.attn_k_norm, c.norm_eps, qkv[:, q_end:k_end])
             b.rope(qkv[:, :k_end], positions, c.n_heads + c.n_kv_heads, c.head_dim, c.rot_dim,
-                   c.rope_base, c.arch.rope_neox, self.rope_factors)
-            if self.window_capture is not None:
+                   c.layer_rope_base(li), c.arch.rope_neox, self.rope_factors)
+            if self.window_capture is not None and not window:
                 self.window_capture(b, li, qkv[:, :q_end], int(positions[0]))
             b.kv_write(cache.pool.k_pages, cache.pool.v_pages, table, qkv[:, q_end:k_end],
                        qkv[:, k_end:], start_row)
             if n == 1:
                 b.attention_decode(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
-                                   start_row + 1, c.n_heads, self.scale, attn)
+                                   start_row + 1, c.n_heads, self.scale, attn, window=window)
             else:
                 b.attention_prefill(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
-                                    start_row, c.n_heads, self.scale, attn)
-            kv.advance(n)
+                                    start_row, c.n_heads, self.scale, attn, window=window)
+            kv.advance(n)                    # a sliding-window layer returns pages it no longer needs
             b.matmul(lw.attn_output, attn, proj)
+            if lw.post_attention_norm is not None:
+                b.rms_norm(proj, lw.post_attention_norm, c.norm_eps, proj)
             b.add(x, proj, x)
             # feed-forward block
             b.rms_norm(x, lw.ffn_norm, c.norm_eps, h)
             for wt, lo, hi in lw.gate_up:
                 b.matmul(wt, h, gate_up[:, lo:hi])
-            b.silu_gate(gate_up[:, :c.ffn_dim], gate_up[:, c.ffn_dim:], act)
+            self.gate_act(gate_up[:, :c.ffn_dim], gate_up[:, c.ffn_dim:], act)
             b.matmul(lw.ffn_down, act, proj)
+            if lw.post_ffw_norm is not None:
+                b.rms_norm(proj, lw.post_ffw_norm, c.norm_eps, proj)
             b.add(x, proj, x)
 
     def _head(self, s: Scratch, n: int, all_rows: bool = False) -> np.ndarray:

@@ -27,10 +27,11 @@ PAGE_SIZE = 64       # KV rows per page
 def snapkv_from_settings(s: config_mod.Settings, cfg: ModelConfig, ctx: int) -> tuple[SnapKvConfig | None, str | None]:
     """The eviction policy the settings ask for, and a notice when auto-on fired.
     Budget N > 0: on; 0: off (auto included); unset: on with AUTO_BUDGET when the
-    bf16 KV ring for `ctx` exceeds snapkv_auto_mib."""
+    bf16 KV ring for `ctx` exceeds snapkv_auto_mib (the bytes the cache really holds:
+    sliding-window layers count their window, not the context)."""
     budget, notice = s.snapkv_budget, None
     if budget is None:
-        ring_mib = cfg.kv_bytes_per_token() * ctx / 2**20
+        ring_mib = cfg.kv_bytes(ctx, min(s.prefill_chunk, ctx), PAGE_SIZE) / 2**20
         if ring_mib <= s.snapkv_auto_mib:
             return None, None
         budget = AUTO_BUDGET
@@ -62,13 +63,14 @@ def available_memory_bytes() -> int | None:
 
 
 def check_context(cfg: ModelConfig, ctx: int, requested: bool, backend, weight_bytes: int,
-                  page_size: int = PAGE_SIZE) -> None:
+                  page_size: int = PAGE_SIZE, chunk: int | None = None) -> None:
     """Before anything is allocated: a context above the model's trained length is
     warned about (as llama.cpp does); a KV pool that cannot fit in memory is refused
     with the numbers. The pool is allocated for the whole context up front (prefill
     needs every prompt row before SnapKV compacts), so this is the peak. A backend
-    with memory of its own (`check_fits`: CUDA) checks the weights plus the pool there."""
-    kv_bytes = cfg.kv_bytes_per_token() * (-(-ctx // page_size) * page_size)
+    with memory of its own (`check_fits`: CUDA) checks the weights plus the pool there.
+    `chunk`: prefill chunk (sliding-window layers hold their window plus one chunk)."""
+    kv_bytes = cfg.kv_bytes(ctx, chunk or ctx, page_size)
     check_fits = getattr(backend, "check_fits", None)
     if check_fits is not None:
         check_fits(weight_bytes, kv_bytes, ctx)
@@ -109,7 +111,8 @@ class Model:
         self.backend = get_backend(settings.backend, settings.threads)
         self.ctx = settings.ctx or self.config.context_length   # positions the cache can hold
         check_context(self.config, self.ctx, settings.ctx is not None, self.backend,
-                      sum(t.raw.nbytes for t in self.gguf.tensors.values()))
+                      sum(t.raw.nbytes for t in self.gguf.tensors.values()),
+                      chunk=min(settings.prefill_chunk, self.ctx))
         if snapkv is None:
             self.snapkv, note = snapkv_from_settings(settings, self.config, self.ctx)
         else:

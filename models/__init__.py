@@ -23,6 +23,18 @@ class ArchSpec:
     )
     bias_tensors: tuple[str, ...] = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
     default_rope_base: float = 10000.0
+    # Gemma-style extras (all off for llama/qwen2):
+    embed_scale: bool = False    # token embeddings times sqrt(dim) before the first layer
+    qk_norm: bool = False        # per-head RMSNorm of q and k before RoPE (attn_q_norm/attn_k_norm [head_dim])
+    post_norms: bool = False     # RMSNorm of each sublayer's output before the residual add
+                                 # (post_attention_norm, post_ffw_norm)
+    ffn_act: str = "silu"        # gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # Sliding-window attention: every `swa_pattern`-th layer is global (full context),
+    # the others attend to the last `<arch>.attention.sliding_window` positions only
+    # (a file without that key, or with 0, has global layers only). 0 = every layer global.
+    # Pattern and local RoPE base are fixed per architecture, as in llama.cpp.
+    swa_pattern: int = 0
+    local_rope_base: float | None = None   # RoPE base of sliding-window layers (None: rope.freq_base)
 
 
 _REGISTRY: dict[str, ArchSpec] = {}
@@ -43,4 +55,4 @@ def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-from . import llama, qwen2  # noqa: E402,F401  (registers the specs)
+from . import gemma3, llama, qwen2  # noqa: E402,F401  (registers the specs)

@@ -45,19 +45,33 @@ def byte_tokens() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64, n_heads: int = 4,
+GEMMA3_SLIDING_WINDOW = 16   # tiny gemma3's local-layer window (the real 270m: 512)
+
+
+def write_tiny_gguf(path, arch: str = "llama", n_layers: int | None = None, dim: int = 64, n_heads: int = 4,
                     n_kv_heads: int = 2, ffn_dim: int = 128, qtype: Q = Q.F32, ctx: int = 512,
                     seed: int = 0, tensor_overrides: dict | None = None, drop: tuple[str, ...] = (),
                     extra_tensors: dict | None = None, rope_scaling: tuple[str, float] | None = None,
-                    metadata: dict | None = None):
+                    metadata: dict | None = None, head_dim: int | None = None,
+                    sliding_window: int = GEMMA3_SLIDING_WINDOW):
     """A random-weight model. `qtype` is used for the 2-D matrices; norms are F32.
     `tensor_overrides`: name -> (raw uint8 array, qtype) written as is; `drop`: names omitted;
     `extra_tensors`: name -> f32 array added as is; `rope_scaling`: (type, factor) metadata;
-    `metadata`: key ("{arch}." is expanded) -> (value, GGUFValueType), written over the defaults."""
+    `metadata`: key ("{arch}." is expanded) -> (value, GGUFValueType), written over the defaults.
+    `head_dim`: written as attention.key_length/value_length when given (default dim / n_heads).
+
+    arch "gemma3" (6 layers by default, so that layer 5 is the global one of llama.cpp's
+    fixed pattern of 6) adds per-head q/k norms [head_dim], post-attention and
+    post-feed-forward norms, and `attention.sliding_window` = `sliding_window`; the
+    output head is tied, as in every tiny model."""
     rng = np.random.default_rng(seed)
     tokens = byte_tokens() + ["\u0120t"] + SPECIALS
     vocab = len(tokens)
-    head_dim = dim // n_heads
+    gemma = arch == "gemma3"
+    if n_layers is None:
+        n_layers = 6 if gemma else 2
+    explicit_head_dim = head_dim is not None
+    head_dim = head_dim if explicit_head_dim else dim // n_heads
     w = GGUFWriter(str(path), arch)
     w.add_block_count(n_layers)
     w.add_context_length(ctx)
@@ -66,7 +80,12 @@ def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64,
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv_heads)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(1000000.0 if gemma else 10000.0)
+    if explicit_head_dim:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if gemma:
+        w.add_sliding_window(sliding_window)
     if rope_scaling is not None:
         w.add_rope_scaling_type(RopeScalingType(rope_scaling[0]))
         w.add_rope_scaling_factor(float(rope_scaling[1]))
@@ -120,6 +139,11 @@ def write_tiny_gguf(path, arch: str = "llama", n_layers: int = 2, dim: int = 64,
         matrix(p + "ffn_gate.weight", ffn_dim, dim)
         matrix(p + "ffn_up.weight", ffn_dim, dim)
         matrix(p + "ffn_down.weight", dim, ffn_dim)
+        if gemma:
+            vector(p + "attn_q_norm.weight", head_dim)
+            vector(p + "attn_k_norm.weight", head_dim)
+            vector(p + "post_attention_norm.weight", dim)
+            vector(p + "post_ffw_norm.weight", dim)
         if arch == "qwen2":
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
                 if p + name not in drop:

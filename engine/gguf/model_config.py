@@ -31,6 +31,12 @@ class ModelConfig:
     # RoPE: pair i turns by pos * rope_base^(-2i/rot_dim) / rope_freq_factors[i]; None = all 1.
     # From Llama 3.1+'s `rope_freqs.weight` and/or linear scaling (rope.scaling.factor).
     rope_freq_factors: tuple[float, ...] | None = None
+    # Sliding-window attention (Gemma 3): `<arch>.attention.sliding_window` (0 = none) and,
+    # per layer, the positions it attends to: 0 = the whole context (a global layer),
+    # sliding_window for the local layers of the spec's swa_pattern. Empty = all global.
+    sliding_window: int = 0
+    layer_windows: tuple[int, ...] = ()
+    rope_base_local: float | None = None   # RoPE base of sliding-window layers (None: rope_base)
 
     @property
     def q_dim(self) -> int:
@@ -40,9 +46,31 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def window(self, layer: int) -> int:
+        """Positions layer `layer` attends to (its own included); 0 = all of them."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def layer_rope_base(self, layer: int) -> float:
+        if self.window(layer) and self.rope_base_local is not None:
+            return self.rope_base_local
+        return self.rope_base
+
+    @property
+    def n_global_layers(self) -> int:
+        """Layers that attend to (and hold) every position."""
+        return sum(1 for i in range(self.n_layers) if not self.window(i))
+
     def kv_bytes_per_token(self) -> int:
-        """bf16 K and V for one position across all layers."""
-        return self.n_layers * 2 * self.kv_dim * 2
+        """bf16 K and V for one position across the layers that hold every position
+        (sliding-window layers hold a bounded window instead; see kv_bytes)."""
+        return self.n_global_layers * 2 * self.kv_dim * 2
+
+    def kv_bytes(self, ctx: int, chunk: int, page_size: int) -> int:
+        """bf16 bytes of the KV page pool for a context of `ctx` positions prefilled in
+        steps of up to `chunk` tokens: what KvCache allocates and can hold at most."""
+        from ..kv.paged import layer_pages
+        pages = sum(layer_pages(ctx, page_size, self.window(i), chunk) for i in range(self.n_layers))
+        return pages * page_size * 2 * self.kv_dim * 2
 
 
 # Sanity bounds on metadata values (beyond them a file is corrupt, not just large).
@@ -111,12 +139,23 @@ def model_config(g: GgufFile) -> ModelConfig:
     n_heads = m.int("attention.head_count", hi=dim or MAX_WIDTH)
     n_kv_heads = m.int("attention.head_count_kv", n_heads or 1, hi=n_heads or MAX_WIDTH)
     head_dim = m.int("attention.key_length", max((dim or 1) // (n_heads or 1), 1), hi=MAX_HEAD_DIM)
+    value_dim = m.int("attention.value_length", head_dim or 1, hi=MAX_HEAD_DIM)
     rot_dim = m.int("rope.dimension_count", head_dim or 2, hi=head_dim or MAX_HEAD_DIM)
     rope_base = m.float("rope.freq_base", spec.default_rope_base, 1.0, 1e12)
     norm_eps = m.float("attention.layer_norm_rms_epsilon", 1e-5, 0.0, 1.0)
     context_length = m.int("context_length", 2048, hi=MAX_CONTEXT)
+    # As llama.cpp: a spec with a sliding-window pattern uses it when the file names a
+    # window (> 0); without one every layer is global.
+    sliding_window = m.int("attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT) if spec.swa_pattern else 0
+    softcap = g.arch_key("final_logit_softcapping", 0.0)
+    if softcap not in (None, 0, 0.0):
+        m.problems.append(f"{g.architecture}.final_logit_softcapping is {softcap!r}: "
+                          f"logit soft-capping is not supported")
     if n_heads and n_kv_heads and n_heads % n_kv_heads:
         m.problems.append(f"{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
+    if head_dim and value_dim and value_dim != head_dim:
+        m.problems.append(f"{g.architecture}.attention.value_length is {value_dim} but key_length is "
+                          f"{head_dim}: K and V heads of different widths are not supported")
     if rot_dim and rot_dim % 2:
         m.problems.append(f"{g.architecture}.rope.dimension_count is {rot_dim}, expected an even number")
     blocks = _blocks_in_file(g)
@@ -136,11 +175,22 @@ def model_config(g: GgufFile) -> ModelConfig:
         norm_eps=norm_eps, context_length=context_length,
         vocab_size=vocab, tied_output="output.weight" not in g.tensors,
         rope_freq_factors=_rope_freq_factors(g, rot_dim),
+        sliding_window=sliding_window,
+        layer_windows=_layer_windows(spec, n_layers, sliding_window),
+        rope_base_local=spec.local_rope_base if sliding_window else None,
     )
     problems = _check_tensors(g, cfg)
     if problems:
         _raise(g, f"{g.path} does not match architecture '{spec.name}'", problems)
     return cfg
+
+
+def _layer_windows(spec: ArchSpec, n_layers: int, sliding_window: int) -> tuple[int, ...]:
+    """Per-layer attention window: layer i is global (0) iff (i + 1) % swa_pattern == 0
+    (llama.cpp's swa pattern), local (sliding_window) otherwise."""
+    if not (spec.swa_pattern and sliding_window):
+        return (0,) * n_layers
+    return tuple(0 if (i + 1) % spec.swa_pattern == 0 else sliding_window for i in range(n_layers))
 
 
 def _raise(g: GgufFile, what: str, problems: list[str]) -> None:
@@ -195,6 +245,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "attn_output.weight": (d, q), "ffn_gate.weight": (f, d), "ffn_up.weight": (f, d),
         "ffn_down.weight": (d, f),
         "attn_q.bias": (1, q), "attn_k.bias": (1, kv), "attn_v.bias": (1, kv),
+        "attn_q_norm.weight": (1, cfg.head_dim), "attn_k_norm.weight": (1, cfg.head_dim),
+        "post_attention_norm.weight": (1, d), "post_ffw_norm.weight": (1, d),
     }
     names = list(cfg.arch.layer_tensors) + (list(cfg.arch.bias_tensors) if cfg.arch.qkv_bias else [])
     shapes = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (1, d)}

@@ -4,6 +4,13 @@ Physical rows (`length`) and logical positions (`logical_length`) are kept
 apart: after SnapKV compaction a layer holds fewer rows than tokens processed,
 the survivors keep their original RoPE rotation, and the next token is rotated
 at `logical_length` but stored at row `length`.
+
+Sliding-window layers (Gemma 3's local layers) attend only to the last `window`
+positions. They are never compacted, so their rows are positions and the page
+table keeps absolute row numbering; once a step's rows are attended, every page
+whose rows all lie below the next query's first visible row goes back to the
+pool. Such a layer holds at most window - 1 + one step's rows (+ a page of
+rounding), whatever the context.
 """
 from __future__ import annotations
 
@@ -48,6 +55,18 @@ class PagePool:
         self._free.append(page)
 
 
+def layer_pages(max_rows: int, page_size: int, window: int = 0, max_step: int | None = None) -> int:
+    """Pages one layer can ever hold: the whole context for a full-attention layer
+    (window 0); for a sliding-window layer, the rows a step of up to `max_step` new
+    rows can touch: the window - 1 rows before it and the step itself, which span at
+    most ceil((window - 1 + max_step) / page_size) + 1 pages."""
+    full = -(-max_rows // page_size)
+    if window <= 0:
+        return full
+    step = max_rows if max_step is None else max_step
+    return min(full, -(-(window - 1 + step) // page_size) + 1)
+
+
 @dataclass(frozen=True)
 class CompactReport:
     rows_before: int
@@ -57,17 +76,27 @@ class CompactReport:
 
 
 class PagedKvCache:
-    """One layer's K/V rows in pages of `pool`."""
+    """One layer's K/V rows in pages of `pool`. With `window` > 0 a sliding-window
+    layer: the next query (at row `length`) sees rows length - window + 1 .. length,
+    and pages wholly below that are returned as soon as a step has been attended."""
 
-    def __init__(self, pool: PagePool, max_rows: int):
+    def __init__(self, pool: PagePool, max_rows: int, window: int = 0, max_step: int | None = None):
         self.pool = pool
         self.max_rows = max_rows
-        self.length = 0               # physical rows in use
+        self.window = window          # 0: full attention; > 0: positions a query sees (itself included)
+        self.max_pages = layer_pages(max_rows, pool.page_size, window, max_step)   # most pages ever held
+        self.length = 0               # physical rows in use (sliding-window layer: rows written)
         self.logical_length = 0       # tokens processed: the next RoPE position
-        self.pages: list[int] = []    # page ids in row order
-        self._table = np.zeros(-(-max_rows // pool.page_size), dtype=np.int32)   # [max_pages]
+        self.first_page = 0           # table index of pages[0]; > 0 once a window layer returned pages
+        self.pages: list[int] = []    # page ids held, in row order, for table indices first_page..
+        self._table = np.zeros(-(-max_rows // pool.page_size), dtype=np.int32)   # [max_pages_in_context]
         self._table_dev = None        # backend copy, refreshed when pages change
         self.last_keep: np.ndarray | None = None   # int64 [n_kv_heads, n_keep] of the last compaction
+
+    @property
+    def first_row(self) -> int:
+        """Lowest row still held (0 unless a sliding-window layer returned pages)."""
+        return self.first_page * self.pool.page_size
 
     # -- capacity ---------------------------------------------------------------
     def reserve(self, n_new: int) -> None:
@@ -76,16 +105,30 @@ class PagedKvCache:
         if need_rows > self.max_rows:
             raise KvCacheError(f"KV cache full: {need_rows} rows exceed the context of {self.max_rows}")
         need_pages = -(-need_rows // self.pool.page_size)
-        while len(self.pages) < need_pages:
+        if need_pages - self.first_page > self.max_pages:
+            raise KvCacheError(f"a step of {n_new} rows does not fit a sliding-window layer "
+                               f"(window {self.window}, {self.max_pages} pages): steps must be "
+                               f"no longer than the prefill chunk the cache was made for")
+        while self.first_page + len(self.pages) < need_pages:
             page = self.pool.take()
-            self._table[len(self.pages)] = page
+            self._table[self.first_page + len(self.pages)] = page
             self.pages.append(page)
             self._table_dev = None
 
     def advance(self, n: int) -> None:
-        """n rows at positions logical_length.. were written at rows length..."""
+        """n rows at positions logical_length.. were written at rows length.. and attended.
+        A sliding-window layer then returns the pages the next query cannot see."""
         self.length += n
         self.logical_length += n
+        if self.window:
+            self._release_below(self.length - self.window + 1)
+
+    def _release_below(self, row: int) -> None:
+        """Return every page whose rows all lie below `row` (table entries stay, unread)."""
+        below = max(row, 0) // self.pool.page_size       # pages 0 .. below-1 are wholly below
+        while self.first_page < below and self.pages:
+            self.pool.give(self.pages.pop(0))
+            self.first_page += 1
 
     def page_table(self):
         """Backend int32 [max_pages] page table (uploaded when it changed)."""
@@ -103,6 +146,8 @@ class PagedKvCache:
         KV head, equal lengths) or [n_keep] (one set for the layer). Survivors move to
         rows 0..n_keep-1 in order, trailing pages return to the pool. `window`: the last
         `window` rows must be kept. Invalid sets raise and leave the cache untouched."""
+        if self.window:
+            raise KvCacheError("a sliding-window layer is never compacted (it holds only its window)")
         keep = self._validated(keep, window)
         before = CompactReport(self.length, self.length, self.bytes, self.bytes)
         n_keep = keep.shape[1]
@@ -142,13 +187,22 @@ class PagedKvCache:
 
 
 class KvCache:
-    """The whole model's cache: one PagedKvCache per layer sharing one page pool."""
+    """The whole model's cache: one PagedKvCache per layer sharing one page pool.
+
+    `windows[i]` > 0 makes layer i a sliding-window layer; `max_step` is the most rows
+    one forward step appends (the prefill chunk). The pool holds exactly the pages
+    the layers can ever hold together: the whole context for each full-attention
+    layer, `layer_pages(..., window, max_step)` for each sliding-window layer."""
 
     def __init__(self, backend, n_layers: int, n_kv_heads: int, head_dim: int, max_rows: int,
-                 page_size: int = 64):
-        pages_per_layer = -(-max_rows // page_size)
-        self.pool = PagePool(backend, n_layers * pages_per_layer, n_kv_heads, page_size, head_dim)
-        self.layers = [PagedKvCache(self.pool, max_rows) for _ in range(n_layers)]
+                 page_size: int = 64, windows=None, max_step: int | None = None):
+        self.windows = tuple(int(w) for w in windows) if windows is not None else (0,) * n_layers
+        if len(self.windows) != n_layers:
+            raise ValueError(f"KvCache: {len(self.windows)} windows for {n_layers} layers")
+        self.max_step = max_step
+        n_pages = sum(layer_pages(max_rows, page_size, w, max_step) for w in self.windows)
+        self.pool = PagePool(backend, n_pages, n_kv_heads, page_size, head_dim)
+        self.layers = [PagedKvCache(self.pool, max_rows, w, max_step) for w in self.windows]
         self.max_rows = max_rows
         self.compactions: list[CompactReport] = []   # the last compaction, one report per layer
         self.eviction: dict | None = None             # summary of the last SnapKV eviction
@@ -157,13 +211,14 @@ class KvCache:
         """An independent cache with the same rows (same page ids in a new pool), so one
         prefill can be branched into several eviction policies."""
         p = self.pool
-        other = KvCache(p.backend, len(self.layers), p.n_kv_heads, p.head_dim, self.max_rows, p.page_size)
+        other = KvCache(p.backend, len(self.layers), p.n_kv_heads, p.head_dim, self.max_rows, p.page_size,
+                        self.windows, self.max_step)
         used = np.array(sorted(pg for layer in self.layers for pg in layer.pages), dtype=np.int32)
         if used.size:
             p.backend.kv_copy_pages(p.k_pages, p.v_pages, other.pool.k_pages, other.pool.v_pages, used)
         other.pool._free = list(p._free)
         for mine, theirs in zip(self.layers, other.layers):
-            theirs.pages = list(mine.pages)
+            theirs.pages, theirs.first_page = list(mine.pages), mine.first_page
             theirs._table[:] = mine._table
             theirs.length, theirs.logical_length = mine.length, mine.logical_length
             theirs.last_keep = mine.last_keep
@@ -171,25 +226,34 @@ class KvCache:
         return other
 
     @property
+    def full_layers(self) -> list[int]:
+        """Indices of the full-attention layers: the ones SnapKV scores and compacts."""
+        return [i for i, w in enumerate(self.windows) if not w]
+
+    @property
     def logical_length(self) -> int:
         return self.layers[0].logical_length
 
     @property
     def length(self) -> int:
-        """Physical rows of the longest layer."""
-        return max(layer.length for layer in self.layers)
+        """Physical rows of the longest full-attention layer (of the longest layer when
+        every layer slides)."""
+        full = self.full_layers or range(len(self.layers))
+        return max(self.layers[i].length for i in full)
 
     @property
     def bytes(self) -> int:
         return sum(layer.bytes for layer in self.layers)
 
     def stats(self) -> dict:
-        """Per-layer lengths, pages and bytes, and the keep sets of the last compaction."""
+        """Per-layer lengths, pages and bytes held, and the keep sets of the last compaction.
+        A sliding-window layer (window > 0) holds rows first_row .. length - 1."""
         return {
             "logical_length": self.logical_length,
             "bytes": self.bytes,
             "page_size": self.pool.page_size,
             "eviction": self.eviction,
             "layers": [{"length": l.length, "logical_length": l.logical_length, "pages": len(l.pages),
-                        "bytes": l.bytes, "keep": l.last_keep} for l in self.layers],
+                        "bytes": l.bytes, "keep": l.last_keep, "window": l.window,
+                        "first_row": l.first_row} for l in self.layers],
         }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from _backends import nmse
 from backends.reference import read_rows
 from engine.snapkv import SnapKvConfig
 
@@ -23,10 +24,6 @@ def greedy(model, ids, n, snapkv=False):
         tokens.append(int(np.argmax(logits)))
         logits = model.forward.decode(tokens[-1], cache)
     return cache, first, tokens
-
-
-def nmse(a, b):
-    return float(np.sum((np.asarray(a, np.float64) - b) ** 2) / np.sum(np.asarray(b, np.float64) ** 2))
 
 
 def _pool_rows(model, cache, layer, n_rows):

@@ -6,11 +6,8 @@ from gguf import GGMLQuantizationType as Q
 
 import engine
 from engine.snapkv import SnapKvConfig
+from _backends import nmse
 from tiny_gguf import write_tiny_gguf
-
-
-def nmse(a, b):
-    return float(np.sum((a - b) ** 2) / np.sum(b ** 2))
 
 
 @pytest.fixture(scope="module")

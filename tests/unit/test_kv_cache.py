@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from backends.bf16 import bf16_to_f32, f32_to_bf16
 from backends.reference import ReferenceBackend
-from engine.kv.paged import KvCache, KvCacheError
+from engine.kv.paged import KvCache, KvCacheError, layer_pages
 
 H, D = 3, 8
 
@@ -132,3 +132,140 @@ def test_copy_is_independent():
     np.testing.assert_array_equal(rows(cache, 0, cache.pool.k_pages), k.reshape(10, H, D))
     np.testing.assert_array_equal(rows(twin, 0, twin.pool.k_pages), k.reshape(10, H, D)[[0, 8, 9]])
     np.testing.assert_array_equal(rows(twin, 1, twin.pool.k_pages), k.reshape(10, H, D))
+
+
+# -- sliding-window layers (Gemma 3's local layers) --------------------------------------
+
+NQ = 2 * H          # query heads for the attention checks (GQA group of 2)
+
+
+def poison_free_pages(cache: KvCache) -> None:
+    """Fill every page in the pool's free list with bf16 NaN, so a read of a returned
+    page shows up as NaN in an attention output."""
+    free = np.array(cache.pool._free, dtype=np.int64)
+    if free.size:
+        cache.pool.k_pages[free] = 0x7FC0
+        cache.pool.v_pages[free] = 0x7FC0
+
+
+def windowed_attention(q, k, v, start, window):
+    """Plain numpy: queries at rows start.. over model rows k, v f32 [rows, H*D], each
+    seeing its last `window` rows -> f64 [n, NQ*D]."""
+    n = q.shape[0]
+    qh = q.reshape(n, NQ, D).astype(np.float64)
+    kh, vh = k.reshape(-1, H, D).astype(np.float64), v.reshape(-1, H, D).astype(np.float64)
+    out = np.zeros((n, NQ, D))
+    for i in range(n):
+        p = start + i
+        lo = max(0, p - window + 1)
+        for h in range(NQ):
+            s = kh[lo:p + 1, h // 2] @ qh[i, h] / np.sqrt(D)
+            w = np.exp(s - s.max())
+            out[i, h] = (w / w.sum()) @ vh[lo:p + 1, h // 2]
+    return out.reshape(n, NQ * D)
+
+
+@st.composite
+def window_case(draw):
+    page_size = draw(st.sampled_from([1, 4, 16]))
+    window = draw(st.integers(1, 40))
+    max_step = draw(st.integers(1, 24))
+    steps = draw(st.lists(st.integers(1, max_step), min_size=1, max_size=14))
+    return page_size, window, max_step, steps, np.random.default_rng(draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(window_case())
+def test_window_layer_returns_pages_exactly_when_they_fall_out(case):
+    """A sliding-window layer next to a full layer in one pool, stepped like prefill
+    chunks and decode: after every step it holds exactly the pages with a row the next
+    query can see, every row a step's queries need is held (attention over the layer,
+    with returned pages poisoned, equals plain attention over all rows), the pool
+    never runs dry at its planned size, and bytes count what is held."""
+    page_size, window, max_step, steps, rng = case
+    max_rows = sum(steps)
+    b = ReferenceBackend()
+    cache = KvCache(b, 2, H, D, max_rows=max_rows, page_size=page_size, windows=(window, 0), max_step=max_step)
+    local, full = cache.layers
+    assert cache.pool.n_pages == layer_pages(max_rows, page_size, window, max_step) + -(-max_rows // page_size)
+    K = np.zeros((0, H * D), np.float32)
+    V = np.zeros((0, H * D), np.float32)
+    for n in steps:
+        start = local.length
+        k = rng.standard_normal((n, H * D)).astype(np.float32)
+        v = rng.standard_normal((n, H * D)).astype(np.float32)
+        for layer in cache.layers:
+            layer.reserve(n)
+            b.kv_write(cache.pool.k_pages, cache.pool.v_pages, layer.page_table(), k, v, layer.length)
+        assert local.first_row <= max(0, start - window + 1)          # every row the step needs is held
+        assert len(local.pages) <= local.max_pages
+        K = np.concatenate([K, bf16_to_f32(f32_to_bf16(k))])
+        V = np.concatenate([V, bf16_to_f32(f32_to_bf16(v))])
+        q = rng.standard_normal((n, NQ * D)).astype(np.float32)
+        out = np.zeros((n, NQ * D), np.float32)
+        b.attention_prefill(q, cache.pool.k_pages, cache.pool.v_pages, local.page_table(), start, NQ,
+                            1 / np.sqrt(D), out, window=window)
+        np.testing.assert_allclose(out, windowed_attention(q, K, V, start, window), rtol=1e-5, atol=1e-5)
+        for layer in cache.layers:
+            layer.advance(n)
+        # the model: pages 0 .. first-1 lie wholly below the next query's first visible row
+        first = max(0, local.length - window + 1) // page_size
+        assert local.first_page == first and local.first_row == first * page_size
+        assert len(local.pages) == -(-local.length // page_size) - first
+        assert local.bytes == len(local.pages) * cache.pool.page_bytes
+        assert cache.bytes == local.bytes + full.bytes
+        assert cache.pool.free_pages == cache.pool.n_pages - len(local.pages) - len(full.pages)
+        assert (local.length, local.logical_length) == (len(K), len(K))
+        poison_free_pages(cache)
+    # the full layer kept every row; the window layer's held rows are intact
+    np.testing.assert_array_equal(rows(cache, 1, cache.pool.k_pages).reshape(len(K), -1), K)
+    ps = page_size
+    for r in range(local.first_row, local.length):
+        got = bf16_to_f32(cache.pool.k_pages[local.pages[r // ps - local.first_page], :, r % ps, :])
+        np.testing.assert_array_equal(got.reshape(-1), K[r])
+    assert cache.length == full.length and cache.stats()["layers"][0]["first_row"] == local.first_row
+
+
+def test_window_layer_holds_a_bounded_number_of_pages():
+    """Prefill 2000 rows in chunks of 64, then decode 300: a window-of-32 layer never
+    holds more than ceil((32 - 1 + 64) / 16) + 1 pages, and the pool sized for it suffices."""
+    cache = KvCache(ReferenceBackend(), 1, H, D, max_rows=2400, page_size=16, windows=(32,), max_step=64)
+    layer = cache.layers[0]
+    assert layer.max_pages == 7 and cache.pool.n_pages == 7
+    most = 0
+    for n in [64] * 31 + [16] + [1] * 300:
+        layer.reserve(n)
+        most = max(most, len(layer.pages))
+        layer.advance(n)
+        most = max(most, len(layer.pages))
+    assert layer.length == 2300 and most <= 7
+    assert layer.first_row == (2300 - 32 + 1) // 16 * 16
+
+
+def test_window_layer_refuses_compaction_and_oversized_steps():
+    cache = KvCache(ReferenceBackend(), 1, H, D, max_rows=256, page_size=4, windows=(8,), max_step=8)
+    fill(cache, 8, np.random.default_rng(5))
+    with pytest.raises(KvCacheError, match="never compacted"):
+        cache.layers[0].compact(np.arange(8))
+    with pytest.raises(KvCacheError, match="sliding-window"):
+        cache.layers[0].reserve(64)
+    assert cache.layers[0].length == 8
+
+
+def test_copy_of_a_window_cache_continues_identically():
+    rng = np.random.default_rng(6)
+    cache = KvCache(ReferenceBackend(), 2, H, D, max_rows=128, page_size=4, windows=(6, 0), max_step=8)
+    for _ in range(5):
+        fill(cache, 7, rng)
+    twin = cache.copy()
+    assert [l.first_page for l in twin.layers] == [l.first_page for l in cache.layers]
+    assert twin.bytes == cache.bytes and twin.pool.free_pages == cache.pool.free_pages
+    for c in (cache, twin):
+        fill(c, 8, np.random.default_rng(7))
+    a, b = cache.layers[0], twin.layers[0]
+    assert (a.length, a.first_page, len(a.pages)) == (b.length, b.first_page, len(b.pages))
+    for r in range(a.first_row, a.length):
+        pa = cache.pool.k_pages[a.pages[r // 4 - a.first_page], :, r % 4]
+        pb = twin.pool.k_pages[b.pages[r // 4 - b.first_page], :, r % 4]
+        np.testing.assert_array_equal(pa, pb)
+    np.testing.assert_array_equal(rows(cache, 1, cache.pool.k_pages), rows(twin, 1, twin.pool.k_pages))
