@@ -20,7 +20,7 @@ setup:
 	@"$(ROOT)/tools/setup.sh"
 
 # "setup if needed": rerun when the venv is gone or pyproject/setup.sh changed.
-$(STAMP): $(ROOT)/pyproject.toml $(ROOT)/tools/setup.sh $(ROOT)/tools/build_kp_barrier.py $(ROOT)/backends/vulkan/native/kp_barrier.cpp
+$(STAMP): $(ROOT)/pyproject.toml $(ROOT)/tools/setup.sh $(ROOT)/tools/install_gemma3.py $(ROOT)/tools/build_kp_barrier.py $(ROOT)/backends/vulkan/native/kp_barrier.cpp
 	@"$(ROOT)/tools/setup.sh"
 
 run: $(STAMP)

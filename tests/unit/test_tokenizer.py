@@ -204,3 +204,33 @@ def test_spm_special_tokens_and_space_prefix(spm):
     # user-defined tokens split even with special=False, as in llama.cpp
     assert spm.encode("<tool>", add_bos=False, special=False) == [spm.pieces.index("<tool>")]
     assert spm.eot_ids == {2}
+
+
+# ---- the second model (Gemma 3 270M, SentencePiece `llama`, 262144 pieces) against llama.cpp --------
+
+GEMMA3_FIXTURE = pathlib.Path(__file__).parent.parent / "fixtures" / "gemma3_tokenizer_llamacpp.json"
+GEMMA3_CASES = json.loads(GEMMA3_FIXTURE.read_text(encoding="utf-8"))["cases"]
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> Tokenizer:
+    from engine.model_path import gemma3_model_path
+    path = gemma3_model_path()
+    if path is None:
+        pytest.skip("Gemma 3 270M not installed (make setup)")
+    from engine.gguf import GgufFile
+    return Tokenizer.from_metadata(GgufFile(path).metadata)
+
+
+@pytest.mark.parametrize("case", GEMMA3_CASES, ids=[repr(c["text"])[:40] for c in GEMMA3_CASES])
+def test_gemma3_matches_llamacpp_ids_and_round_trips(gemma3, case):
+    ids = gemma3.encode(case["text"], add_bos=False, special=True)
+    assert ids == case["ids"]
+    assert gemma3.decode(ids) == case["text"]
+
+
+def test_gemma3_properties(gemma3):
+    assert gemma3.vocab_size == 262144
+    assert (gemma3.bos_id, gemma3.eos_id) == (2, 1)
+    assert gemma3.add_bos is True
+    assert gemma3.encode("Hello world") == [2, 9259, 1902]
