@@ -32,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eval", help="long-context quality: full cache vs SnapKV eviction",
                               description="Passkey / needle-in-a-haystack retrieval and teacher-forced "
                                           "fidelity, one prefill per prompt branched into every policy.")
-    p.add_argument("model", nargs="?", help="path to a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("model", nargs="?", help="a .gguf path or smollm2 / gemma3 (default: smollm2)")
     p.add_argument("--backend", help="cpu | vulkan | cuda | auto (env SHARPI_BACKEND)")
     p.add_argument("--threads", help="CPU threads (env SHARPI_THREADS)")
     p.add_argument("--tasks", help=f"comma separated, from {','.join(TASKS)} (default: all)")
