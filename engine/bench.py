@@ -69,21 +69,23 @@ def llama_cpp_available() -> bool:
 
 
 def _llama_cpp_worker(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int,
-                      gpu: bool = False) -> list[dict] | None:
+                      gpu: bool = False, flash_attn: bool = False) -> list[dict] | None:
     """Runs in a child process with the default environment (our process sets
     OMP_WAIT_POLICY for numba, which would also slow llama.cpp's OpenMP pool).
-    `gpu`: every layer offloaded; None when this llama.cpp build cannot offload."""
+    `gpu`: every layer offloaded; None when this llama.cpp build cannot offload.
+    `flash_attn`: llama.cpp's flash-attention kernels (off by default in llama-cpp-python)."""
     import llama_cpp
     if gpu and not llama_cpp.llama_supports_gpu_offload():
         return None
     llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, logits_all=False, verbose=False, n_gpu_layers=-1 if gpu else 0)
+                          n_batch=512, logits_all=False, verbose=False, n_gpu_layers=-1 if gpu else 0,
+                          flash_attn=flash_attn)
     _llama_cpp_case(llm, cases[0][:64], 4)     # warm up
     return [_llama_cpp_case(llm, ids, n_decode) for ids in cases]
 
 
 def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int,
-                  gpu: bool = False) -> list[dict] | None:
+                  gpu: bool = False, flash_attn: bool = False) -> list[dict] | None:
     import subprocess
     import sys
     import tempfile
@@ -91,10 +93,10 @@ def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_d
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"path": str(path), "ctx": ctx, "threads": threads, "cases": cases, "n_decode": n_decode,
-                   "gpu": gpu}, f)
+                   "gpu": gpu, "flash_attn": flash_attn}, f)
         job = f.name
     code = ("import json,sys; from engine.bench import _llama_cpp_worker; a=json.load(open(sys.argv[1])); "
-            "print(json.dumps(_llama_cpp_worker(a['path'],a['ctx'],a['threads'],a['cases'],a['n_decode'],a['gpu'])))")
+            "print(json.dumps(_llama_cpp_worker(a['path'],a['ctx'],a['threads'],a['cases'],a['n_decode'],a['gpu'],a['flash_attn'])))")
     try:
         r = subprocess.run([sys.executable, "-c", code, job], capture_output=True, text=True, env=env)
     finally:
@@ -129,7 +131,8 @@ def run_bench(args, settings) -> int:
     use_llama_cpp = args.llama_cpp and llama_cpp_available()
     gpu = model.backend.name == "cuda"           # compare with llama.cpp on the same GPU
     prompts = [bench_prompt(model.tokenizer, n) for n in lengths]
-    llama_rows = run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens, gpu) if use_llama_cpp else None
+    llama_rows = (run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens, gpu, args.llama_flash_attn)
+                  if use_llama_cpp else None)
     if use_llama_cpp and llama_rows is None:
         print("llama.cpp: the installed build has no GPU offload; its columns are left out", file=sys.stderr)
         use_llama_cpp = False
@@ -166,7 +169,8 @@ def run_bench(args, settings) -> int:
         "machine": platform.processor() or platform.machine(), "decode_tokens": args.decode_tokens,
         "settings": {k: v for k, v in vars(settings).items()}, "peak_rss_mib": peak_rss_mib(),
         "snapkv": model.snapkv.summary() if evicting else None,
-        "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu, "cases": rows,
+        "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu,
+        "llama_cpp_flash_attn": use_llama_cpp and args.llama_flash_attn, "cases": rows,
     }
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"bench-{model.backend.name}.json")

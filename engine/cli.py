@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lengths", default="128,512,2048,8000", help="prompt lengths (comma separated)")
     bench.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32, help="tokens decoded per case")
     bench.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip llama.cpp even if installed")
+    bench.add_argument("--llama-cpp-flash-attn", dest="llama_flash_attn", action="store_true",
+                       help="run llama.cpp with its flash-attention kernels (off by default in llama-cpp-python)")
     bench.add_argument("--out", default="results", help="folder for the JSON report")
     _add_snapkv_args(bench)
     bench.set_defaults(func=cmd_bench)
