@@ -110,15 +110,15 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.backend = get_backend(settings.backend, settings.threads)
         self.ctx = settings.ctx or self.config.context_length   # positions the cache can hold
+        chunk = min(settings.prefill_chunk, self.ctx)             # prompt tokens per prefill step
         check_context(self.config, self.ctx, settings.ctx is not None, self.backend,
-                      sum(t.raw.nbytes for t in self.gguf.tensors.values()),
-                      chunk=min(settings.prefill_chunk, self.ctx))
+                      sum(t.raw.nbytes for t in self.gguf.tensors.values()), chunk=chunk)
         if snapkv is None:
             self.snapkv, note = snapkv_from_settings(settings, self.config, self.ctx)
         else:
             self.snapkv, note = (snapkv or None), None
         self.forward = ForwardPass(self.gguf, self.config, self.backend, self.ctx,
-                                   chunk=min(settings.prefill_chunk, self.ctx), page_size=PAGE_SIZE)
+                                   chunk=chunk, page_size=PAGE_SIZE)
         self.last_cache: KvCache | None = None
         if note:
             notice(note)
