@@ -26,7 +26,9 @@ def bench_prompt(tokenizer, n: int) -> list[int]:
 
 
 def _engine_case(model, ids, n_decode: int, snapkv=None) -> dict:
-    """snapkv: None = the model's policy, False = full cache."""
+    """snapkv: None = the model's policy, False = full cache. peak_rss_mib: the process's
+    peak so far (cases run in ascending length, so the peak of the longest yet)."""
+    from .model import peak_rss_mib
     cache = model.new_cache()
     t0 = time.perf_counter()
     cache, logits = model.prefill(ids, cache, snapkv=snapkv)
@@ -39,7 +41,7 @@ def _engine_case(model, ids, n_decode: int, snapkv=None) -> dict:
     decode_s = time.perf_counter() - t0
     return {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
             "prefill_s": prefill_s, "kv_bytes": cache.bytes, "kv_rows": cache.length,
-            "snapkv": snap}
+            "snapkv": snap, "peak_rss_mib": peak_rss_mib()}
 
 
 def _llama_cpp_last_logits(llm) -> np.ndarray:
@@ -81,7 +83,11 @@ def _llama_cpp_worker(path: str, ctx: int, threads: int, cases: list[list[int]],
                           n_batch=512, logits_all=False, verbose=False, n_gpu_layers=-1 if gpu else 0,
                           flash_attn=flash_attn)
     _llama_cpp_case(llm, cases[0][:64], 4)     # warm up
-    return [_llama_cpp_case(llm, ids, n_decode) for ids in cases]
+    from .model import peak_rss_mib
+    rows = []
+    for ids in cases:                            # ascending lengths: the peak after a case is its peak
+        rows.append(dict(_llama_cpp_case(llm, ids, n_decode), peak_rss_mib=peak_rss_mib()))
+    return rows
 
 
 def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int,
@@ -177,5 +183,6 @@ def run_bench(args, settings) -> int:
     with open(out + ".tmp", "w") as f:
         json.dump(report, f, indent=1, default=str)
     os.replace(out + ".tmp", out)
-    print(f"peak RSS {report['peak_rss_mib']:.0f} MiB; wrote {out}")
+    theirs = f", llama.cpp's {llama_rows[-1]['peak_rss_mib']:.0f} MiB" if llama_rows else ""
+    print(f"peak RSS {report['peak_rss_mib']:.0f} MiB{theirs}; wrote {out}")
     return 0
