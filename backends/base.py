@@ -7,7 +7,22 @@ through `download`. Activations are float32, row-major, one row per token.
 Column slices of a 2-D activation (`x[:, a:b]`) are valid op inputs and outputs.
 
 The KV cache lives in two page pools per model, allocated with `alloc_kv_pool`:
-    k_pages, v_pages: uint16 [n_pages, n_kv_heads, page_size, head_dim]   (bf16 bits)
+    k_pages, v_pages: storage [n_pages, n_kv_heads, page_size, row_width]
+where the row format is the pool's KV dtype (backends/kvformat.py; keys and values
+may differ): `KvFormat.get(dtype, head_dim)` gives `storage`, `row_width` and
+`page_shape`.
+    bf16   uint16 [.., head_dim]           bf16 bits (the default)
+    q8_0   uint8  [.., 34 * head_dim/32]   ggml blocks: f16 scale, 32 x int8
+    q4_0   uint8  [.., 18 * head_dim/32]   ggml blocks: f16 scale, 32 x 4 bits
+    tq4    uint8  [.., 2 + head_dim/2]     f16 scale, 4-bit codes of the rotated row
+    tq3    uint8  [.., 2 + 3*head_dim/8]   f16 scale, 3-bit codes of the rotated row
+The KV ops take `k_dtype` / `v_dtype` keyword arguments (default "bf16") naming the
+pools' formats: `kv_write` stores rows exactly as `KvFormat.quantize` does, attention
+and `snapkv_votes` read the values `KvFormat.dequantize` gives (a kernel may work in
+the rotated basis instead; it never expands the cache into a full-precision copy),
+and `kv_gather` / `kv_copy_pages` move whole rows / pages whatever their width (a
+quantized row carries its scales). A backend lists the dtypes it implements in its
+class attribute `kv_dtypes`; `alloc_kv_pool` raises ConfigError for any other.
 A layer's rows are addressed through its page table:
     page_table: int32 [max_pages_per_layer]   physical row r lives in page
     page_table[r // page_size] at offset r % page_size.
@@ -21,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from engine.errors import BackendUnavailable
+from engine.errors import BackendUnavailable, ConfigError
 
 # The complete op list. `check_complete` verifies a backend has every one.
 OPS = (
@@ -30,7 +45,7 @@ OPS = (
     "scale",              # out = x * s (Gemma's embedding scale)
     "matmul",             # quantized mat-vec (n == 1) and mat-mat (n > 1), optional bias
     "rope",               # adjacent-pair (llama) or NEOX (qwen2), in place
-    "kv_write",           # K/V rows (f32) -> bf16 pages at physical rows
+    "kv_write",           # K/V rows (f32) -> pages (bf16 or quantized) at physical rows
     "attention_prefill",  # causal attention of n queries over the paged cache
     "attention_decode",   # one query over the paged cache
     "silu_gate",
@@ -50,6 +65,7 @@ class Weight(Protocol):
 @runtime_checkable
 class Backend(Protocol):
     name: str
+    kv_dtypes: tuple[str, ...]   # KV row formats this backend implements (kvformat.KV_DTYPES)
 
     # -- memory ---------------------------------------------------------------
     def alloc(self, shape: tuple[int, ...], dtype=np.float32) -> Any: ...
@@ -57,9 +73,11 @@ class Backend(Protocol):
     def download(self, arr: Any) -> np.ndarray: ...
     def load_weight(self, raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Weight:
         """raw: uint8 [rows, row_bytes] GGUF blocks (may be a read-only memory map)."""
-    def alloc_kv_pool(self, n_pages: int, n_kv_heads: int, page_size: int,
-                      head_dim: int) -> tuple[Any, Any]:
-        """(k_pages, v_pages), each uint16 [n_pages, n_kv_heads, page_size, head_dim]."""
+    def alloc_kv_pool(self, n_pages: int, n_kv_heads: int, page_size: int, head_dim: int,
+                      k_dtype: str = "bf16", v_dtype: str = "bf16") -> tuple[Any, Any]:
+        """(k_pages, v_pages), zero-filled, each `KvFormat.get(dtype, head_dim).storage`
+        [n_pages, n_kv_heads, page_size, row_width] of its dtype. ConfigError for a dtype
+        not in `kv_dtypes`."""
     def synchronize(self) -> None: ...
 
     # -- ops ------------------------------------------------------------------
@@ -79,18 +97,23 @@ class Backend(Protocol):
         Pair i (i < rot_dim/2) rotates by pos * freq_base^(-2i/rot_dim) / freq_factors[i]
         (freq_factors: f32 [rot_dim/2] on the host, Llama 3 `rope_freqs`; None = all 1).
         Adjacent mode pairs (2i, 2i+1); NEOX pairs (i, i + rot_dim/2)."""
-    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
-        """k, v: f32 [n, n_kv_heads*head_dim] -> bf16 rows start_row .. start_row+n-1."""
+    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int,
+                 k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+        """k, v: f32 [n, n_kv_heads*head_dim] -> rows start_row .. start_row+n-1, each
+        head's row stored as `KvFormat.quantize` stores it (bit for bit)."""
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
-                          n_q_heads: int, scale: float, out, window: int = 0) -> None:
+                          n_q_heads: int, scale: float, out, window: int = 0,
+                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
         """q, out: f32 [n, n_q_heads*head_dim]. Query i sees physical rows
         0 .. start_row + i (its own K/V already written); with window > 0 only the last
         `window` of them, max(0, start_row + i - window + 1) .. start_row + i (sliding-
         window layers; their rows are never compacted, so rows are positions). Rows
         below that are never read (their pages may have been returned to the pool).
-        GQA: query head h reads KV head h // (n_q_heads // n_kv_heads)."""
+        GQA: query head h reads KV head h // (n_q_heads // n_kv_heads). K and V rows
+        read as `KvFormat.dequantize` gives them."""
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
-                         n_q_heads: int, scale: float, out, window: int = 0) -> None:
+                         n_q_heads: int, scale: float, out, window: int = 0,
+                         k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
         """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1, or with
         window > 0 rows max(0, n_rows - window) .. n_rows-1."""
     def silu_gate(self, gate, up, out) -> None:
@@ -100,8 +123,9 @@ class Backend(Protocol):
         gelu_tanh(g) = 0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 * g^3)))."""
     def add(self, a, b, out) -> None:
         """out = a + b (out may alias a)."""
-    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:
-        """SnapKV votes. q_window: f32 [n_q_heads, W, head_dim] (post-RoPE queries of the
+    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float,
+                     k_dtype: str = "bf16") -> np.ndarray:
+        """SnapKV votes over the dequantized keys. q_window: f32 [n_q_heads, W, head_dim] (post-RoPE queries of the
         last W of n_rows prompt rows; window query w sits at row n_rows - W + w).
         Each window query's causal softmax runs over all rows 0..its own row; the
         probabilities of prefix rows (0 .. n_rows-W-1) are summed over the window and
@@ -109,10 +133,11 @@ class Backend(Protocol):
         Transient memory O(n_q_heads * W * n_rows)."""
     def kv_gather(self, k_pages, v_pages, page_table, keep: np.ndarray) -> None:
         """keep: int64 [n_kv_heads, n_keep] sorted rows per KV head (host). Row keep[h, j]
-        of head h moves to row j. Rows j < keep[h, j] only move down, so in-order copy
-        is safe in place."""
+        of head h moves to row j (the whole row: quantized values and their scales).
+        Rows j < keep[h, j] only move down, so in-order copy is safe in place."""
     def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages: np.ndarray) -> None:
-        """pages: int32 [n] (host). dst_*[pages[i]] = src_*[pages[i]] for every listed page."""
+        """pages: int32 [n] (host). dst_*[pages[i]] = src_*[pages[i]] for every listed page
+        (pools of the same shape and storage, whatever the dtype)."""
 
 
 _INV_FREQ: dict = {}                         # (base, rot_dim, factor bytes) -> f64 [rot_dim/2], read-only
@@ -135,6 +160,15 @@ def rope_inv_freq(freq_base: float, rot_dim: int, freq_factors=None) -> np.ndarr
     inv.setflags(write=False)
     _INV_FREQ[key] = inv
     return inv
+
+
+def check_kv_dtypes(backend, *dtypes: str) -> None:
+    """ConfigError (one line) unless the backend's `kv_dtypes` holds every dtype given."""
+    supported = tuple(getattr(backend, "kv_dtypes", ("bf16",)))
+    for dtype in dtypes:
+        if dtype not in supported:
+            raise ConfigError(f"KV dtype {dtype} is not supported on the {backend.name} backend "
+                              f"(supported: {', '.join(supported)})")
 
 
 def check_complete(backend) -> None:

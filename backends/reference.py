@@ -1,9 +1,9 @@
 """The numpy reference backend: the oracle for per-op tests.
 
 Written for clarity, not speed. Every op accumulates in float64 and rounds to
-float32 only when it writes its output. K/V go through bf16 pages exactly as on
-a real backend (backends/bf16.py), so attention here reads the same numbers a
-device kernel reads.
+float32 only when it writes its output. K/V go through pages of the cache's row
+format exactly as on a real backend (bf16 bits, or the quantized rows of
+backends/kvformat.py), so attention here reads the same numbers a device kernel reads.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
-from backends.bf16 import bf16_to_f32, f32_to_bf16
+from backends.base import check_kv_dtypes
+from backends.kvformat import KV_DTYPES, KvFormat
 
 
 @dataclass(frozen=True)
@@ -29,13 +30,18 @@ def _page_slots(page_table: np.ndarray, page_size: int, rows: np.ndarray):
     return page_table[rows // page_size].astype(np.int64), rows % page_size
 
 
-def read_rows(pages: np.ndarray, page_table: np.ndarray, rows) -> np.ndarray:
-    """bf16 pages [n_pages, n_kv_heads, page_size, head_dim] -> f64 [n_kv_heads, m, head_dim]:
-    rows 0 .. rows-1 (an int), or the physical rows listed (int [m])."""
+def read_rows(pages: np.ndarray, page_table: np.ndarray, rows, dtype: str = "bf16",
+              head_dim: int | None = None) -> np.ndarray:
+    """pages [n_pages, n_kv_heads, page_size, row_width] of KV dtype `dtype` ->
+    dequantized f64 [n_kv_heads, m, head_dim]: rows 0 .. rows-1 (an int), or the physical
+    rows listed (int [m]). head_dim defaults to row_width (right for bf16 only)."""
+    fmt = KvFormat.get(dtype, pages.shape[-1] if head_dim is None else head_dim)
+    if pages.shape[-1] != fmt.row_width:
+        raise ValueError(f"{dtype} pages have rows of {pages.shape[-1]}, expected {fmt.row_width}")
     rows = np.arange(rows) if np.ndim(rows) == 0 else np.asarray(rows)
     page, offset = _page_slots(page_table, pages.shape[2], rows)
-    bits = pages[page, :, offset, :]                       # [m, n_kv_heads, head_dim]
-    return bf16_to_f32(bits).astype(np.float64).transpose(1, 0, 2)
+    stored = pages[page, :, offset, :]                     # [m, n_kv_heads, row_width]
+    return fmt.dequantize(stored).astype(np.float64).transpose(1, 0, 2)
 
 
 def _causal_softmax(logits: np.ndarray, visible: np.ndarray) -> np.ndarray:
@@ -47,6 +53,7 @@ def _causal_softmax(logits: np.ndarray, visible: np.ndarray) -> np.ndarray:
 
 class ReferenceBackend:
     name = "reference"
+    kv_dtypes = KV_DTYPES
 
     # -- memory ---------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32) -> np.ndarray:
@@ -62,9 +69,11 @@ class ReferenceBackend:
         data = dequantize(np.asarray(raw), qtype).astype(np.float32).reshape(shape)
         return ReferenceWeight(qtype=int(qtype), shape=(int(shape[0]), int(shape[1])), data=data)
 
-    def alloc_kv_pool(self, n_pages: int, n_kv_heads: int, page_size: int, head_dim: int):
-        shape = (n_pages, n_kv_heads, page_size, head_dim)
-        return np.zeros(shape, dtype=np.uint16), np.zeros(shape, dtype=np.uint16)
+    def alloc_kv_pool(self, n_pages: int, n_kv_heads: int, page_size: int, head_dim: int,
+                      k_dtype: str = "bf16", v_dtype: str = "bf16"):
+        check_kv_dtypes(self, k_dtype, v_dtype)
+        return tuple(np.zeros(f.page_shape(n_pages, n_kv_heads, page_size), dtype=f.storage)
+                     for f in (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)))
 
     def synchronize(self) -> None:
         pass
@@ -111,26 +120,29 @@ class ReferenceBackend:
         heads[:, :, i1] = x0 * sin + x1 * cos
         x[:, :n_heads * head_dim] = heads.reshape(n, n_heads * head_dim)
 
-    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
-        n_kv_heads, page_size, head_dim = k_pages.shape[1:]
+    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int,
+                 k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+        n_kv_heads, page_size = k_pages.shape[1:3]
         n = k.shape[0]
+        head_dim = k.shape[1] // n_kv_heads
         page, offset = _page_slots(page_table, page_size, start_row + np.arange(n))
-        for pages, src in ((k_pages, k), (v_pages, v)):
+        for pages, src, dtype in ((k_pages, k, k_dtype), (v_pages, v, v_dtype)):
             rows = np.asarray(src, dtype=np.float32).reshape(n, n_kv_heads, head_dim)
-            pages[page, :, offset, :] = f32_to_bf16(rows)
+            pages[page, :, offset, :] = KvFormat.get(dtype, head_dim).quantize(rows)
 
     def _attend(self, q, k_pages, v_pages, page_table, n_rows: int, query_rows: np.ndarray,
-                n_q_heads: int, scale: float, window: int) -> np.ndarray:
+                n_q_heads: int, scale: float, window: int, k_dtype: str, v_dtype: str) -> np.ndarray:
         """q f32 [n, n_q_heads*head_dim]; query i sees rows 0..query_rows[i], or with
         window > 0 rows query_rows[i]-window+1 .. query_rows[i] -> f64 [n, n_q_heads*head_dim].
         Rows below the first query's window are never read."""
-        n_kv_heads, _, head_dim = k_pages.shape[1:]
+        n_kv_heads = k_pages.shape[1]
+        n = q.shape[0]
+        head_dim = q.shape[1] // n_q_heads
         group = n_q_heads // n_kv_heads
         lo = max(0, int(query_rows[0]) - window + 1) if window > 0 else 0
         rows = np.arange(lo, n_rows)                                       # [m] rows read
-        keys = read_rows(k_pages, page_table, rows)                        # [n_kv, m, d]
-        values = read_rows(v_pages, page_table, rows)                      # [n_kv, m, d]
-        n = q.shape[0]
+        keys = read_rows(k_pages, page_table, rows, k_dtype, head_dim)     # [n_kv, m, d]
+        values = read_rows(v_pages, page_table, rows, v_dtype, head_dim)   # [n_kv, m, d]
         qh = np.asarray(q, dtype=np.float64).reshape(n, n_q_heads, head_dim)
         kv_of = np.arange(n_q_heads) // group                              # [n_q_heads]
         logits = qh.transpose(1, 0, 2) @ keys[kv_of].transpose(0, 2, 1) * scale   # [n_q_heads, n, m]
@@ -142,17 +154,19 @@ class ReferenceBackend:
         return out.transpose(1, 0, 2).reshape(n, n_q_heads * head_dim)
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
-                          n_q_heads: int, scale: float, out, window: int = 0) -> None:
+                          n_q_heads: int, scale: float, out, window: int = 0,
+                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
         n = q.shape[0]
         query_rows = start_row + np.arange(n)
         out[...] = self._attend(q, k_pages, v_pages, page_table, start_row + n, query_rows,
-                                n_q_heads, scale, window)
+                                n_q_heads, scale, window, k_dtype, v_dtype)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
-                         n_q_heads: int, scale: float, out, window: int = 0) -> None:
+                         n_q_heads: int, scale: float, out, window: int = 0,
+                         k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
         query_rows = np.array([n_rows - 1])
         out[...] = self._attend(q, k_pages, v_pages, page_table, n_rows, query_rows,
-                                n_q_heads, scale, window)
+                                n_q_heads, scale, window, k_dtype, v_dtype)
 
     def silu_gate(self, gate, up, out) -> None:
         g = np.asarray(gate, dtype=np.float64)
@@ -166,12 +180,13 @@ class ReferenceBackend:
     def add(self, a, b, out) -> None:
         out[...] = np.asarray(a, dtype=np.float64) + np.asarray(b, dtype=np.float64)
 
-    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:
+    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float,
+                     k_dtype: str = "bf16") -> np.ndarray:
         n_q_heads, window, head_dim = q_window.shape
         n_kv_heads = k_pages.shape[1]
         group = n_q_heads // n_kv_heads
         prefix = n_rows - window
-        keys = read_rows(k_pages, page_table, n_rows)                      # [n_kv, n_rows, d]
+        keys = read_rows(k_pages, page_table, n_rows, k_dtype, head_dim)   # [n_kv, n_rows, d]
         votes = np.zeros((n_kv_heads, prefix))
         query_rows = prefix + np.arange(window)                            # [W]
         visible = np.arange(n_rows)[None, :] <= query_rows[:, None]        # [W, n_rows]

@@ -41,7 +41,7 @@ def _engine_case(model, ids, n_decode: int, snapkv=None) -> dict:
     decode_s = time.perf_counter() - t0
     return {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
             "prefill_s": prefill_s, "kv_bytes": cache.bytes, "kv_rows": cache.length,
-            "snapkv": snap, "peak_rss_mib": peak_rss_mib()}
+            "kv_dtype": cache.kv_dtype, "snapkv": snap, "peak_rss_mib": peak_rss_mib()}
 
 
 def _llama_cpp_last_logits(llm) -> np.ndarray:
@@ -172,6 +172,7 @@ def run_bench(args, settings) -> int:
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": os.path.basename(str(path)), "backend": model.backend.name, "threads": threads,
+        "kv_dtype": model.kv_dtype,
         "machine": platform.processor() or platform.machine(), "decode_tokens": args.decode_tokens,
         "settings": {k: v for k, v in vars(settings).items()}, "peak_rss_mib": peak_rss_mib(),
         "snapkv": model.snapkv.summary() if evicting else None,

@@ -29,6 +29,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", help="CPU threads (env SHARPI_THREADS)")
     p.add_argument("--ctx", help="context size in tokens (env SHARPI_CTX)")
     p.add_argument("--prefill-chunk", dest="prefill_chunk", help="prompt tokens per prefill step")
+    p.add_argument("--kv-dtype", dest="kv_dtype", help="KV cache rows: bf16 (default), q8_0, q4_0, tq4, tq3, "
+                   "or KEYS/VALUES such as q8_0/tq4 (env SHARPI_KV_DTYPE)")
 
 
 def _add_snapkv_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +45,7 @@ def _add_snapkv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-min-tokens", dest="snapkv_min_tokens", help="never compact prompts this short")
 
 
-SETTING_ARGS = ("backend", "threads", "ctx", "prefill_chunk", "snapkv_budget", "snapkv_window",
+SETTING_ARGS = ("backend", "threads", "ctx", "prefill_chunk", "kv_dtype", "snapkv_budget", "snapkv_window",
                 "snapkv_recency", "snapkv_sinks", "snapkv_kernel", "snapkv_pool",
                 "snapkv_granularity", "snapkv_min_tokens")
 
@@ -127,14 +129,19 @@ def _print_stats(s: dict) -> None:
     print(f"\n-- {s.get('backend')}: prompt {s['prompt_tokens']} tok, prefill {s['prefill_s']:.3f} s "
           f"({s['prefill_tok_s']:.1f} tok/s); decode {s['decode_tokens']} tok "
           f"({s['decode_tok_s']:.1f} tok/s); finish: {s.get('finish_reason', '?')}", file=e)
-    line = (f"-- KV cache: {s['kv_rows']} rows for {s['logical_length']} positions, "
-            f"{s['kv_bytes'] / 2**20:.2f} MiB")
+    line = (f"-- KV cache: {s['kv_rows']} rows for {s['logical_length']} positions, {s['kv_dtype']}, "
+            f"{_size(s['kv_bytes'])}")
     if s.get("snapkv"):
         k = s["snapkv"]
-        line += (f"; {k['policy']}: {k['bytes_before'] / 2**20:.2f} -> {k['bytes_after'] / 2**20:.2f} MiB "
+        line += (f"; {k['policy']}: {_size(k['bytes_before'])} -> {_size(k['bytes_after'])} "
                  f"({k['ratio']:.2f}x), scoring+compaction {k['seconds'] * 1e3:.1f} ms")
     print(line, file=e)
     print(f"-- peak RSS {s['peak_rss_mib']:.0f} MiB", file=e)
+
+
+def _size(n: int) -> str:
+    """Bytes as MiB (KiB below 1 MiB, so small caches still show their size)."""
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def cmd_info(args) -> int:
@@ -166,6 +173,7 @@ def cmd_info(args) -> int:
         "sliding_window": cfg.sliding_window, "global_layers": cfg.n_global_layers,
         "kv_bytes_per_token_bf16": cfg.kv_bytes_per_token(),          # global layers; local ones hold a window
         "kv_bytes_at_context_bf16": cfg.kv_bytes(cfg.context_length, config_mod.Settings().prefill_chunk, PAGE_SIZE),
+        "kv_bytes_per_token_by_dtype": _kv_bytes_by_dtype(cfg),
         "tokenizer": {"model": g.get("tokenizer.ggml.model"), "pre": g.get("tokenizer.ggml.pre"),
                       "vocab": tok.vocab_size, "bos": tok.bos_id, "eos": tok.eos_id,
                       "chat_template": g.get("tokenizer.chat_template") is not None},
@@ -178,6 +186,19 @@ def cmd_info(args) -> int:
             value = ", ".join(f"{k}={v}" for k, v in value.items())
         print(f"{key:>24}: {value}")
     return 0
+
+
+def _kv_bytes_by_dtype(cfg) -> dict[str, int]:
+    """KV bytes per token in every KV dtype the model's head_dim allows (--kv-dtype)."""
+    from backends.kvformat import KV_DTYPES
+
+    out = {}
+    for dtype in KV_DTYPES:
+        try:
+            out[dtype] = cfg.kv_bytes_per_token(dtype, dtype)
+        except EngineError:              # head_dim not a multiple of the format's block
+            continue
+    return out
 
 
 def _print_devices() -> int:

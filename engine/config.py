@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields, replace
 
+from backends.kvformat import kv_dtype_name, parse_kv_dtype
+
 from .errors import ConfigError
 
 
@@ -53,6 +55,11 @@ def _optional_int(lo=None):
     return parse
 
 
+def _kv_dtype(text, name):
+    """A KV dtype, or KEYS/VALUES ("q8_0/tq4"), normalised to its canonical spelling."""
+    return kv_dtype_name(*parse_kv_dtype(text, name))
+
+
 @dataclass(frozen=True)
 class Spec:
     field: str
@@ -72,6 +79,8 @@ SETTINGS = (
          "context size in tokens (default: the model's trained context)"),
     Spec("prefill_chunk", "SHARPI_PREFILL_CHUNK", "--prefill-chunk", _int(1), 256,
          "prompt tokens per prefill step"),
+    Spec("kv_dtype", "SHARPI_KV_DTYPE", "--kv-dtype", _kv_dtype, "bf16",
+         "KV cache row format: bf16, q8_0, q4_0, tq4, tq3, or KEYS/VALUES such as q8_0/tq4"),
     Spec("snapkv_budget", "SHARPI_SNAPKV_BUDGET", "--kv-budget", _optional_int(0), None,
          "SnapKV KV budget per layer: N>0 on, 0 off (also disables auto-on), unset = auto policy"),
     Spec("snapkv_window", "SHARPI_SNAPKV_WINDOW", "--kv-window", _int(1), 32,
@@ -90,7 +99,7 @@ SETTINGS = (
     Spec("snapkv_min_tokens", "SHARPI_SNAPKV_MIN_TOKENS", "--kv-min-tokens", _int(0), 128,
          "prompts this short or shorter are never compacted"),
     Spec("snapkv_auto_mib", "SHARPI_SNAPKV_AUTO_MIB", None, _int(0), 256,
-         "auto-on threshold: bf16 KV ring for the context above this many MiB"),
+         "auto-on threshold: KV ring (in the chosen KV dtype) for the context above this many MiB"),
     Spec("cpu_kernels", "SHARPI_CPU_KERNELS", None, _choice("auto", "portable"), "auto",
          "CPU mat-vecs: auto = AVX-512 VNNI where the CPU has it, portable = portable vector code "
          "(read once per process, when the CPU backend is first imported)"),
@@ -112,6 +121,7 @@ class Settings:
     threads: int | None = None
     ctx: int | None = None
     prefill_chunk: int = 256
+    kv_dtype: str = "bf16"
     snapkv_budget: int | None = None
     snapkv_window: int = 32     # window and kernel measured by `engine eval` (README)
     snapkv_recency: int | None = None

@@ -1,5 +1,5 @@
 """ForwardPass: chunked prefill and single-token decode of a llama-family model
-over a Backend, writing post-RoPE K/V into a paged bf16 cache.
+over a Backend, writing post-RoPE K/V into a paged cache (bf16 or quantized rows).
 
 One generic layer graph; architecture differences come from ArchSpec flags
 (`qkv_bias`, `rope_neox`, `embed_scale`, `qk_norm`, `post_norms`, `ffn_act`) and
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf.quants import dequantize
+
+from backends.kvformat import parse_kv_dtype
 
 from .errors import EngineError
 from .gguf import GgufFile, ModelConfig
@@ -137,9 +139,10 @@ class ForwardPass:
     """Runs the model on a backend. `prefill` and `decode` advance a KvCache."""
 
     def __init__(self, g: GgufFile, cfg: ModelConfig, backend, max_ctx: int,
-                 chunk: int = 256, page_size: int = 64):
+                 chunk: int = 256, page_size: int = 64, kv_dtype: str = "bf16"):
         self.cfg, self.backend = cfg, backend
         self.max_ctx, self.chunk, self.page_size = max_ctx, chunk, page_size
+        self.kv_dtype = kv_dtype              # new caches' row formats (see new_cache)
         self.weights = load_weights(g, cfg, backend)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.embed_scale = math.sqrt(cfg.dim) if cfg.arch.embed_scale else None
@@ -153,12 +156,15 @@ class ForwardPass:
         self._prefill_scratch: Scratch | None = None
         self.window_capture: WindowCapture | None = None   # set during a SnapKV prefill
 
-    def new_cache(self) -> KvCache:
+    def new_cache(self, kv_dtype: str | None = None) -> KvCache:
         """A cache for max_ctx positions; sliding-window layers get pages for their
-        window plus one prefill chunk only."""
+        window plus one prefill chunk only. `kv_dtype`: "bf16", "tq4", "q8_0/tq4" (keys/
+        values), ... (backends/kvformat.py); None = self.kv_dtype."""
         c = self.cfg
+        k_dtype, v_dtype = parse_kv_dtype(kv_dtype or self.kv_dtype)
         return KvCache(self.backend, c.n_layers, c.n_kv_heads, c.head_dim, self.max_ctx, self.page_size,
-                       windows=[c.window(i) for i in range(c.n_layers)], max_step=self.chunk)
+                       windows=[c.window(i) for i in range(c.n_layers)], max_step=self.chunk,
+                       k_dtype=k_dtype, v_dtype=v_dtype)
 
     # -- public steps -------------------------------------------------------------
     def prefill(self, ids, cache: KvCache, all_logits: bool = False, on_chunk=None,
@@ -212,7 +218,7 @@ class ForwardPass:
         scored = cache.full_layers
         n_rows = cache.layers[scored[0]].length
         votes = [self.backend.snapkv_votes(q_window[i], cache.pool.k_pages, cache.layers[i].page_table(),
-                                           n_rows, self.scale) for i in scored]
+                                           n_rows, self.scale, k_dtype=cache.k_dtype) for i in scored]
         t_scored = time.perf_counter()
         keeps = selector.keep_from_model_votes(votes, n_rows)
         bytes_before = cache.bytes
@@ -241,6 +247,7 @@ class ForwardPass:
         proj, gate_up, act = s.proj[:n], s.gate_up[:n], s.act[:n]
         q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
         positions = np.arange(cache.logical_length, cache.logical_length + n, dtype=np.int32)
+        dtypes = {"k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype}   # the pools' row formats
         b.embedding(w.token_embd, ids, x)
         if self.embed_scale is not None:
             b.scale(x, self.embed_scale, x)
@@ -261,13 +268,13 @@ class ForwardPass:
             if self.window_capture is not None and not window:
                 self.window_capture(b, li, qkv[:, :q_end], int(positions[0]))
             b.kv_write(cache.pool.k_pages, cache.pool.v_pages, table, qkv[:, q_end:k_end],
-                       qkv[:, k_end:], start_row)
+                       qkv[:, k_end:], start_row, **dtypes)
             if n == 1:
                 b.attention_decode(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
-                                   start_row + 1, c.n_heads, self.scale, attn, window=window)
+                                   start_row + 1, c.n_heads, self.scale, attn, window=window, **dtypes)
             else:
                 b.attention_prefill(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
-                                    start_row, c.n_heads, self.scale, attn, window=window)
+                                    start_row, c.n_heads, self.scale, attn, window=window, **dtypes)
             kv.advance(n)                    # a sliding-window layer returns pages it no longer needs
             b.matmul(lw.attn_output, attn, proj)
             if lw.post_attention_norm is not None:

@@ -9,6 +9,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from backends.base import check_kv_dtypes
+from backends.kvformat import KvFormat, kv_dtype_name, parse_kv_dtype
+
 from . import config as config_mod
 from . import inputs
 from .errors import ConfigError, EngineError
@@ -27,15 +30,15 @@ PAGE_SIZE = 64       # KV rows per page
 def snapkv_from_settings(s: config_mod.Settings, cfg: ModelConfig, ctx: int) -> tuple[SnapKvConfig | None, str | None]:
     """The eviction policy the settings ask for, and a notice when auto-on fired.
     Budget N > 0: on; 0: off (auto included); unset: on with AUTO_BUDGET when the
-    bf16 KV ring for `ctx` exceeds snapkv_auto_mib (the bytes the cache really holds:
-    sliding-window layers count their window, not the context)."""
+    KV ring for `ctx` in the settings' KV dtype exceeds snapkv_auto_mib (the bytes the
+    cache really holds: sliding-window layers count their window, not the context)."""
     budget, notice = s.snapkv_budget, None
     if budget is None:
-        ring_mib = cfg.kv_bytes(ctx, min(s.prefill_chunk, ctx), PAGE_SIZE) / 2**20
+        ring_mib = cfg.kv_bytes(ctx, min(s.prefill_chunk, ctx), PAGE_SIZE, *parse_kv_dtype(s.kv_dtype)) / 2**20
         if ring_mib <= s.snapkv_auto_mib:
             return None, None
         budget = AUTO_BUDGET
-        notice = (f"SnapKV auto-on: the bf16 KV cache for {ctx} tokens would take {ring_mib:.0f} MiB "
+        notice = (f"SnapKV auto-on: the {s.kv_dtype} KV cache for {ctx} tokens would take {ring_mib:.0f} MiB "
                   f"(> SHARPI_SNAPKV_AUTO_MIB={s.snapkv_auto_mib}); evicting to {budget} rows per layer "
                   f"after prefill (SHARPI_SNAPKV_BUDGET=0 turns this off)")
     if budget == 0:
@@ -62,23 +65,35 @@ def available_memory_bytes() -> int | None:
         return None
 
 
+def kv_dtypes_for(kv_dtype: str, backend, cfg: ModelConfig) -> tuple[str, str]:
+    """"q8_0/tq4" -> ("q8_0", "tq4"), checked against the backend's `kv_dtypes` and the
+    model's head_dim (one-line ConfigError otherwise)."""
+    k_dtype, v_dtype = parse_kv_dtype(kv_dtype, "kv_dtype")
+    check_kv_dtypes(backend, k_dtype, v_dtype)
+    for dtype in (k_dtype, v_dtype):
+        KvFormat.get(dtype, cfg.head_dim)
+    return k_dtype, v_dtype
+
+
 def check_context(cfg: ModelConfig, ctx: int, requested: bool, backend, weight_bytes: int,
-                  page_size: int = PAGE_SIZE, chunk: int | None = None) -> None:
+                  page_size: int = PAGE_SIZE, chunk: int | None = None,
+                  k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
     """Before anything is allocated: a context above the model's trained length is
     warned about (as llama.cpp does); a KV pool that cannot fit in memory is refused
     with the numbers. The pool is allocated for the whole context up front (prefill
     needs every prompt row before SnapKV compacts), so this is the peak. A backend
     with memory of its own (`check_fits`: CUDA) checks the weights plus the pool there.
-    `chunk`: prefill chunk (sliding-window layers hold their window plus one chunk)."""
-    kv_bytes = cfg.kv_bytes(ctx, chunk or ctx, page_size)
+    `chunk`: prefill chunk (sliding-window layers hold their window plus one chunk);
+    `k_dtype`, `v_dtype`: the KV row formats (their real bytes are counted)."""
+    kv_bytes = cfg.kv_bytes(ctx, chunk or ctx, page_size, k_dtype, v_dtype)
     check_fits = getattr(backend, "check_fits", None)
     if check_fits is not None:
         check_fits(weight_bytes, kv_bytes, ctx)
     what = f"a context of {ctx} tokens" if requested else f"the model's trained context of {ctx} tokens"
     avail = None if check_fits is not None else available_memory_bytes()
     if avail is not None and kv_bytes > avail:
-        raise EngineError(f"{what} needs a {_gib(kv_bytes)} bf16 KV cache "
-                          f"({cfg.kv_bytes_per_token()} bytes per token) but only {_gib(avail)} of memory "
+        raise EngineError(f"{what} needs a {_gib(kv_bytes)} {kv_dtype_name(k_dtype, v_dtype)} KV cache "
+                          f"({cfg.kv_bytes_per_token(k_dtype, v_dtype)} bytes per token) but only {_gib(avail)} of memory "
                           f"is available: lower --ctx (SHARPI_CTX, ctx=)")
     if requested and ctx > cfg.context_length:
         notice(f"warning: the context of {ctx} tokens (--ctx) is above the model's trained context of {cfg.context_length} tokens; "
@@ -109,19 +124,27 @@ class Model:
         self.config: ModelConfig = model_config(self.gguf)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.backend = get_backend(settings.backend, settings.threads)
+        # KV row formats of keys and values (backends/kvformat.py), checked against the backend
+        self.k_dtype, self.v_dtype = kv_dtypes_for(settings.kv_dtype, self.backend, self.config)
         self.ctx = settings.ctx or self.config.context_length   # positions the cache can hold
         chunk = min(settings.prefill_chunk, self.ctx)             # prompt tokens per prefill step
         check_context(self.config, self.ctx, settings.ctx is not None, self.backend,
-                      sum(t.raw.nbytes for t in self.gguf.tensors.values()), chunk=chunk)
+                      sum(t.raw.nbytes for t in self.gguf.tensors.values()), chunk=chunk,
+                      k_dtype=self.k_dtype, v_dtype=self.v_dtype)
         if snapkv is None:
             self.snapkv, note = snapkv_from_settings(settings, self.config, self.ctx)
         else:
             self.snapkv, note = (snapkv or None), None
         self.forward = ForwardPass(self.gguf, self.config, self.backend, self.ctx,
-                                   chunk=chunk, page_size=PAGE_SIZE)
+                                   chunk=chunk, page_size=PAGE_SIZE, kv_dtype=self.kv_dtype)
         self.last_cache: KvCache | None = None
         if note:
             notice(note)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The model's KV row format: "tq4", or "q8_0/tq4" (keys/values)."""
+        return kv_dtype_name(self.k_dtype, self.v_dtype)
 
     # -- tokens -----------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
@@ -149,8 +172,12 @@ class Model:
         return ids
 
     # -- forward ----------------------------------------------------------------------
-    def new_cache(self) -> KvCache:
-        return self.forward.new_cache()
+    def new_cache(self, kv_dtype: str | None = None) -> KvCache:
+        """An empty cache for the whole context. `kv_dtype`: its row format ("tq4",
+        "q8_0/tq4", ...); None = the model's (settings' kv_dtype)."""
+        if kv_dtype is None:
+            return self.forward.new_cache()
+        return self.forward.new_cache(kv_dtype_name(*kv_dtypes_for(kv_dtype, self.backend, self.config)))
 
     def _policy(self, snapkv) -> SnapKvConfig | None:
         """Per-call policy: None = the model's, False = off, a SnapKvConfig = that one."""
@@ -163,19 +190,24 @@ class Model:
         return snapkv
 
     def prefill(self, prompt, cache: KvCache | None = None, chat: bool = False, snapkv=None,
-                compact_continued: bool = False, progress=None):
-        """Run a prompt (text or ids) into `cache` (a fresh one by default), then apply
-        the SnapKV policy (see `_policy`). Returns (cache, logits f32 [vocab] of the
-        last prompt token). `cache.stats()` / `cache_stats()` show what was kept.
-        `progress(done, total)` is called after every prefill chunk."""
-        return self._prefill(self._prompt_ids(prompt, chat), cache, snapkv, compact_continued, progress)
+                compact_continued: bool = False, progress=None, kv_dtype: str | None = None):
+        """Run a prompt (text or ids) into `cache` (a fresh one by default, of row format
+        `kv_dtype`: None = the model's), then apply the SnapKV policy (see `_policy`).
+        Returns (cache, logits f32 [vocab] of the last prompt token). `cache.stats()` /
+        `cache_stats()` show what was kept. `progress(done, total)` is called after
+        every prefill chunk."""
+        return self._prefill(self._prompt_ids(prompt, chat), cache, snapkv, compact_continued, progress,
+                             kv_dtype)
 
-    def _prefill(self, ids: list[int], cache: KvCache | None, snapkv, compact_continued: bool, progress=None):
+    def _prefill(self, ids: list[int], cache: KvCache | None, snapkv, compact_continued: bool, progress=None,
+                 kv_dtype: str | None = None):
         """`prefill` for ids already checked by `_prompt_ids`."""
         if cache is not None and not isinstance(cache, KvCache):
             raise ConfigError(f"cache must be a KvCache from this model, got {type(cache).__name__}")
+        if cache is not None and kv_dtype is not None:
+            raise ConfigError("kv_dtype sets the row format of a new cache: pass it or a cache, not both")
         policy = self._policy(snapkv)
-        cache = cache if cache is not None else self.new_cache()
+        cache = cache if cache is not None else self.new_cache(kv_dtype)
         if cache.logical_length + len(ids) > cache.max_rows:
             raise EngineError(f"prompt of {len(ids)} tokens does not fit: the cache holds "
                               f"{cache.logical_length} of {cache.max_rows} positions")
@@ -199,21 +231,23 @@ class Model:
     def stream(self, prompt, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                chat: bool = False, ignore_eos: bool = False, stats: dict | None = None,
-               snapkv=None, progress=None) -> Iterator[str]:
+               snapkv=None, progress=None, kv_dtype: str | None = None) -> Iterator[str]:
         """Yield text pieces as they are generated. `stats`, if given, is filled in.
         `snapkv`: None = the model's policy, False = no eviction, or a SnapKvConfig.
-        `progress(done, total)`: called after every prefill chunk (prompt tokens)."""
+        `progress(done, total)`: called after every prefill chunk (prompt tokens).
+        `kv_dtype`: the cache's row format ("tq4", "q8_0/tq4", ...); None = the model's."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=inputs.stop_strings(stop), ignore_eos=ignore_eos)
         stats = {} if stats is None else stats
         ids = self._prompt_ids(prompt, chat)
         t0 = time.perf_counter()
-        cache, logits = self._prefill(ids, None, snapkv, compact_continued=False, progress=progress)
+        cache, logits = self._prefill(ids, None, snapkv, compact_continued=False, progress=progress,
+                                      kv_dtype=kv_dtype)
         prefill_s = time.perf_counter() - t0
         stats.update(prompt_tokens=len(ids), prefill_s=prefill_s,
                      prefill_tok_s=len(ids) / prefill_s if prefill_s > 0 else 0.0, snapkv=cache.eviction)
         yield from generate_stream(self, params, cache, logits, stats)
-        stats.update(kv_bytes=cache.bytes, kv_rows=cache.length,
+        stats.update(kv_bytes=cache.bytes, kv_rows=cache.length, kv_dtype=cache.kv_dtype,
                      logical_length=cache.logical_length, peak_rss_mib=peak_rss_mib(),
                      backend=self.backend.name)
 
@@ -230,7 +264,7 @@ def load(path=None, backend: str | None = None, ctx: int | None = None, threads:
          **overrides) -> Model:
     """Load a GGUF model (the default model when `path` is None). Keyword arguments
     override environment settings (env < CLI < API): backend, ctx, threads, and any
-    Settings field (e.g. snapkv_budget=1024). `snapkv` sets the eviction policy
+    Settings field (e.g. snapkv_budget=1024, kv_dtype="tq4"). `snapkv` sets the eviction policy
     outright: a SnapKvConfig, or False for none."""
     path = model_path_or_default(inputs.model_path(path))
     if settings is not None and not isinstance(settings, config_mod.Settings):

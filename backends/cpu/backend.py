@@ -13,11 +13,15 @@ import numpy as np
 # kernel); a value already in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from backends.base import check_kv_dtypes  # noqa: E402
+from backends.kvformat import KV_DTYPES, KvFormat  # noqa: E402
+
 from . import attention_blas, ops, quant  # noqa: E402  (after the OpenMP setting)
 
 
 class CpuBackend:
     name = "cpu"
+    kv_dtypes = KV_DTYPES
 
     def __init__(self, threads: int | None = None):
         if threads:
@@ -37,10 +41,12 @@ class CpuBackend:
     def load_weight(self, raw, qtype, shape):
         return quant.load_weight(raw, qtype, shape)
 
-    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim):
-        shape = (n_pages, n_kv_heads, page_size, head_dim)
+    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim, k_dtype="bf16",
+                      v_dtype="bf16"):
+        check_kv_dtypes(self, k_dtype, v_dtype)
         # np.empty: the OS maps pool pages lazily, so unused pages cost no RSS
-        return np.empty(shape, dtype=np.uint16), np.empty(shape, dtype=np.uint16)
+        return tuple(np.empty(f.page_shape(n_pages, n_kv_heads, page_size), dtype=f.storage)
+                     for f in (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)))
 
     def synchronize(self):
         pass
@@ -54,12 +60,12 @@ class CpuBackend:
     kv_write = staticmethod(ops.kv_write)
     @staticmethod
     def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                          window=0):
-        # long chunks: two sgemms per KV head (per query block with a window);
-        # short ones: the tiled numba kernel
+                          window=0, k_dtype="bf16", v_dtype="bf16"):
+        # long chunks: sgemms per KV head (per query block with a window; per row tile
+        # for quantized rows); short ones: the tiled numba kernel
         kernel = attention_blas if q.shape[0] >= attention_blas.BLAS_MIN_QUERIES else ops
         kernel.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                                 window)
+                                 window, k_dtype, v_dtype)
     attention_decode = staticmethod(ops.attention_decode)
     silu_gate = staticmethod(ops.silu_gate)
     gelu_gate = staticmethod(ops.gelu_gate)

@@ -5,59 +5,26 @@ backends/base.py (minus `self`) and writes into its `out`. Wrappers stay thin:
 no numpy allocation on the decode path; small inputs run a serial kernel
 (a parallel launch costs ~1.5 us), large ones a `prange` kernel.
 
-KV pages are uint16 bf16 bits [n_pages, n_kv_heads, page_size, head_dim];
+KV pages are [n_pages, n_kv_heads, page_size, row_width] in one of the row
+formats of backends/kvformat.py (bf16 bits, or the quantized rows of kvquant.py);
 physical row r lives in page page_table[r // page_size] at offset r % page_size.
-bf16 <-> f32 is done with integer shifts and an LLVM bitcast (`_bits_f32`,
-`_f32_bits`), the same rounding as backends/bf16.py.
+bf16 <-> f32 is done with integer shifts and an LLVM bitcast (jit.py), the same
+rounding as backends/bf16.py.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
+from numba.extending import overload
 
 from ..base import rope_inv_freq
+from . import kvquant
+from .jit import _JIT, _NEG_INF, _as_f32, _bf16_to_f32, _exp_f32, _f32_to_bf16, _prefetch  # noqa: F401
+from .kvquant import BF16, RowFormat
 
-# fastmath without nnan/ninf: the kernels rely on -inf (empty softmax state) and
-# on NaN propagating (tests poison unused page slots with NaN).
-_JIT = dict(cache=True, fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
 _PARALLEL_MIN = 1 << 15    # elementwise ops below this many elements run serially
-_NEG_INF = -np.inf
-
-
-# -- bit casts ---------------------------------------------------------------
-@intrinsic
-def _bits_f32(typingctx, bits):
-    """uint32 -> float32 with the same bits."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, value):
-    """float32 -> uint32 with the same bits."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
-
-
-@njit(inline="always", **_JIT)
-def _bf16_to_f32(b):
-    return _bits_f32(np.uint32(b) << np.uint32(16))
-
-
-@njit(inline="always", **_JIT)
-def _f32_to_bf16(x):
-    """Round to nearest even; NaN stays a quiet NaN."""
-    u = _f32_bits(np.float32(x))
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
-    lsb = (u >> np.uint32(16)) & np.uint32(1)
-    return np.uint16((u + np.uint32(0x7FFF) + lsb) >> np.uint32(16))
 
 
 # -- rms_norm / scale --------------------------------------------------------
@@ -180,22 +147,33 @@ def _kv_write(k_pages, v_pages, page_table, k, v, start_row):
                 v_pages[page, h, off, i] = _f32_to_bf16(v[t, base + i])
 
 
-def kv_write(k_pages, v_pages, page_table, k, v, start_row):
-    """k, v: f32 [n, n_kv_heads*head_dim] -> bf16 rows start_row .. start_row+n-1."""
-    _kv_write(k_pages, v_pages, page_table, k, v, start_row)
+def kv_write(k_pages, v_pages, page_table, k, v, start_row, k_dtype="bf16", v_dtype="bf16"):
+    """k, v: f32 [n, n_kv_heads*head_dim] -> rows start_row .. start_row+n-1, bf16 (round
+    to nearest even) or quantized as KvFormat.quantize does (kvquant.write_rows)."""
+    if k_dtype == "bf16" and v_dtype == "bf16":
+        _kv_write(k_pages, v_pages, page_table, k, v, start_row)
+        return
+    head_dim = k.shape[1] // k_pages.shape[1]
+    kvquant.write_rows(k_pages, page_table, k, start_row, RowFormat.get(k_dtype, head_dim))
+    kvquant.write_rows(v_pages, page_table, v, start_row, RowFormat.get(v_dtype, head_dim))
 
 
 # -- attention_decode --------------------------------------------------------
 # Flash-decoding. A task = (kv head, range of whole pages); it reads each K/V
 # row once for all query heads of its GQA group and keeps a running
 # (max, sum, acc) per query head. Rows go in tiles of <= _TILE rows that never
-# cross a page, so a tile is one contiguous [n, head_dim] uint16 slab:
+# cross a page, so a tile is one contiguous [n, row_width] slab:
 #   scores[g, j] = q_g . K[j]: dot over dims (bf16 -> f32 by shift, 16-wide FMAs,
 #     one horizontal sum per row and query head);
 #   one online-softmax rescale per tile, exp vectorised over the tile's rows;
 #   acc[g, :] += p[g, j] * V[j, :], vectorised over dims, 4 rows per pass.
 # head_dim 64 is passed as a constant so LLVM fully unrolls to zmm code; a group
 # of 3 (the default model) converts each K/V row once for its 3 query heads.
+# Quantized rows (kvquant.py) take the same score and value loops: a tile's rows
+# are dequantized _DEQUANT_ROWS at a time into a small f32 scratch (it stays in
+# L1) that the loops read instead of the page. tq keys are scored against the
+# rotated query (rotated once per head, before the tasks) and tq values summed in
+# the rotated basis, rotated back once per head at the end.
 # Each tile software-prefetches the same rows of the task's next page (pages
 # are scattered; the hardware prefetcher does not follow the page table).
 # Only rows < n_rows are ever read (unused page slots may hold NaN). Short
@@ -205,54 +183,149 @@ def kv_write(k_pages, v_pages, page_table, k, v, start_row):
 _TILE = 64                 # rows per online-softmax step (clipped to a page)
 _SERIAL_MAX_ROWS = 1024    # at most this many rows: serial kernel (no launch cost)
 _CHUNK_ROWS = 512          # rows per parallel task, rounded to whole pages
-
-
-@intrinsic
-def _prefetch(typingctx, arr, byte_off):
-    """Prefetch (read, keep in all cache levels) the cache line at arr's data + byte_off."""
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        i8p = ir.IntType(8).as_pointer()
-        ptr = builder.gep(builder.bitcast(ary.data, i8p), [args[1]])
-        i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
-            ir.VoidType(), [i8p, i32, i32, i32]))
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-    return types.none(arr, types.int64), codegen
+_DEQUANT_ROWS = 16         # quantized rows dequantized at a time (f32 scratch)
 
 
 @njit(inline="always", **_JIT)
-def _exp_f32(x):
-    """expf, all in f32 so it vectorises 16-wide (Cephes polynomial, ~1 ulp).
-    Underflows to 0 below -87.3 (exp(-inf) = 0); NaN stays NaN."""
-    xc = min(max(x, np.float32(-87.33654)), np.float32(88.0))
-    n = np.float32(math.floor(xc * np.float32(1.442695040888963) + np.float32(0.5)))
-    r = xc - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    y = (p * r * r + r + np.float32(1.0)) * _bits_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
-    if x < np.float32(-87.33654):
-        y = np.float32(0.0)
-    if x != x:
-        y = x
-    return y
+def _score_rows(rows, r0, n, qs, scores, c0, group, head_dim):
+    """scores[g, c0 + j] = qs[g] . rows[r0 + j] for j < n, g < group;
+    rows: bf16 bits (a page) or f32 (dequantized scratch) [.., >= head_dim]."""
+    if group == 3:     # the default model: each K row converted once
+        for j in range(n):
+            krow = rows[r0 + j]
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            for i in range(head_dim):
+                k = _as_f32(krow[i])
+                s0 += qs[0, i] * k
+                s1 += qs[1, i] * k
+                s2 += qs[2, i] * k
+            scores[0, c0 + j] = s0
+            scores[1, c0 + j] = s1
+            scores[2, c0 + j] = s2
+    else:
+        for g in range(group):
+            for j in range(n):
+                krow = rows[r0 + j]
+                s = np.float32(0.0)
+                for i in range(head_dim):
+                    s += qs[g, i] * _as_f32(krow[i])
+                scores[g, c0 + j] = s
 
 
 @njit(inline="always", **_JIT)
-def _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_hi,
-          qs, scores, acc, m, l, head_dim):
-    """Attend rows row_lo .. row_hi-1 of kv head `kv` for its `group` query heads;
-    fills acc [group, head_dim], m, l [group]. Rows outside the range are never read."""
-    page_size = k_pages.shape[2]
+def _softmax_tile(scores, n, group, m, l, acc, head_dim):
+    """One online-softmax step over scores[:, :n]: rescale each head's (m, l, acc) to
+    the new running max and turn its scores into weights p."""
     for g in range(group):
-        qbase = (kv * group + g) * head_dim
+        bm = m[g]
+        for j in range(n):
+            bm = max(bm, scores[g, j])
+        alpha = _exp_f32(m[g] - bm)
+        m[g] = bm
+        lg = np.float32(0.0)
+        for j in range(n):
+            p = _exp_f32(scores[g, j] - bm)
+            scores[g, j] = p
+            lg += p
+        l[g] = l[g] * alpha + lg
         for i in range(head_dim):
-            qs[g, i] = q[0, qbase + i] * scale
+            acc[g, i] *= alpha
+
+
+@njit(inline="always", **_JIT)
+def _value_rows(rows, r0, n, scores, c0, acc, group, head_dim):
+    """acc[g] += sum_j scores[g, c0 + j] * rows[r0 + j] for j < n, 4 rows per pass over
+    acc; rows: bf16 bits (a page) or f32 (dequantized scratch)."""
+    n4 = n - n % 4
+    if group == 3:     # each V row converted once for the 3 heads
+        for j in range(0, n4, 4):
+            v0 = rows[r0 + j]
+            v1 = rows[r0 + j + 1]
+            v2 = rows[r0 + j + 2]
+            v3 = rows[r0 + j + 3]
+            p00 = scores[0, c0 + j]
+            p01 = scores[0, c0 + j + 1]
+            p02 = scores[0, c0 + j + 2]
+            p03 = scores[0, c0 + j + 3]
+            p10 = scores[1, c0 + j]
+            p11 = scores[1, c0 + j + 1]
+            p12 = scores[1, c0 + j + 2]
+            p13 = scores[1, c0 + j + 3]
+            p20 = scores[2, c0 + j]
+            p21 = scores[2, c0 + j + 1]
+            p22 = scores[2, c0 + j + 2]
+            p23 = scores[2, c0 + j + 3]
+            for i in range(head_dim):
+                x0 = _as_f32(v0[i])
+                x1 = _as_f32(v1[i])
+                x2 = _as_f32(v2[i])
+                x3 = _as_f32(v3[i])
+                acc[0, i] += (p00 * x0 + p01 * x1) + (p02 * x2 + p03 * x3)
+                acc[1, i] += (p10 * x0 + p11 * x1) + (p12 * x2 + p13 * x3)
+                acc[2, i] += (p20 * x0 + p21 * x1) + (p22 * x2 + p23 * x3)
+    else:
+        for j in range(0, n4, 4):
+            v0 = rows[r0 + j]
+            v1 = rows[r0 + j + 1]
+            v2 = rows[r0 + j + 2]
+            v3 = rows[r0 + j + 3]
+            for g in range(group):
+                p0 = scores[g, c0 + j]
+                p1 = scores[g, c0 + j + 1]
+                p2 = scores[g, c0 + j + 2]
+                p3 = scores[g, c0 + j + 3]
+                for i in range(head_dim):
+                    acc[g, i] += ((p0 * _as_f32(v0[i]) + p1 * _as_f32(v1[i]))
+                                  + (p2 * _as_f32(v2[i]) + p3 * _as_f32(v3[i])))
+    for j in range(n4, n):
+        vrow = rows[r0 + j]
+        for g in range(group):
+            p = scores[g, c0 + j]
+            for i in range(head_dim):
+                acc[g, i] += p * _as_f32(vrow[i])
+
+
+def _tile_rows(pages, r0, n, tag, cb, head_dim, scratch):
+    """Rows r0 .. r0+n-1 of one page of one KV head (storage [page_size, row_width])
+    as (rows, first): bf16 rows as they are, (pages, r0); quantized ones dequantized
+    into scratch (f32 [>= n, head_dim], kvquant.dequant_rows), (scratch, 0)."""
+
+
+@overload(_tile_rows, inline="always", jit_options=_JIT)
+def _tile_rows_impl(pages, r0, n, tag, cb, head_dim, scratch):
+    if kvquant.fmt_of(tag) == BF16:
+        return lambda pages, r0, n, tag, cb, head_dim, scratch: (pages, r0)
+
+    def impl(pages, r0, n, tag, cb, head_dim, scratch):
+        kvquant.dequant_rows(pages, r0, n, tag, cb, head_dim, scratch)
+        return scratch, 0
+    return impl
+
+
+@njit(inline="always", **_JIT)
+def _tile_step(tag):
+    """Rows per pass over a tile: all of it for bf16, _DEQUANT_ROWS (the scratch) else."""
+    return _TILE if kvquant.fmt_of_tag(tag) == BF16 else _DEQUANT_ROWS
+
+
+@njit(inline="always", **_JIT)
+def _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
+                 scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, head_dim):
+    """Attend rows row_lo .. row_hi-1 of kv head `kv` for its `group` query heads
+    (qs f32 [n_q_heads, head_dim]: _prepare_queries); fills acc [group, head_dim]
+    (rotated basis for tq values), m, l [group]. kt, vt: f32 [_DEQUANT_ROWS, head_dim]
+    scratch for quantized rows. Rows outside the range are never read."""
+    page_size = k_pages.shape[2]
+    # the group's queries, task-local: indexing the shared array measured slower (LLVM
+    # must assume it aliases the score stores)
+    qg = qs[kv * group:(kv + 1) * group].copy()
+    k_row_bytes = k_pages.shape[3] * k_pages.itemsize
+    v_row_bytes = v_pages.shape[3] * v_pages.itemsize
+    k_step = _tile_step(ktag)
+    v_step = _tile_step(vtag)
+    for g in range(group):
         m[g] = _NEG_INF
         l[g] = 0.0
         for i in range(head_dim):
@@ -275,128 +348,107 @@ def _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, row_
             vn = v_pages[page_table[pidx + 1], kv]
         for t0 in range(first, n_page, _TILE):
             n = min(_TILE, n_page - t0)
-            # prefetch the same rows of the next page, one page ahead
-            for b in range(t0 * head_dim * 2, min(t0 + n, n_next) * head_dim * 2, 64):
-                _prefetch(kn, b)
-                _prefetch(vn, b)
-            # scores
-            if group == 3:     # the default model: each K row converted once
-                for j in range(n):
-                    krow = kp[t0 + j]
-                    s0 = np.float32(0.0)
-                    s1 = np.float32(0.0)
-                    s2 = np.float32(0.0)
-                    for i in range(head_dim):
-                        k = _bf16_to_f32(krow[i])
-                        s0 += qs[0, i] * k
-                        s1 += qs[1, i] * k
-                        s2 += qs[2, i] * k
-                    scores[0, j] = s0
-                    scores[1, j] = s1
-                    scores[2, j] = s2
+            # prefetch the same rows of the next page, one page ahead; K and V lines
+            # interleaved (a K pass then a V pass measured ~15% slower, head_dim 256)
+            end = min(t0 + n, n_next)
+            if k_row_bytes == v_row_bytes:
+                for b in range(t0 * k_row_bytes, end * k_row_bytes, 64):
+                    _prefetch(kn, b)
+                    _prefetch(vn, b)
             else:
-                for g in range(group):
-                    for j in range(n):
-                        krow = kp[t0 + j]
-                        s = np.float32(0.0)
-                        for i in range(head_dim):
-                            s += qs[g, i] * _bf16_to_f32(krow[i])
-                        scores[g, j] = s
-            # online softmax
-            for g in range(group):
-                bm = m[g]
-                for j in range(n):
-                    bm = max(bm, scores[g, j])
-                alpha = _exp_f32(m[g] - bm)
-                m[g] = bm
-                lg = np.float32(0.0)
-                for j in range(n):
-                    p = _exp_f32(scores[g, j] - bm)
-                    scores[g, j] = p
-                    lg += p
-                l[g] = l[g] * alpha + lg
-                for i in range(head_dim):
-                    acc[g, i] *= alpha
-            # values, 4 rows per pass over acc
-            n4 = n - n % 4
-            if group == 3:     # each V row converted once for the 3 heads
-                for j in range(0, n4, 4):
-                    v0 = vp[t0 + j]
-                    v1 = vp[t0 + j + 1]
-                    v2 = vp[t0 + j + 2]
-                    v3 = vp[t0 + j + 3]
-                    p00 = scores[0, j]
-                    p01 = scores[0, j + 1]
-                    p02 = scores[0, j + 2]
-                    p03 = scores[0, j + 3]
-                    p10 = scores[1, j]
-                    p11 = scores[1, j + 1]
-                    p12 = scores[1, j + 2]
-                    p13 = scores[1, j + 3]
-                    p20 = scores[2, j]
-                    p21 = scores[2, j + 1]
-                    p22 = scores[2, j + 2]
-                    p23 = scores[2, j + 3]
-                    for i in range(head_dim):
-                        x0 = _bf16_to_f32(v0[i])
-                        x1 = _bf16_to_f32(v1[i])
-                        x2 = _bf16_to_f32(v2[i])
-                        x3 = _bf16_to_f32(v3[i])
-                        acc[0, i] += (p00 * x0 + p01 * x1) + (p02 * x2 + p03 * x3)
-                        acc[1, i] += (p10 * x0 + p11 * x1) + (p12 * x2 + p13 * x3)
-                        acc[2, i] += (p20 * x0 + p21 * x1) + (p22 * x2 + p23 * x3)
-            else:
-                for j in range(0, n4, 4):
-                    v0 = vp[t0 + j]
-                    v1 = vp[t0 + j + 1]
-                    v2 = vp[t0 + j + 2]
-                    v3 = vp[t0 + j + 3]
-                    for g in range(group):
-                        p0 = scores[g, j]
-                        p1 = scores[g, j + 1]
-                        p2 = scores[g, j + 2]
-                        p3 = scores[g, j + 3]
-                        for i in range(head_dim):
-                            acc[g, i] += ((p0 * _bf16_to_f32(v0[i]) + p1 * _bf16_to_f32(v1[i]))
-                                          + (p2 * _bf16_to_f32(v2[i]) + p3 * _bf16_to_f32(v3[i])))
-            for j in range(n4, n):
-                vrow = vp[t0 + j]
-                for g in range(group):
-                    p = scores[g, j]
-                    for i in range(head_dim):
-                        acc[g, i] += p * _bf16_to_f32(vrow[i])
+                for b in range(t0 * k_row_bytes, end * k_row_bytes, 64):
+                    _prefetch(kn, b)
+                for b in range(t0 * v_row_bytes, end * v_row_bytes, 64):
+                    _prefetch(vn, b)
+            for j0 in range(0, n, k_step):
+                nj = min(k_step, n - j0)
+                rows, r0 = _tile_rows(kp, t0 + j0, nj, ktag, kcb, head_dim, kt)
+                _score_rows(rows, r0, nj, qg, scores, j0, group, head_dim)
+            _softmax_tile(scores, n, group, m, l, acc, head_dim)
+            for j0 in range(0, n, v_step):
+                nj = min(v_step, n - j0)
+                rows, r0 = _tile_rows(vp, t0 + j0, nj, vtag, vcb, head_dim, vt)
+                _value_rows(rows, r0, nj, scores, j0, acc, group, head_dim)
+
+
+@njit(inline="always", **_JIT)
+def _load_query(q, t, h, head_dim, scale, kfmt, krot, dst):
+    """dst f32 [head_dim] = scale * head h of query t of q; for tq keys rotated into
+    their storage basis (krot @ q_h), so that q . x^ = dst . y for a stored row y."""
+    qh = q[t, h * head_dim:(h + 1) * head_dim]
+    if kvquant.is_rotated(kfmt):
+        for p in range(head_dim):
+            s = np.float32(0.0)
+            for i in range(head_dim):
+                s += krot[p, i] * qh[i]
+            dst[p] = s * scale
+    else:
+        for i in range(head_dim):
+            dst[i] = qh[i] * scale
+
+
+@njit(inline="always", **_JIT)
+def _prepare_queries(q, t, n_q_heads, head_dim, scale, kfmt, krot, qs):
+    """qs f32 [n_q_heads, head_dim]: every head of query t through _load_query."""
+    for h in range(n_q_heads):
+        _load_query(q, t, h, head_dim, scale, kfmt, krot, qs[h])
+
+
+@njit(inline="always", **_JIT)
+def _store_head(vec, w, vfmt, vrot_t, out, t, h, head_dim):
+    """out[t, head h] = w * vec, for tq values rotated back (vec @ rot = vrot_t @ vec)."""
+    o = out[t, h * head_dim:(h + 1) * head_dim]
+    if kvquant.is_rotated(vfmt):
+        for i in range(head_dim):
+            s = np.float32(0.0)
+            for p in range(head_dim):
+                s += vrot_t[i, p] * vec[p]
+            o[i] = s * w
+    else:
+        for i in range(head_dim):
+            o[i] = vec[i] * w
 
 
 @njit(**_JIT)
-def _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out):
-    n_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[3]
+def _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
+                   ktag, krot, kcb, vtag, vrot_t, vcb):
+    kfmt = kvquant.fmt_of_tag(ktag)
+    vfmt = kvquant.fmt_of_tag(vtag)
+    n_kv_heads = k_pages.shape[1]
+    head_dim = q.shape[1] // n_q_heads
     group = n_q_heads // n_kv_heads
-    qs = np.empty((group, head_dim), dtype=np.float32)
+    qs = np.empty((n_q_heads, head_dim), dtype=np.float32)
+    _prepare_queries(q, 0, n_q_heads, head_dim, scale, kfmt, krot, qs)
     scores = np.empty((group, _TILE), dtype=np.float32)
     acc = np.empty((group, head_dim), dtype=np.float32)
     m = np.empty(group, dtype=np.float32)
     l = np.empty(group, dtype=np.float32)
+    kt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
+    vt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
     for kv in range(n_kv_heads):
         if head_dim == 64:   # constant trip counts: fully unrolled zmm code
-            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, n_rows,
-                         qs, scores, acc, m, l, 64)
+            _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, n_rows,
+                         scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, 64)
         else:
-            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, row_lo, n_rows,
-                         qs, scores, acc, m, l, head_dim)
+            _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, n_rows,
+                         scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, head_dim)
         for g in range(group):
-            inv = np.float32(1.0) / l[g]
-            obase = (kv * group + g) * head_dim
-            for i in range(head_dim):
-                out[0, obase + i] = acc[g, i] * inv
+            _store_head(acc[g], np.float32(1.0) / l[g], vfmt, vrot_t, out, 0, kv * group + g,
+                        head_dim)
 
 
 @njit(parallel=True, **_JIT)
 def _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
-                     chunk_rows):
+                     chunk_rows, ktag, krot, kcb, vtag, vrot_t, vcb):
     """Chunks are the chunk_rows-aligned (whole-page) row ranges, the first one clipped
     to start at row_lo."""
-    n_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[3]
+    kfmt = kvquant.fmt_of_tag(ktag)
+    vfmt = kvquant.fmt_of_tag(vtag)
+    n_kv_heads = k_pages.shape[1]
+    head_dim = q.shape[1] // n_q_heads
     group = n_q_heads // n_kv_heads
+    qs = np.empty((n_q_heads, head_dim), dtype=np.float32)
+    _prepare_queries(q, 0, n_q_heads, head_dim, scale, kfmt, krot, qs)
     chunk0 = row_lo // chunk_rows
     n_chunks = (n_rows + chunk_rows - 1) // chunk_rows - chunk0
     n_tasks = n_kv_heads * n_chunks
@@ -406,16 +458,20 @@ def _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads,
     for task in prange(n_tasks):
         kv = task // n_chunks
         chunk = chunk0 + task % n_chunks
-        qs = np.empty((group, head_dim), dtype=np.float32)
         scores = np.empty((group, _TILE), dtype=np.float32)
+        kt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
+        vt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
         lo = max(row_lo, chunk * chunk_rows)
         hi = min(n_rows, (chunk + 1) * chunk_rows)
         if head_dim == 64:
-            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, lo, hi,
-                         qs, scores, part_acc[task], part_max[task], part_sum[task], 64)
+            _decode_task(qs, k_pages, v_pages, page_table, kv, group, lo, hi, scores,
+                         part_acc[task], part_max[task], part_sum[task], kt, vt,
+                         ktag, kcb, vtag, vcb, 64)
         else:
-            _decode_task(q, k_pages, v_pages, page_table, kv, group, scale, lo, hi,
-                         qs, scores, part_acc[task], part_max[task], part_sum[task], head_dim)
+            _decode_task(qs, k_pages, v_pages, page_table, kv, group, lo, hi, scores,
+                         part_acc[task], part_max[task], part_sum[task], kt, vt,
+                         ktag, kcb, vtag, vcb, head_dim)
+    o = np.empty(head_dim, dtype=np.float32)
     for h in range(n_q_heads):
         kv = h // group
         g = h % group
@@ -426,35 +482,41 @@ def _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads,
         total = np.float32(0.0)
         for c in range(n_chunks):
             total += part_sum[base + c, g] * _exp_f32(part_max[base + c, g] - gm)
-        inv = np.float32(1.0) / total
-        o = out[0, h * head_dim:(h + 1) * head_dim]
         for i in range(head_dim):
             o[i] = 0.0
         for c in range(n_chunks):
-            w = _exp_f32(part_max[base + c, g] - gm) * inv
+            w = _exp_f32(part_max[base + c, g] - gm)
             pa = part_acc[base + c, g]
             for i in range(head_dim):
                 o[i] += w * pa[i]
+        _store_head(o, np.float32(1.0) / total, vfmt, vrot_t, out, 0, h, head_dim)
 
 
-def attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out, window=0):
+def attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out, window=0,
+                     k_dtype="bf16", v_dtype="bf16"):
     """q, out: f32 [1, n_q_heads*head_dim]; attends physical rows 0 .. n_rows-1, or with
     window > 0 only rows max(0, n_rows-window) .. n_rows-1 (the rest are never read,
     so a token costs O(window), not O(n_rows))."""
+    head_dim = q.shape[1] // n_q_heads
+    kf = RowFormat.get(k_dtype, head_dim)
+    vf = RowFormat.get(v_dtype, head_dim)
     row_lo = max(0, n_rows - window) if window > 0 else 0
     if n_rows - row_lo <= _SERIAL_MAX_ROWS:
-        _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out)
+        _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
+                       *kf.key_args(), *vf.value_args())
     else:
         page_size = k_pages.shape[2]
         chunk_rows = max(1, _CHUNK_ROWS // page_size) * page_size
         _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
-                         chunk_rows)
+                         chunk_rows, *kf.key_args(), *vf.value_args())
 
 
 # -- attention_prefill -------------------------------------------------------
 # Tasks = (kv head, block of queries). A task holds the group's queries of its
 # block ([group*QB, head_dim]), converts K/V tiles of TILE rows to f32 once
 # (K transposed so scores vectorise over rows) and runs an online softmax.
+# Quantized rows are dequantized into the same tiles (tq in the rotated basis,
+# with the queries rotated once and the outputs rotated back once).
 # With a sliding window the tiles start at the block's first query's first
 # visible row: rows below it are never read, so a block costs O(QB + window).
 _PREFILL_QB = 16
@@ -463,10 +525,13 @@ _PREFILL_TILE = 64
 
 @njit(parallel=True, **_JIT)
 def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                       window):
+                       window, ktag, krot, kcb, vtag, vrot_t, vcb):
     n = q.shape[0]
-    n_kv_heads, page_size, head_dim = k_pages.shape[1], k_pages.shape[2], k_pages.shape[3]
+    n_kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
+    head_dim = q.shape[1] // n_q_heads
     group = n_q_heads // n_kv_heads
+    kfmt = kvquant.fmt_of_tag(ktag)
+    vfmt = kvquant.fmt_of_tag(vtag)
     n_blocks = (n + _PREFILL_QB - 1) // _PREFILL_QB
     for task in prange(n_kv_heads * n_blocks):
         kv = task // n_blocks
@@ -477,14 +542,13 @@ def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sc
         qs = np.empty((nv, head_dim), dtype=np.float32)
         last = np.empty(nv, dtype=np.int64)   # last visible row of each query vector
         for g in range(group):
-            qbase = (kv * group + g) * head_dim
             for t in range(nq):
                 a = g * nq + t
                 last[a] = start_row + t0 + t
-                for i in range(head_dim):
-                    qs[a, i] = q[t0 + t, qbase + i] * scale
+                _load_query(q, t0 + t, kv * group + g, head_dim, scale, kfmt, krot, qs[a])
         kt = np.empty((head_dim, _PREFILL_TILE), dtype=np.float32)   # K tile, transposed
         vt = np.empty((_PREFILL_TILE, head_dim), dtype=np.float32)
+        row_scratch = np.empty((1, head_dim), dtype=np.float32)     # one dequantized row
         s = np.empty((nv, _PREFILL_TILE), dtype=np.float32)
         acc = np.zeros((nv, head_dim), dtype=np.float32)
         m = np.full(nv, _NEG_INF, dtype=np.float32)
@@ -499,12 +563,12 @@ def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sc
                 r = r0 + j
                 page = page_table[r // page_size]
                 off = r % page_size
-                krow = k_pages[page, kv, off]
-                vrow = v_pages[page, kv, off]
+                krows, ki = _tile_rows(k_pages[page, kv], off, 1, ktag, kcb, head_dim, row_scratch)
                 for i in range(head_dim):
-                    kt[i, j] = _bf16_to_f32(krow[i])
+                    kt[i, j] = _as_f32(krows[ki, i])
+                vrows, vi = _tile_rows(v_pages[page, kv], off, 1, vtag, vcb, head_dim, row_scratch)
                 for i in range(head_dim):
-                    vt[j, i] = _bf16_to_f32(vrow[i])
+                    vt[j, i] = _as_f32(vrows[vi, i])
             for a in range(nv):
                 visible = min(tn, last[a] - r0 + 1)
                 j0 = 0                        # first visible column of the tile
@@ -536,20 +600,20 @@ def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sc
                         aa[i] += p * vj[i]
                 l[a] = la
         for g in range(group):
-            obase = (kv * group + g) * head_dim
             for t in range(nq):
                 a = g * nq + t
-                inv = np.float32(1.0) / l[a]
-                for i in range(head_dim):
-                    out[t0 + t, obase + i] = acc[a, i] * inv
+                _store_head(acc[a], np.float32(1.0) / l[a], vfmt, vrot_t, out, t0 + t,
+                            kv * group + g, head_dim)
 
 
 def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                      window=0):
+                      window=0, k_dtype="bf16", v_dtype="bf16"):
     """q, out: f32 [n, n_q_heads*head_dim]; query i sees rows 0 .. start_row+i, or with
     window > 0 rows max(0, start_row+i-window+1) .. start_row+i."""
+    head_dim = q.shape[1] // n_q_heads
     _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                       int(window))
+                       int(window), *RowFormat.get(k_dtype, head_dim).key_args(),
+                       *RowFormat.get(v_dtype, head_dim).value_args())
 
 
 # -- silu_gate / add ---------------------------------------------------------
@@ -638,7 +702,8 @@ _VOTE_CHUNK_ROWS = 256
 
 
 @njit(parallel=True, **_JIT)
-def _snapkv_votes(q_window, k_pages, page_table, n_rows, scale, votes):
+def _snapkv_votes(q_window, k_pages, page_table, n_rows, scale, votes, ktag, kcb):
+    """q_window: f32 [n_q_heads, W, head_dim], for tq keys already in their storage basis."""
     n_q_heads, window, head_dim = q_window.shape
     n_kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
     group = n_q_heads // n_kv_heads
@@ -651,11 +716,13 @@ def _snapkv_votes(q_window, k_pages, page_table, n_rows, scale, votes):
         r0 = (task % n_chunks) * _VOTE_CHUNK_ROWS
         r1 = min(n_rows, r0 + _VOTE_CHUNK_ROWS)
         kf = np.empty(head_dim, dtype=np.float32)
+        row_scratch = np.empty((1, head_dim), dtype=np.float32)
         for r in range(r0, r1):
             page = page_table[r // page_size]
             off = r % page_size
+            rows, ri = _tile_rows(k_pages[page, kv], off, 1, ktag, kcb, head_dim, row_scratch)
             for i in range(head_dim):
-                kf[i] = _bf16_to_f32(k_pages[page, kv, off, i])
+                kf[i] = _as_f32(rows[ri, i])
             for g in range(group):
                 h = kv * group + g
                 for w in range(window):
@@ -694,17 +761,21 @@ def _snapkv_votes(q_window, k_pages, page_table, n_rows, scale, votes):
                     votes[kv, r] += _exp_f32(logits[h, w, r] - mx) * inv
 
 
-def snapkv_votes(q_window, k_pages, page_table, n_rows, scale):
+def snapkv_votes(q_window, k_pages, page_table, n_rows, scale, k_dtype="bf16"):
     """q_window: f32 [n_q_heads, W, head_dim] -> host f32 [n_kv_heads, n_rows - W]."""
+    fmt = RowFormat.get(k_dtype, q_window.shape[2])
+    if fmt.rotated:                            # score in the keys' storage basis
+        q_window = np.ascontiguousarray(q_window @ fmt.rot.T, dtype=np.float32)
     votes = np.empty((k_pages.shape[1], n_rows - q_window.shape[1]), dtype=np.float32)
-    _snapkv_votes(q_window, k_pages, page_table, n_rows, scale, votes)
+    _snapkv_votes(q_window, k_pages, page_table, n_rows, scale, votes, fmt.tag, fmt.codebook)
     return votes
 
 
 # -- kv_gather ---------------------------------------------------------------
 @njit(parallel=True, **_JIT)
 def _kv_gather(k_pages, v_pages, page_table, keep):
-    page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
+    """Rows of any storage format: K and V rows may differ in width (k_dtype != v_dtype)."""
+    page_size, k_width, v_width = k_pages.shape[2], k_pages.shape[3], v_pages.shape[3]
     for h in prange(keep.shape[0]):          # heads are independent
         for j in range(keep.shape[1]):       # in order: rows only move down
             src = keep[h, j]
@@ -714,11 +785,13 @@ def _kv_gather(k_pages, v_pages, page_table, keep):
             so = src % page_size
             dp = page_table[j // page_size]
             do = j % page_size
-            for i in range(head_dim):
+            for i in range(k_width):
                 k_pages[dp, h, do, i] = k_pages[sp, h, so, i]
+            for i in range(v_width):
                 v_pages[dp, h, do, i] = v_pages[sp, h, so, i]
 
 
 def kv_gather(k_pages, v_pages, page_table, keep):
-    """keep: int64 [n_kv_heads, n_keep] sorted rows per KV head (host)."""
+    """keep: int64 [n_kv_heads, n_keep] sorted rows per KV head (host); pages of any
+    row format (whole rows move, scales with them)."""
     _kv_gather(k_pages, v_pages, page_table, keep)

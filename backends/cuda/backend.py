@@ -16,6 +16,7 @@ import numpy as np
 from engine.config import env_setting
 from engine.errors import EngineError
 
+from ..base import check_kv_dtypes
 from . import attention, elementwise, quant
 from .runtime import make_executor
 
@@ -25,6 +26,7 @@ class CudaBackend:
     "device" or "cpu-harness" (default: SHARPI_CUDA_EXECUTOR, i.e. "device")."""
 
     name = "cuda"
+    kv_dtypes = ("bf16",)     # the kernels read bf16 pages only
 
     def __init__(self, device: int = 0, executor: str | None = None):
         self.ex = make_executor(executor or env_setting("cuda_executor"), device)
@@ -50,7 +52,8 @@ class CudaBackend:
         self.bytes_to_device += w.nbytes
         return w
 
-    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim):
+    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim, k_dtype="bf16", v_dtype="bf16"):
+        check_kv_dtypes(self, k_dtype, v_dtype)
         if head_dim % 2 or head_dim > 256:
             raise ValueError(f"backend 'cuda' needs an even head_dim <= 256, got {head_dim}")
         shape = (n_pages, n_kv_heads, page_size, head_dim)
@@ -94,16 +97,22 @@ class CudaBackend:
         self.bytes_to_device += elementwise.rope(self.ex, x, positions, n_heads, head_dim, rot_dim,
                                                  freq_base, neox, freq_factors)
 
-    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
+    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int,
+                 k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+        check_kv_dtypes(self, k_dtype, v_dtype)
         elementwise.kv_write(self.ex, k_pages, v_pages, page_table, k, v, start_row)
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
-                          n_q_heads: int, scale: float, out, window: int = 0) -> None:
+                          n_q_heads: int, scale: float, out, window: int = 0,
+                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+        check_kv_dtypes(self, k_dtype, v_dtype)
         attention.attention_prefill(self.ex, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
                                     window)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
-                         n_q_heads: int, scale: float, out, window: int = 0) -> None:
+                         n_q_heads: int, scale: float, out, window: int = 0,
+                         k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+        check_kv_dtypes(self, k_dtype, v_dtype)
         attention.attention_decode(self.ex, q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
                                    window)
 
@@ -116,7 +125,9 @@ class CudaBackend:
     def add(self, a, b, out) -> None:
         elementwise.add(self.ex, a, b, out)
 
-    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:
+    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float,
+                     k_dtype: str = "bf16") -> np.ndarray:
+        check_kv_dtypes(self, k_dtype)
         if isinstance(q_window, np.ndarray):                # the forward pass's host capture
             self.bytes_to_device += q_window.nbytes
         votes = attention.snapkv_votes(self.ex, q_window, k_pages, page_table, n_rows, scale)

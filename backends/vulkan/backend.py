@@ -27,7 +27,7 @@ import numpy as np
 from engine.errors import BackendUnavailable
 
 from . import shaders
-from ..base import rope_inv_freq
+from ..base import check_kv_dtypes, rope_inv_freq
 from .arrays import Buffer, DeviceArray, to_words
 from .device import list_devices, manager, pick_device
 from .weights import VulkanWeight, load_weight
@@ -64,6 +64,7 @@ class VulkanBackend:
     CPU device, where buffers are host-visible and dispatches run in order)."""
 
     name = "vulkan"
+    kv_dtypes = ("bf16",)     # the shaders read bf16 pages only
 
     def __init__(self, device: int | None = None, allow_cpu: bool = True, device_local: bool | None = None):
         if kp is None:
@@ -150,7 +151,8 @@ class VulkanBackend:
     def load_weight(self, raw, qtype, shape) -> VulkanWeight:
         return load_weight(self, raw, qtype, shape)
 
-    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim):
+    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim, k_dtype="bf16", v_dtype="bf16"):
+        check_kv_dtypes(self, k_dtype, v_dtype)
         if head_dim % 2:
             raise BackendUnavailable(f"backend 'vulkan' needs an even head_dim, got {head_dim}")
         shape = (n_pages, n_kv_heads, page_size, head_dim)
@@ -280,7 +282,9 @@ class VulkanBackend:
         push = _u32(n, n_heads, head_dim, rot_dim, int(bool(neox)), x.offset, x.row_stride, pos0, use)
         self._dispatch("rope", (), [x.buffer, table.buffer, pos_buf], (n_heads, n, 1), push)
 
-    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
+    def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int,
+                 k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+        check_kv_dtypes(self, k_dtype, v_dtype)
         k, v = self._f32(k, "kv_write"), self._f32(v, "kv_write")
         _, n_kv, page_size, head_dim = k_pages.shape
         n = k.shape[0]
@@ -301,11 +305,15 @@ class VulkanBackend:
                        (n_q_heads, n, 1), push)
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
-                          n_q_heads: int, scale: float, out, window: int = 0) -> None:
+                          n_q_heads: int, scale: float, out, window: int = 0,
+                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+        check_kv_dtypes(self, k_dtype, v_dtype)
         self._attention(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
-                         n_q_heads: int, scale: float, out, window: int = 0) -> None:
+                         n_q_heads: int, scale: float, out, window: int = 0,
+                         k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+        check_kv_dtypes(self, k_dtype, v_dtype)
         self._attention(q, k_pages, v_pages, page_table, n_rows - 1, n_q_heads, scale, out, window)
 
     def _eltwise(self, op: str, a, b, out, s: float = 0.0) -> None:
@@ -334,7 +342,9 @@ class VulkanBackend:
     def add(self, a, b, out) -> None:
         self._eltwise("add", a, b, out)
 
-    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:
+    def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float,
+                     k_dtype: str = "bf16") -> np.ndarray:
+        check_kv_dtypes(self, k_dtype)
         if isinstance(q_window, np.ndarray):
             q_window = self._transient(np.ascontiguousarray(q_window, dtype=np.float32))
         n_q_heads, window, head_dim = q_window.shape

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
+from backends.kvformat import KvFormat
 from models import ArchSpec, get_arch
 
 from ..errors import ModelFileError, UnsupportedError
@@ -60,17 +61,24 @@ class ModelConfig:
         """Layers that attend to (and hold) every position."""
         return sum(1 for i in range(self.n_layers) if not self.window(i))
 
-    def kv_bytes_per_token(self) -> int:
-        """bf16 K and V for one position across the layers that hold every position
-        (sliding-window layers hold a bounded window instead; see kv_bytes)."""
-        return self.n_global_layers * 2 * self.kv_dim * 2
+    def kv_row_bytes(self, k_dtype: str = "bf16", v_dtype: str = "bf16") -> int:
+        """K and V bytes of one position in one layer, every KV head, in the given row
+        formats (backends/kvformat.py; quantized rows' scales included)."""
+        return self.n_kv_heads * (KvFormat.get(k_dtype, self.head_dim).row_bytes
+                                  + KvFormat.get(v_dtype, self.head_dim).row_bytes)
 
-    def kv_bytes(self, ctx: int, chunk: int, page_size: int) -> int:
-        """bf16 bytes of the KV page pool for a context of `ctx` positions prefilled in
-        steps of up to `chunk` tokens: what KvCache allocates and can hold at most."""
+    def kv_bytes_per_token(self, k_dtype: str = "bf16", v_dtype: str = "bf16") -> int:
+        """K and V bytes for one position across the layers that hold every position
+        (sliding-window layers hold a bounded window instead; see kv_bytes)."""
+        return self.n_global_layers * self.kv_row_bytes(k_dtype, v_dtype)
+
+    def kv_bytes(self, ctx: int, chunk: int, page_size: int, k_dtype: str = "bf16", v_dtype: str = "bf16") -> int:
+        """Bytes of the KV page pool for a context of `ctx` positions prefilled in steps
+        of up to `chunk` tokens, rows in the given formats: what KvCache allocates and
+        can hold at most."""
         from ..kv.paged import layer_pages
         pages = sum(layer_pages(ctx, page_size, self.window(i), chunk) for i in range(self.n_layers))
-        return pages * page_size * 2 * self.kv_dim * 2
+        return pages * page_size * self.kv_row_bytes(k_dtype, v_dtype)
 
 
 # Sanity bounds on metadata values (beyond them a file is corrupt, not just large).

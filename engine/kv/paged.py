@@ -1,4 +1,9 @@
-"""Paged bf16 KV cache: one page pool per model cache, one page table per layer.
+"""Paged KV cache: one page pool per model cache, one page table per layer.
+
+Rows are stored in the pool's KV dtypes (bf16 by default, or a quantized row format
+of backends/kvformat.py; keys and values may differ). The cache never looks inside
+a row: writes quantize, compaction and branching move whole rows and pages (scales
+included), and the byte counts are the formats' real row bytes.
 
 Physical rows (`length`) and logical positions (`logical_length`) are kept
 apart: after SnapKV compaction a layer holds fewer rows than tokens processed,
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backends.kvformat import KvFormat, kv_dtype_name
+
 from ..errors import EngineError
 
 
@@ -28,19 +35,24 @@ class KvCacheError(EngineError):
 class PagePool:
     """Fixed-size pages on one backend; pages are handed out and returned whole.
 
-    k_pages, v_pages: backend uint16 [n_pages, n_kv_heads, page_size, head_dim] (bf16 bits)
+    k_pages: backend storage [n_pages, n_kv_heads, page_size, row_width] of format k_format
+    v_pages: the same of v_format (see backends/kvformat.py; bf16: uint16 [.., head_dim])
     """
 
-    def __init__(self, backend, n_pages: int, n_kv_heads: int, page_size: int, head_dim: int):
+    def __init__(self, backend, n_pages: int, n_kv_heads: int, page_size: int, head_dim: int,
+                 k_dtype: str = "bf16", v_dtype: str = "bf16"):
         self.backend = backend
         self.n_pages, self.n_kv_heads, self.page_size, self.head_dim = n_pages, n_kv_heads, page_size, head_dim
-        self.k_pages, self.v_pages = backend.alloc_kv_pool(n_pages, n_kv_heads, page_size, head_dim)
+        self.k_dtype, self.v_dtype = k_dtype, v_dtype
+        self.k_format, self.v_format = KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)
+        self.k_pages, self.v_pages = backend.alloc_kv_pool(n_pages, n_kv_heads, page_size, head_dim,
+                                                           k_dtype=k_dtype, v_dtype=v_dtype)
         self._free = list(range(n_pages - 1, -1, -1))   # stack: lowest page id handed out first
 
     @property
     def page_bytes(self) -> int:
-        """bf16 K + V bytes of one page."""
-        return 2 * self.n_kv_heads * self.page_size * self.head_dim * 2
+        """K + V bytes of one page in their formats (quantized rows' scales included)."""
+        return self.n_kv_heads * self.page_size * (self.k_format.row_bytes + self.v_format.row_bytes)
 
     @property
     def free_pages(self) -> int:
@@ -192,16 +204,18 @@ class KvCache:
     `windows[i]` > 0 makes layer i a sliding-window layer; `max_step` is the most rows
     one forward step appends (the prefill chunk). The pool holds exactly the pages
     the layers can ever hold together: the whole context for each full-attention
-    layer, `layer_pages(..., window, max_step)` for each sliding-window layer."""
+    layer, `layer_pages(..., window, max_step)` for each sliding-window layer.
+    `k_dtype`, `v_dtype`: the row formats of keys and values (backends/kvformat.py)."""
 
     def __init__(self, backend, n_layers: int, n_kv_heads: int, head_dim: int, max_rows: int,
-                 page_size: int = 64, windows=None, max_step: int | None = None):
+                 page_size: int = 64, windows=None, max_step: int | None = None,
+                 k_dtype: str = "bf16", v_dtype: str = "bf16"):
         self.windows = tuple(int(w) for w in windows) if windows is not None else (0,) * n_layers
         if len(self.windows) != n_layers:
             raise ValueError(f"KvCache: {len(self.windows)} windows for {n_layers} layers")
         self.max_step = max_step
         n_pages = sum(layer_pages(max_rows, page_size, w, max_step) for w in self.windows)
-        self.pool = PagePool(backend, n_pages, n_kv_heads, page_size, head_dim)
+        self.pool = PagePool(backend, n_pages, n_kv_heads, page_size, head_dim, k_dtype, v_dtype)
         self.layers = [PagedKvCache(self.pool, max_rows, w, max_step) for w in self.windows]
         self.max_rows = max_rows
         self.compactions: list[CompactReport] = []   # the last compaction, one report per layer
@@ -212,7 +226,7 @@ class KvCache:
         prefill can be branched into several eviction policies."""
         p = self.pool
         other = KvCache(p.backend, len(self.layers), p.n_kv_heads, p.head_dim, self.max_rows, p.page_size,
-                        self.windows, self.max_step)
+                        self.windows, self.max_step, p.k_dtype, p.v_dtype)
         used = np.array(sorted(pg for layer in self.layers for pg in layer.pages), dtype=np.int32)
         if used.size:
             p.backend.kv_copy_pages(p.k_pages, p.v_pages, other.pool.k_pages, other.pool.v_pages, used)
@@ -229,6 +243,19 @@ class KvCache:
     def full_layers(self) -> list[int]:
         """Indices of the full-attention layers: the ones SnapKV scores and compacts."""
         return [i for i, w in enumerate(self.windows) if not w]
+
+    @property
+    def k_dtype(self) -> str:
+        return self.pool.k_dtype
+
+    @property
+    def v_dtype(self) -> str:
+        return self.pool.v_dtype
+
+    @property
+    def kv_dtype(self) -> str:
+        """"tq4", or "q8_0/tq4" when keys and values differ (the --kv-dtype spelling)."""
+        return kv_dtype_name(self.k_dtype, self.v_dtype)
 
     @property
     def logical_length(self) -> int:
@@ -252,6 +279,7 @@ class KvCache:
             "logical_length": self.logical_length,
             "bytes": self.bytes,
             "page_size": self.pool.page_size,
+            "kv_dtype": self.kv_dtype, "k_dtype": self.k_dtype, "v_dtype": self.v_dtype,
             "eviction": self.eviction,
             "layers": [{"length": l.length, "logical_length": l.logical_length, "pages": len(l.pages),
                         "bytes": l.bytes, "keep": l.last_keep, "window": l.window,

@@ -24,7 +24,7 @@ _DEVICE_BACKENDS = {
 }
 
 _OPS = ("rms_norm", "scale", "rope", "kv_write", "attention_prefill", "attention_decode",
-        "silu_gate", "gelu_gate", "add", "snapkv_votes", "kv_gather")
+        "silu_gate", "gelu_gate", "add", "snapkv_votes", "kv_gather", "kv_copy_pages")
 
 
 class CpuOpsShim:
@@ -37,6 +37,7 @@ class CpuOpsShim:
         from backends.cpu import CpuBackend
         for op in _OPS:
             setattr(self, op, getattr(CpuBackend, op))
+        self.kv_dtypes = getattr(CpuBackend, "kv_dtypes", ("bf16",))
 
     def alloc(self, shape, dtype=np.float32):
         return np.zeros(shape, dtype=dtype)
@@ -47,9 +48,10 @@ class CpuOpsShim:
     def download(self, arr):
         return np.array(arr, copy=True)
 
-    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim):
-        shape = (n_pages, n_kv_heads, page_size, head_dim)
-        return np.zeros(shape, dtype=np.uint16), np.zeros(shape, dtype=np.uint16)
+    def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim, k_dtype="bf16", v_dtype="bf16"):
+        from backends.kvformat import KvFormat
+        return tuple(np.zeros(f.page_shape(n_pages, n_kv_heads, page_size), dtype=f.storage)
+                     for f in (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)))
 
     def synchronize(self):
         pass

@@ -2,11 +2,15 @@
 
 Tolerances (NMSE = sum((a-b)^2) / sum(b^2)):
   elementwise / norm / rope (f32 kernel vs f64 reference)      1e-10
-  attention and SnapKV votes (both read identical bf16 pages)   1e-8
-  kv_write / kv_gather                                          bit-exact
-Unused page slots hold bf16 NaN (0x7FC0), page tables are permuted, and row
-counts are not multiples of the page size, so a read through the wrong page or
-beyond the valid rows shows up as NaN or a mismatch.
+  attention and SnapKV votes (both read identical KV pages)     1e-8
+  kv_write / kv_gather / kv_copy_pages                          bit-exact (tq4 / tq3
+      writes: codes equal but at near-ties of the rotated row, scales within 1 ulp)
+The KV ops run for every KV row format (backends/kvformat.py) in KV_CASES; a
+backend whose `kv_dtypes` lacks one skips those cases with the reason.
+Unused page slots hold NaN (bf16 0x7FC0; quantized rows all 0xFF bytes, an f16
+NaN scale), page tables are permuted, and row counts are not multiples of the page
+size, so a read through the wrong page or beyond the valid rows shows up as NaN
+or a mismatch.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import pytest
 
 from _backends import available_backends, make_backend, nmse
 from backends.bf16 import BF16_QNAN, bf16_to_f32, f32_to_bf16
+from backends.kvformat import TQ_BITS, KvFormat, _unpack
 from backends.reference import ReferenceBackend
 from tiny_gguf import llama3_rope_factors
 
@@ -32,6 +37,26 @@ def backend(request):
     return make_backend(request.param)
 
 
+# (k_dtype, v_dtype) pairs the KV ops run with; q8_0/tq4: keys and values differ
+KV_CASES = [("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("tq4", "tq4"), ("tq3", "tq3"),
+            ("q8_0", "tq4")]
+KV_IDS = ["/".join(dict.fromkeys(c)) for c in KV_CASES]
+QUANT_CASES = KV_CASES[1:]
+
+
+@pytest.fixture(params=KV_CASES, ids=KV_IDS)
+def kv(request, backend):
+    """(k_dtype, v_dtype), skipped where the backend lacks one of them."""
+    require_kv(backend, request.param)
+    return request.param
+
+
+def require_kv(backend, kv):
+    missing = [d for d in kv if d not in getattr(backend, "kv_dtypes", ("bf16",))]
+    if missing:
+        pytest.skip(f"{backend.name} backend has no {missing[0]} KV rows")
+
+
 def run_op(be, op, *args, outputs=()):
     """Upload the numpy args, run `op`, download the args at positions `outputs`."""
     dev = [be.upload(a) if isinstance(a, np.ndarray) else a for a in args]
@@ -41,24 +66,49 @@ def run_op(be, op, *args, outputs=()):
 
 
 # -- paged KV helpers --------------------------------------------------------
-def make_pool(rng, n_rows, n_kv, page_size, head_dim, spare_pages=3):
-    """NaN-poisoned pools and a permuted page table covering n_rows (+ spare pages)."""
+def poison(pages):
+    """The NaN fill of a pool: bf16 NaN, or 0xFF bytes (a quantized row's f16 scale NaN)."""
+    return BF16_QNAN if pages.dtype == np.uint16 else np.uint8(0xFF)
+
+
+def make_pool(rng, n_rows, n_kv, page_size, head_dim, spare_pages=3, kv=("bf16", "bf16")):
+    """NaN-poisoned pools of the KV dtypes kv = (k_dtype, v_dtype) and a permuted page
+    table covering n_rows (+ spare pages)."""
     n_used = -(-n_rows // page_size)
     n_pages = n_used + spare_pages
-    shape = (n_pages, n_kv, page_size, head_dim)
-    k_pages = np.full(shape, BF16_QNAN, dtype=np.uint16)
-    v_pages = np.full(shape, BF16_QNAN, dtype=np.uint16)
+    k_pages, v_pages = (np.full(f.page_shape(n_pages, n_kv, page_size), 0, dtype=f.storage)
+                        for f in (KvFormat.get(d, head_dim) for d in kv))
+    k_pages[...] = poison(k_pages)
+    v_pages[...] = poison(v_pages)
     page_table = rng.permutation(n_pages).astype(np.int32)[:n_used + 1]   # one spare entry
     return k_pages, v_pages, page_table
 
 
-def filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=1.0):
+def filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=1.0, kv=("bf16", "bf16")):
     """Pools with rows 0..n_rows-1 written (by the reference), the rest NaN."""
-    k_pages, v_pages, page_table = make_pool(rng, n_rows, n_kv, page_size, head_dim)
+    k_pages, v_pages, page_table = make_pool(rng, n_rows, n_kv, page_size, head_dim, kv=kv)
     k = (rng.standard_normal((n_rows, n_kv * head_dim)) * kscale).astype(np.float32)
     v = rng.standard_normal((n_rows, n_kv * head_dim)).astype(np.float32)
-    REF.kv_write(k_pages, v_pages, page_table, k, v, 0)
+    REF.kv_write(k_pages, v_pages, page_table, k, v, 0, *kv)
     return k_pages, v_pages, page_table
+
+
+def assert_rows_written(got, want, dtype, head_dim):
+    """Pages after kv_write: bit-exact, except that a tq code may go to the neighbouring
+    level where the rotated value sits on a boundary to within summation order (at
+    most 1e-3 of the codes) and its row's f16 scale may move by 1 ulp."""
+    if dtype not in TQ_BITS:
+        np.testing.assert_array_equal(got, want)
+        return
+    g = got.reshape(-1, got.shape[-1])
+    w = want.reshape(-1, want.shape[-1])
+    np.testing.assert_array_equal(g[:, 0] == 0xFF, w[:, 0] == 0xFF)        # same rows written
+    sg = g[:, :2].copy().view(np.int16)[:, 0].astype(np.int32)
+    sw = w[:, :2].copy().view(np.int16)[:, 0].astype(np.int32)
+    assert np.abs(sg - sw).max() <= 1
+    cg = _unpack(g[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
+    cw = _unpack(w[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
+    assert np.abs(cg - cw).max() <= 1 and (cg != cw).mean() <= 1e-3
 
 
 # -- bf16 ----------------------------------------------------------------------
@@ -293,22 +343,27 @@ def test_rope(backend, neox, n, n_heads, head_dim, rot_dim, base, factors):
 
 # -- kv_write ----------------------------------------------------------------------
 @pytest.mark.parametrize("n_kv,head_dim,page_size,start_row,n", [
-    (3, 64, 16, 0, 7), (8, 128, 16, 13, 7), (3, 64, 256, 250, 9), (3, 64, 16, 40, 1)])
-def test_kv_write(backend, n_kv, head_dim, page_size, start_row, n):
+    (3, 64, 16, 0, 7), (8, 128, 16, 13, 7), (3, 64, 256, 250, 9), (3, 64, 16, 40, 1),
+    (1, 256, 16, 3, 40)])
+def test_kv_write(backend, kv, n_kv, head_dim, page_size, start_row, n):
     rng = np.random.default_rng(start_row + n)
-    k_pages, v_pages, page_table = make_pool(rng, start_row + n, n_kv, page_size, head_dim)
+    k_pages, v_pages, page_table = make_pool(rng, start_row + n, n_kv, page_size, head_dim, kv=kv)
     k = rng.standard_normal((n, n_kv * head_dim)).astype(np.float32)
     v = rng.standard_normal((n, n_kv * head_dim)).astype(np.float32)
     want_k, want_v = k_pages.copy(), v_pages.copy()
-    REF.kv_write(want_k, want_v, page_table, k, v, start_row)
+    REF.kv_write(want_k, want_v, page_table, k, v, start_row, *kv)
     _, (got_k, got_v) = run_op(backend, "kv_write", k_pages, v_pages, page_table, k, v,
-                               start_row, outputs=(0, 1))
-    np.testing.assert_array_equal(got_k, want_k)
-    np.testing.assert_array_equal(got_v, want_v)
+                               start_row, *kv, outputs=(0, 1))
+    assert_rows_written(got_k, want_k, kv[0], head_dim)
+    assert_rows_written(got_v, want_v, kv[1], head_dim)
     # reference check of the addressing itself
     r = start_row + n - 1
     np.testing.assert_array_equal(
-        want_k[page_table[r // page_size], :, r % page_size].reshape(-1), f32_to_bf16(k[-1]))
+        want_k[page_table[r // page_size], :, r % page_size],
+        KvFormat.get(kv[0], head_dim).quantize(k[-1].reshape(n_kv, head_dim)))
+    if kv[0] == "bf16":
+        np.testing.assert_array_equal(
+            want_k[page_table[r // page_size], :, r % page_size].reshape(-1), f32_to_bf16(k[-1]))
 
 
 # -- attention ---------------------------------------------------------------------
@@ -321,16 +376,17 @@ ATTN_SHAPES = [  # (n_q_heads, n_kv_heads, head_dim, page_size)
 
 @pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", ATTN_SHAPES)
 @pytest.mark.parametrize("start_row,n", [(0, 1), (0, 7), (37, 7), (250, 1), (5, 40), (300, 64)])
-def test_attention_prefill(backend, n_q, n_kv, head_dim, page_size, start_row, n):
+def test_attention_prefill(backend, kv, n_q, n_kv, head_dim, page_size, start_row, n):
     rng = np.random.default_rng(start_row * 31 + n + head_dim)
     n_rows = start_row + n
-    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0,
+                                               kv=kv)
     q = rng.standard_normal((n, n_q * head_dim)).astype(np.float32)
     scale = 1.0 / math.sqrt(head_dim)
     want = np.empty_like(q)
-    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, scale, want)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, scale, want, 0, *kv)
     _, (got,) = run_op(backend, "attention_prefill", q, k_pages, v_pages, page_table,
-                       start_row, n_q, scale, np.zeros_like(q), outputs=(7,))
+                       start_row, n_q, scale, np.zeros_like(q), 0, *kv, outputs=(7,))
     assert nmse(got, want) < TOL_ATTN
 
 
@@ -346,16 +402,17 @@ def test_attention_prefill_first_query_sees_only_row_zero():
 
 
 @pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", ATTN_SHAPES)
-@pytest.mark.parametrize("n_rows", [1, 7, 16, 17, 300, 1000])
-def test_attention_decode(backend, n_q, n_kv, head_dim, page_size, n_rows):
+@pytest.mark.parametrize("n_rows", [1, 7, 16, 17, 300, 1000, 2500])
+def test_attention_decode(backend, kv, n_q, n_kv, head_dim, page_size, n_rows):
     rng = np.random.default_rng(n_rows + head_dim + page_size)
-    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0,
+                                               kv=kv)
     q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
     scale = 1.0 / math.sqrt(head_dim)
     want = np.empty_like(q)
-    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, want)
+    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, want, 0, *kv)
     _, (got,) = run_op(backend, "attention_decode", q, k_pages, v_pages, page_table,
-                       n_rows, n_q, scale, np.zeros_like(q), outputs=(7,))
+                       n_rows, n_q, scale, np.zeros_like(q), 0, *kv, outputs=(7,))
     assert nmse(got, want) < TOL_ATTN
 
 
@@ -384,9 +441,9 @@ def poison_below(k_pages, v_pages, page_table, lo):
     ps = k_pages.shape[2]
     rows = np.arange(lo)
     for pages in (k_pages, v_pages):
-        pages[page_table[rows // ps], :, rows % ps] = BF16_QNAN
+        pages[page_table[rows // ps], :, rows % ps] = poison(pages)
     nan_page = np.setdiff1d(np.arange(k_pages.shape[0]), page_table)[0]
-    assert np.all(k_pages[nan_page] == BF16_QNAN) and np.all(v_pages[nan_page] == BF16_QNAN)
+    assert np.all(k_pages[nan_page] == poison(k_pages)) and np.all(v_pages[nan_page] == poison(v_pages))
     page_table[:lo // ps] = nan_page
     return k_pages, v_pages, page_table
 
@@ -440,35 +497,71 @@ def test_attention_prefill_window(backend, n_q, n_kv, head_dim, page_size, windo
     """Sliding window over chunks shorter and longer than the window (n >= 32: the CPU's
     BLAS path, in several query blocks for n > window); rows below the first query's
     window are poisoned."""
+    check_prefill_window(backend, ("bf16", "bf16"), n_q, n_kv, head_dim, page_size, window,
+                         start_row, n)
+
+
+def check_prefill_window(backend, kv, n_q, n_kv, head_dim, page_size, window, start_row, n):
     rng = np.random.default_rng(start_row * 31 + n + head_dim + window)
     n_rows = start_row + n
-    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0,
+                                               kv=kv)
     k_pages, v_pages, page_table = poison_below(k_pages, v_pages, page_table,
                                                 max(0, start_row - window + 1))
     q = rng.standard_normal((n, n_q * head_dim)).astype(np.float32)
     scale = 1.0 / math.sqrt(head_dim)
     want = np.empty_like(q)
-    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, scale, want, window)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, scale, want, window, *kv)
     _, (got,) = run_op(backend, "attention_prefill", q, k_pages, v_pages, page_table,
-                       start_row, n_q, scale, np.zeros_like(q), window, outputs=(7,))
+                       start_row, n_q, scale, np.zeros_like(q), window, *kv, outputs=(7,))
     assert nmse(got, want) < TOL_ATTN
+
+
+# Quantized rows on a thinner grid: the window logic does not depend on the row format
+# (the bf16 grid covers its edge cases); these cover each format's reads through it.
+QUANT_WINDOW_SHAPES = [(9, 3, 64, 16), (4, 1, 256, 16)]
+
+
+@pytest.mark.parametrize("kvq", QUANT_CASES, ids=KV_IDS[1:])
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", QUANT_WINDOW_SHAPES)
+@pytest.mark.parametrize("window,start_row,n", [(7, 37, 7), (1, 600, 1), (64, 5, 40),
+                                                (64, 700, 300), (512, 700, 300)])
+def test_attention_prefill_window_quantized(backend, kvq, n_q, n_kv, head_dim, page_size, window,
+                                            start_row, n):
+    require_kv(backend, kvq)
+    check_prefill_window(backend, kvq, n_q, n_kv, head_dim, page_size, window, start_row, n)
 
 
 @pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", WINDOW_SHAPES)
 @pytest.mark.parametrize("window,n_rows", [(w, r) for w in WINDOWS for r in (1, 7, 17, 300, 1000, 2000)]
                          + [(1500, 3000), (1030, 5000)])      # > 1024 rows: the CPU's parallel path
 def test_attention_decode_window(backend, n_q, n_kv, head_dim, page_size, window, n_rows):
+    check_decode_window(backend, ("bf16", "bf16"), n_q, n_kv, head_dim, page_size, window, n_rows)
+
+
+def check_decode_window(backend, kv, n_q, n_kv, head_dim, page_size, window, n_rows):
     rng = np.random.default_rng(n_rows + head_dim + page_size + window)
-    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0,
+                                               kv=kv)
     k_pages, v_pages, page_table = poison_below(k_pages, v_pages, page_table,
                                                 max(0, n_rows - window))
     q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
     scale = 1.0 / math.sqrt(head_dim)
     want = np.empty_like(q)
-    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, want, window)
+    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, want, window, *kv)
     _, (got,) = run_op(backend, "attention_decode", q, k_pages, v_pages, page_table,
-                       n_rows, n_q, scale, np.zeros_like(q), window, outputs=(7,))
+                       n_rows, n_q, scale, np.zeros_like(q), window, *kv, outputs=(7,))
     assert nmse(got, want) < TOL_ATTN
+
+
+@pytest.mark.parametrize("kvq", QUANT_CASES, ids=KV_IDS[1:])
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", QUANT_WINDOW_SHAPES)
+@pytest.mark.parametrize("window,n_rows", [(7, 300), (64, 17), (512, 2000), (1500, 3000),
+                                           (1030, 5000)])
+def test_attention_decode_window_quantized(backend, kvq, n_q, n_kv, head_dim, page_size, window,
+                                           n_rows):
+    require_kv(backend, kvq)
+    check_decode_window(backend, kvq, n_q, n_kv, head_dim, page_size, window, n_rows)
 
 
 @pytest.mark.parametrize("op,start_row,n", [("prefill", 0, 40), ("prefill", 290, 10),
@@ -547,14 +640,17 @@ def test_snapkv_votes_never_renormalise_over_prefix(name):
     (9, 3, 64, 16, 7, 7),        # window == prompt: empty prefix
     (9, 3, 64, 16, 20, 1),
 ])
-def test_snapkv_votes(backend, n_q, n_kv, head_dim, page_size, n_rows, window):
+@pytest.mark.parametrize("k_dtype", [k for k, _ in KV_CASES[:-1]])
+def test_snapkv_votes(backend, k_dtype, n_q, n_kv, head_dim, page_size, n_rows, window):
+    require_kv(backend, (k_dtype,))
     rng = np.random.default_rng(n_rows + window)
-    k_pages, _, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0)
+    k_pages, _, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0,
+                                         kv=(k_dtype, "bf16"))
     q_window = rng.standard_normal((n_q, window, head_dim)).astype(np.float32)
     scale = 1.0 / math.sqrt(head_dim)
-    want = REF.snapkv_votes(q_window, k_pages, page_table, n_rows, scale)
+    want = REF.snapkv_votes(q_window, k_pages, page_table, n_rows, scale, k_dtype)
     got = np.asarray(backend.snapkv_votes(backend.upload(q_window), backend.upload(k_pages),
-                                          backend.upload(page_table), n_rows, scale))
+                                          backend.upload(page_table), n_rows, scale, k_dtype))
     assert got.shape == want.shape == (n_kv, n_rows - window)
     assert got.dtype == np.float32
     if want.size:
@@ -575,9 +671,10 @@ def random_keep(rng, n_kv, n_rows, n_keep, window):
 
 @pytest.mark.parametrize("n_kv,head_dim,page_size,n_rows,n_keep", [
     (3, 64, 16, 100, 37), (8, 128, 16, 45, 44), (3, 64, 256, 600, 300), (3, 64, 16, 9, 9)])
-def test_kv_gather(backend, n_kv, head_dim, page_size, n_rows, n_keep):
+def test_kv_gather(backend, kv, n_kv, head_dim, page_size, n_rows, n_keep):
+    """Whole rows move (a quantized row with its scales), K and V rows of their own widths."""
     rng = np.random.default_rng(n_rows + n_keep)
-    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kv=kv)
     keep = random_keep(rng, n_kv, n_rows, n_keep, window=min(4, n_keep))
     # plain Python model: row j of head h becomes old row keep[h, j]
     ps = page_size
@@ -593,26 +690,43 @@ def test_kv_gather(backend, n_kv, head_dim, page_size, n_rows, n_keep):
     np.testing.assert_array_equal(backend.download(dv), want_v)
 
 
-def test_decode_over_compacted_cache_equals_masked_full_attention(backend):
+def test_kv_copy_pages(backend, kv):
+    """A branch of a cache: the listed pages copied whole, every other page untouched."""
+    rng = np.random.default_rng(3)
+    k_pages, v_pages, page_table = filled_pool(rng, 100, 3, 16, 64, kv=kv)
+    dst_k, dst_v = make_pool(rng, 100, 3, 16, 64, kv=kv)[:2]
+    pages = np.sort(page_table[[0, 2, 3, 6]]).astype(np.int32)
+    want_k, want_v = dst_k.copy(), dst_v.copy()
+    REF.kv_copy_pages(k_pages, v_pages, want_k, want_v, pages)
+    np.testing.assert_array_equal(want_k[pages], k_pages[pages])
+    dk, dv = backend.upload(dst_k), backend.upload(dst_v)
+    backend.kv_copy_pages(backend.upload(k_pages), backend.upload(v_pages), dk, dv, pages)
+    backend.synchronize()
+    np.testing.assert_array_equal(backend.download(dk), want_k)
+    np.testing.assert_array_equal(backend.download(dv), want_v)
+
+
+def test_decode_over_compacted_cache_equals_masked_full_attention(backend, kv):
     """The invariant eviction relies on: attention over the gathered rows equals
     f64 attention over the full cache with the evicted rows masked."""
     rng = np.random.default_rng(11)
     n_q, n_kv, hd, ps, n_rows, n_keep = 9, 3, 64, 16, 90, 41
-    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, ps, hd, kscale=2.0)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, ps, hd, kscale=2.0, kv=kv)
     keep = random_keep(rng, n_kv, n_rows, n_keep, window=8)
     q = rng.standard_normal((1, n_q * hd)).astype(np.float32)
     from backends.reference import read_rows
-    keys, values = read_rows(k_pages, page_table, n_rows), read_rows(v_pages, page_table, n_rows)
+    keys = read_rows(k_pages, page_table, n_rows, kv[0], hd)
+    values = read_rows(v_pages, page_table, n_rows, kv[1], hd)
     want = np.empty((n_q, hd))
     for h in range(n_q):
-        kv = h // (n_q // n_kv)
-        logits = keys[kv] @ q[0, h * hd:(h + 1) * hd].astype(np.float64) / 8.0
+        head = h // (n_q // n_kv)
+        logits = keys[head] @ q[0, h * hd:(h + 1) * hd].astype(np.float64) / 8.0
         mask = np.full(n_rows, -np.inf)
-        mask[keep[kv]] = 0.0
+        mask[keep[head]] = 0.0
         p = np.exp(logits + mask - np.max(logits + mask))
-        want[h] = (p / p.sum()) @ values[kv]
+        want[h] = (p / p.sum()) @ values[head]
     dk, dv, dpt = backend.upload(k_pages), backend.upload(v_pages), backend.upload(page_table)
     backend.kv_gather(dk, dv, dpt, keep)
     out = backend.alloc((1, n_q * hd))
-    backend.attention_decode(backend.upload(q), dk, dv, dpt, n_keep, n_q, 1 / 8.0, out)
+    backend.attention_decode(backend.upload(q), dk, dv, dpt, n_keep, n_q, 1 / 8.0, out, 0, *kv)
     assert nmse(backend.download(out).reshape(n_q, hd), want) < TOL_ATTN

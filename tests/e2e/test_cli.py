@@ -1,6 +1,7 @@
 """The command line on small models: run, info, bench write what they promise."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,6 +32,8 @@ def test_info_json(tiny_llama):
     info = json.loads(r.stdout)
     assert info["architecture"] == "llama" and info["layers"] == 2 and info["tensor_types"] == {"F32": 20}
     assert info["tokenizer"]["model"] == "gpt2" and info["kv_heads"] == 2
+    per_token = info["kv_bytes_per_token_by_dtype"]          # head_dim 16: no 32-value blocks
+    assert per_token == {"bf16": info["kv_bytes_per_token_bf16"], "tq4": 2 * 2 * 2 * 10, "tq3": 2 * 2 * 2 * 8}
 
 
 def test_bench_writes_json(tiny_llama, tmp_path):
@@ -42,9 +45,27 @@ def test_bench_writes_json(tiny_llama, tmp_path):
     big = report["cases"][1]
     assert big["engine"]["kv_rows"] == 103 and big["engine_snapkv"]["kv_rows"] == 83
     assert big["engine"]["decode_tok_s"] > 0 and "snapkv_overhead" in big
+    assert report["kv_dtype"] == big["engine"]["kv_dtype"] == big["engine_snapkv"]["kv_dtype"] == "bf16"
 
 
 def test_info_devices_lists_vulkan():
     r = cli("info", "--devices")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("cpu: ") and "vulkan" in r.stdout and "mat-vecs: " in r.stdout
+
+
+def kv_stats(stderr: str) -> tuple[str, float]:
+    """The --stats KV line -> (kv dtype, KiB held)."""
+    m = re.search(r"-- KV cache: \d+ rows for \d+ positions, (\S+), ([\d.]+) (KiB|MiB)", stderr)
+    assert m, stderr
+    return m.group(1), float(m.group(2)) * (1024 if m.group(3) == "MiB" else 1)
+
+
+def test_run_kv_dtype_shows_in_stats(tiny_llama):
+    base = ("run", str(tiny_llama), "-p", "hello", "-n", "3", "--ignore-eos", "--stats", "--backend", "reference")
+    bf16, tq4 = cli(*base), cli(*base, "--kv-dtype", "tq4")
+    assert bf16.returncode == 0 and tq4.returncode == 0, bf16.stderr + tq4.stderr
+    assert kv_stats(bf16.stderr) == ("bf16", 16.0)             # 2 layers x 1 page x 64 rows x 2 heads x (32+32) B
+    assert kv_stats(tq4.stderr) == ("tq4", 5.0)                # rows of 2 + 16/2 bytes instead of 32
+    env = cli(*base, env={"SHARPI_KV_DTYPE": "tq3/tq4"})
+    assert env.returncode == 0 and kv_stats(env.stderr)[0] == "tq3/tq4", env.stderr

@@ -94,6 +94,21 @@ def test_bad_env_and_flag(tiny_llama):
     assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", "--backend", "tpu"), "--backend")
 
 
+def test_bad_kv_dtype(tiny_llama):
+    assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", "--kv-dtype", "fp8"), "--kv-dtype", "tq4")
+    assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", env={"SHARPI_KV_DTYPE": "q8_0/"}),
+                          "SHARPI_KV_DTYPE")
+    assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", "--backend", "reference", "--kv-dtype",
+                                  "q8_0"), "q8_0 needs a head_dim divisible by 32, got 16")
+
+
+def test_kv_dtype_the_backend_lacks(tiny_llama):
+    r = run_cli("run", str(tiny_llama), "-p", "hi", "--backend", "vulkan", "--kv-dtype", "q8_0")
+    if "KV dtype" not in r.stderr and "vulkan" in r.stderr:
+        pytest.skip(f"no Vulkan device here: {r.stderr.strip()}")
+    assert_one_line_error(r, "KV dtype q8_0 is not supported on the vulkan backend (supported: bf16)")
+
+
 def test_unavailable_backend(tiny_llama):
     assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", "--backend", "cuda"), "cuda")
 

@@ -64,3 +64,14 @@ def test_env_setting_reads_one_variable():
     assert config.env_setting("cpu_kernels", env={"SHARPI_CPU_KERNELS": " Portable "}) == "portable"
     with pytest.raises(ConfigError, match="SHARPI_CPU_KERNELS"):
         config.env_setting("cpu_kernels", env={"SHARPI_CPU_KERNELS": "fast"})
+
+
+def test_kv_dtype_setting():
+    assert config.resolve(env={}).kv_dtype == "bf16"
+    assert config.resolve(env={"SHARPI_KV_DTYPE": " TQ4 "}).kv_dtype == "tq4"
+    assert config.resolve(cli={"kv_dtype": "q8_0/tq4"}, env={"SHARPI_KV_DTYPE": "tq4"}).kv_dtype == "q8_0/tq4"
+    assert config.resolve(api={"kv_dtype": "tq3/tq3"}, cli={"kv_dtype": "q8_0"}, env={}).kv_dtype == "tq3"
+    with pytest.raises(ConfigError, match="--kv-dtype must be one of bf16, q8_0, q4_0, tq4, tq3"):
+        config.resolve(cli={"kv_dtype": "fp8"}, env={})
+    with pytest.raises(ConfigError, match="SHARPI_KV_DTYPE"):
+        config.resolve(env={"SHARPI_KV_DTYPE": "q8_0/tq4/bf16"})

@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from backends.bf16 import bf16_to_f32, f32_to_bf16
-from backends.reference import ReferenceBackend
+from backends.kvformat import parse_kv_dtype
+from backends.reference import ReferenceBackend, read_rows
+from engine.errors import ConfigError
 from engine.kv.paged import KvCache, KvCacheError, layer_pages
 
 H, D = 3, 8
@@ -269,3 +271,106 @@ def test_copy_of_a_window_cache_continues_identically():
         pb = twin.pool.k_pages[b.pages[r // 4 - b.first_page], :, r % 4]
         np.testing.assert_array_equal(pa, pb)
     np.testing.assert_array_equal(rows(cache, 1, cache.pool.k_pages), rows(twin, 1, twin.pool.k_pages))
+
+
+# -- quantized rows (backends/kvformat.py) ----------------------------------------------
+
+QD = 32                                        # head_dim every KV dtype accepts
+KV_DTYPES_TESTED = ["bf16", "q8_0", "q4_0", "tq4", "tq3", "q8_0/tq4"]
+
+
+def quantized_cache(kv_dtype: str, n_layers: int = 2, page_size: int = 4, max_rows: int = 64) -> KvCache:
+    k_dtype, v_dtype = parse_kv_dtype(kv_dtype)
+    return KvCache(ReferenceBackend(), n_layers, H, QD, max_rows=max_rows, page_size=page_size,
+                   k_dtype=k_dtype, v_dtype=v_dtype)
+
+
+def fill_f32(cache: KvCache, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Append n random rows (with an outlier channel) to every layer; return the f32
+    K, V [n, H, QD] written (before quantization)."""
+    b = cache.pool.backend
+    k = rng.standard_normal((n, H, QD)).astype(np.float32)
+    k[:, :, 3] *= 20
+    v = rng.standard_normal((n, H, QD)).astype(np.float32)
+    for layer in cache.layers:
+        layer.reserve(n)
+        b.kv_write(cache.pool.k_pages, cache.pool.v_pages, layer.page_table(), k.reshape(n, -1),
+                   v.reshape(n, -1), layer.length, k_dtype=cache.k_dtype, v_dtype=cache.v_dtype)
+        layer.advance(n)
+    return k, v
+
+
+def stored_rows(cache: KvCache, layer: int, pages: np.ndarray) -> np.ndarray:
+    """The stored rows 0..length-1 of one layer, as they sit in the pages: [length, H, row_width]."""
+    l = cache.layers[layer]
+    ps = cache.pool.page_size
+    return np.stack([pages[l.pages[r // ps], :, r % ps, :] for r in range(l.length)])
+
+
+@pytest.mark.parametrize("kv_dtype,row_bytes", [("bf16", 2 * QD + 2 * QD), ("q8_0", 34 + 34), ("q4_0", 18 + 18),
+                                                ("tq4", 18 + 18), ("tq3", 14 + 14), ("q8_0/tq4", 34 + 18)])
+def test_page_bytes_count_the_real_row_bytes(kv_dtype, row_bytes):
+    cache = quantized_cache(kv_dtype, page_size=16)
+    assert cache.pool.page_bytes == H * 16 * row_bytes
+    k_fmt, v_fmt = cache.pool.k_format, cache.pool.v_format
+    assert cache.pool.k_pages.shape == k_fmt.page_shape(cache.pool.n_pages, H, 16)
+    assert cache.pool.v_pages.dtype == v_fmt.storage
+    assert cache.pool.k_pages.nbytes + cache.pool.v_pages.nbytes == cache.pool.n_pages * cache.pool.page_bytes
+    fill_f32(cache, 20, np.random.default_rng(0))
+    st = cache.stats()
+    assert st["bytes"] == cache.bytes == 2 * 2 * cache.pool.page_bytes       # 2 layers x ceil(20/16) pages
+    assert (st["kv_dtype"], st["k_dtype"], st["v_dtype"]) == (kv_dtype, *parse_kv_dtype(kv_dtype))
+
+
+@st.composite
+def quantized_case(draw):
+    kv_dtype = draw(st.sampled_from(KV_DTYPES_TESTED))
+    page_size, n, keep, rng = draw(cache_case())
+    return kv_dtype, page_size, n, keep, rng
+
+
+@settings(max_examples=60, deadline=None)
+@given(quantized_case())
+def test_compacting_a_quantized_cache_equals_quantizing_the_kept_rows(case):
+    """Compaction moves whole stored rows (values and scales): the compacted cache holds,
+    byte for byte, the quantized f32 rows of the kept positions."""
+    kv_dtype, page_size, n, keep, rng = case
+    cache = quantized_cache(kv_dtype, page_size=page_size)
+    k, v = fill_f32(cache, n, rng)
+    report = cache.layers[0].compact(keep)
+    keep2 = np.broadcast_to(keep, (H, keep.shape[-1]))
+    heads = np.arange(H)[None, :]
+    kept_k, kept_v = k[keep2.T, heads], v[keep2.T, heads]                  # [n_keep, H, QD]
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.k_pages), cache.pool.k_format.quantize(kept_k))
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.v_pages), cache.pool.v_format.quantize(kept_v))
+    assert report.bytes_after == len(cache.layers[0].pages) * cache.pool.page_bytes
+    assert report.bytes_before == (-(-n // page_size)) * cache.pool.page_bytes
+    np.testing.assert_array_equal(stored_rows(cache, 1, cache.pool.k_pages), cache.pool.k_format.quantize(k))
+    # what attention reads: the dequantized kept rows
+    got = read_rows(cache.pool.k_pages, cache.layers[0].page_table(), keep2.shape[1], cache.k_dtype, QD)
+    np.testing.assert_array_equal(got, cache.pool.k_format.dequantize(cache.pool.k_format.quantize(kept_k))
+                                  .transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("kv_dtype", ["q8_0", "tq4", "q4_0/tq3"])
+def test_copy_branches_quantized_pages_independently(kv_dtype):
+    rng = np.random.default_rng(3)
+    cache = quantized_cache(kv_dtype)
+    k, v = fill_f32(cache, 10, rng)
+    twin = cache.copy()
+    assert (twin.k_dtype, twin.v_dtype, twin.kv_dtype) == (cache.k_dtype, cache.v_dtype, kv_dtype)
+    assert twin.pool.k_pages.dtype == np.uint8 and twin.pool.page_bytes == cache.pool.page_bytes
+    twin.layers[0].compact(np.array([0, 8, 9]))
+    fill_f32(twin, 2, rng)
+    kf, vf = cache.pool.k_format, cache.pool.v_format
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.k_pages), kf.quantize(k))
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.v_pages), vf.quantize(v))
+    np.testing.assert_array_equal(stored_rows(twin, 0, twin.pool.k_pages)[:3], kf.quantize(k[[0, 8, 9]]))
+    np.testing.assert_array_equal(stored_rows(twin, 1, twin.pool.v_pages)[:10], vf.quantize(v))
+    assert cache.layers[0].length == 10 and twin.layers[0].length == 5
+    assert twin.bytes < cache.bytes
+
+
+def test_unsupported_kv_dtype_is_refused_by_the_pool():
+    with pytest.raises(ConfigError, match="q8_0 needs a head_dim divisible by 32"):
+        KvCache(ReferenceBackend(), 1, H, 16, max_rows=8, k_dtype="q8_0")

@@ -1,0 +1,157 @@
+"""Quantized KV caches end to end on small random-weight GGUFs: logits near the bf16
+cache's, bytes down by the row formats' ratio, SnapKV eviction composed with
+quantization, and the settings/API checks (dtype vs backend, vs head_dim)."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import engine
+from backends.kvformat import KvFormat, parse_kv_dtype
+from engine.errors import ConfigError
+from engine.snapkv import SnapKvConfig
+from _backends import nmse
+from tiny_gguf import write_tiny_gguf
+
+HEAD_DIM = 32
+PROMPT = (list(range(3, 200, 2)) * 3)[:150]
+# kv dtype -> largest NMSE of the logits against the bf16 cache's (measured ~2e-6, ~1e-3, ~3e-3)
+TOLERANCE = {"q8_0": 5e-5, "q4_0": 1e-2, "tq4": 1e-2, "tq3": 3e-2, "q8_0/tq4": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-kv")
+    return {
+        "llama-q8": write_tiny_gguf(d / "llama.gguf", dim=128, n_heads=4, n_kv_heads=2, qtype=Q.Q8_0, seed=1),
+        "qwen2-q4_1": write_tiny_gguf(d / "qwen2.gguf", arch="qwen2", dim=128, n_heads=4, n_kv_heads=2,
+                                      qtype=Q.Q4_1, seed=2),
+        "gemma3-q8": write_tiny_gguf(d / "gemma3.gguf", arch="gemma3", dim=64, n_heads=4, n_kv_heads=1,
+                                     head_dim=32, ffn_dim=128, ctx=1024, qtype=Q.Q8_0, seed=3),
+    }
+
+
+def cpu_kv_dtypes() -> tuple[str, ...]:
+    from backends.cpu import CpuBackend
+    return tuple(getattr(CpuBackend, "kv_dtypes", ("bf16",)))
+
+
+def load(path, backend, kv_dtype="bf16", **kw):
+    if backend == "cpu" and not set(parse_kv_dtype(kv_dtype)) <= set(cpu_kv_dtypes()):
+        pytest.skip(f"the CPU backend does not implement KV dtype {kv_dtype} yet (kv_dtypes {cpu_kv_dtypes()})")
+    return engine.load(path, backend=backend, kv_dtype=kv_dtype, prefill_chunk=64, **kw)
+
+
+def row_ratio(kv_dtype: str) -> float:
+    """Bytes of a K+V row in kv_dtype over bf16's."""
+    k, v = (KvFormat.get(d, HEAD_DIM).row_bytes for d in parse_kv_dtype(kv_dtype))
+    return (k + v) / (4 * HEAD_DIM)
+
+
+def policy(**kw):
+    base = dict(budget=96, window=16, sinks=4, kernel=5, pool="avg", granularity="head", min_tokens=32)
+    return SnapKvConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("kv_dtype", list(TOLERANCE))
+@pytest.mark.parametrize("name", ["llama-q8", "qwen2-q4_1", "gemma3-q8"])
+def test_logits_near_bf16_and_bytes_down(models, name, kv_dtype, backend):
+    full = load(models[name], backend)
+    m = load(models[name], backend, kv_dtype)
+    assert m.kv_dtype == kv_dtype and (m.k_dtype, m.v_dtype) == parse_kv_dtype(kv_dtype)
+    want_cache, want = full.prefill(PROMPT, snapkv=False)
+    cache, got = m.prefill(PROMPT, snapkv=False)
+    assert nmse(got, want) < TOLERANCE[kv_dtype]
+    tok = int(np.argmax(want))
+    assert nmse(m.forward.decode(tok, cache), full.forward.decode(tok, want_cache)) < TOLERANCE[kv_dtype]
+    st = m.cache_stats(cache)
+    assert st["kv_dtype"] == kv_dtype and cache.length == len(PROMPT) + 1
+    assert st["bytes"] == cache.bytes == round(want_cache.bytes * row_ratio(kv_dtype))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("name", ["llama-q8", "gemma3-q8"])
+def test_eviction_composes_with_tq4(models, name, backend):
+    full = load(models[name], backend)
+    m = load(models[name], backend, "tq4")
+    for model in (full, m):
+        model.forward.page_size = 16            # small pages, so compaction frees some
+    cache_bf16, _ = full.prefill(PROMPT, snapkv=policy())
+    cache, logits = m.prefill(PROMPT, snapkv=policy())
+    ev = cache.eviction
+    assert ev["rows_before"] == 150 and ev["rows_after"] == 96 and cache.logical_length == 150
+    assert ev["ratio"] == pytest.approx(cache_bf16.eviction["ratio"])          # the same pages freed
+    assert ev["bytes_after"] == cache.bytes == round(cache_bf16.bytes * row_ratio("tq4"))
+    # the two compressors multiply (llama: every layer goes from ceil(150/16) to ceil(96/16) pages)
+    evict_ratio = 10 / 6 if name == "llama-q8" else cache_bf16.eviction["ratio"]
+    assert cache_bf16.eviction["bytes_before"] / cache.bytes == pytest.approx(evict_ratio / row_ratio("tq4"))
+    assert ev["layers_compacted"] == cache.full_layers
+    for i in cache.full_layers:
+        layer = cache.layers[i]
+        assert layer.length == 96 and layer.last_keep.shape == (m.config.n_kv_heads, 96)
+    # keep sets come from votes over the tq4 keys: close to, not necessarily equal to, bf16's
+    overlap = np.mean([np.isin(mine, theirs).mean() for i in cache.full_layers
+                       for mine, theirs in zip(cache.layers[i].last_keep, cache_bf16.layers[i].last_keep)])
+    assert overlap > 0.8
+    step = m.forward.decode(int(np.argmax(logits)), cache)
+    assert np.isfinite(step).all() and (cache.length, cache.logical_length) == (97, 151)
+
+
+def test_per_call_kv_dtype_and_branching(models):
+    m = engine.load(models["llama-q8"], backend="reference", kv_dtype="q8_0/tq4")
+    assert m.new_cache().kv_dtype == "q8_0/tq4"
+    assert m.new_cache(kv_dtype="tq3").kv_dtype == "tq3"
+    r = m.generate(PROMPT[:40], max_tokens=3, ignore_eos=True, kv_dtype="q4_0", snapkv=False)
+    assert r.stats["kv_dtype"] == "q4_0" and m.last_cache.kv_dtype == "q4_0"
+    cache, _ = m.prefill(PROMPT[:40], snapkv=False)
+    assert cache.kv_dtype == "q8_0/tq4" and cache.copy().kv_dtype == "q8_0/tq4"
+    with pytest.raises(ConfigError, match="not both"):
+        m.prefill(PROMPT[:4], cache=m.new_cache(), kv_dtype="tq4")
+    with pytest.raises(ConfigError, match="kv_dtype must be one of"):
+        m.new_cache(kv_dtype="fp8")
+
+
+def test_settings_and_checks(models, tiny_llama, monkeypatch):
+    monkeypatch.setenv("SHARPI_KV_DTYPE", "tq4")
+    assert engine.load(models["llama-q8"], backend="reference").kv_dtype == "tq4"
+    assert engine.load(models["llama-q8"], backend="reference", kv_dtype="bf16").kv_dtype == "bf16"
+    monkeypatch.setenv("SHARPI_KV_DTYPE", "int4")
+    with pytest.raises(ConfigError, match="SHARPI_KV_DTYPE"):
+        engine.load(models["llama-q8"], backend="reference")
+    monkeypatch.delenv("SHARPI_KV_DTYPE")
+    with pytest.raises(ConfigError, match="q8_0 needs a head_dim divisible by 32, got 16"):
+        engine.load(tiny_llama, backend="reference", kv_dtype="q8_0")       # head_dim 16
+    with pytest.raises(ConfigError, match="KV dtype q8_0 is not supported on the vulkan backend"):
+        try:
+            engine.load(models["llama-q8"], backend="vulkan", kv_dtype="q8_0")
+        except engine.EngineError as e:
+            if "vulkan" in str(e) and "KV dtype" not in str(e):
+                pytest.skip(f"no Vulkan here: {e}")
+            raise
+
+
+def test_memory_numbers_count_the_dtype(models):
+    cfg = engine.load(models["llama-q8"], backend="reference").config
+    for kv_dtype in TOLERANCE:
+        k, v = parse_kv_dtype(kv_dtype)
+        assert cfg.kv_bytes(512, 64, 64, k, v) == round(cfg.kv_bytes(512, 64, 64) * row_ratio(kv_dtype))
+        assert cfg.kv_bytes_per_token(k, v) == round(cfg.kv_bytes_per_token() * row_ratio(kv_dtype))
+
+
+def test_auto_on_and_memory_check_count_the_dtype(default_model_path, monkeypatch):
+    """SmolLM2-135M at 16K: the bf16 ring (360 MiB) crosses the 256 MiB auto-on line,
+    the q8_0 (191 MiB) and tq4 (96 MiB) rings do not; the memory check names the dtype
+    and its bytes."""
+    from engine import config as config_mod
+    from engine.gguf import GgufFile, model_config
+    from engine.model import check_context, snapkv_from_settings
+
+    cfg = model_config(GgufFile(default_model_path))
+    for kv_dtype, on in (("bf16", True), ("q8_0", False), ("tq4", False)):
+        policy_, notice = snapkv_from_settings(config_mod.Settings(kv_dtype=kv_dtype), cfg, 16384)
+        assert (policy_ is not None) == on
+        if on:
+            assert f"the {kv_dtype} KV cache for 16384 tokens" in notice
+    monkeypatch.setattr("engine.model.available_memory_bytes", lambda: 2**20)
+    with pytest.raises(engine.EngineError, match=r"needs a 96 MiB tq4 KV cache \(6120 bytes per token\)"):
+        check_context(cfg, 16384, True, object(), 0, chunk=256, k_dtype="tq4", v_dtype="tq4")
