@@ -12,7 +12,10 @@ same way, and compares with our full-cache answers prompt by prompt.
 
 Input: a results.json or a samples.partial.jsonl from `engine eval`.
 --per-cell N takes the first N prompts of every (task, length); --tasks limits
-the tasks, --lengths the lengths. Needs llama-cpp-python (`pip install .[bench]`, builds llama.cpp
+the tasks, --lengths the lengths. --cache-type q8_0 (or q4_0, or KEYS/VALUES like
+q8_0/q4_0) runs llama.cpp with its own quantized KV cache (with its flash attention,
+which llama.cpp needs for a quantized V cache), and --ours full+q4_0 compares with
+that policy of the run instead of our bf16 full cache. Needs llama-cpp-python (`pip install .[bench]`, builds llama.cpp
 from source). Run it on an idle machine: an 8K prompt takes about 40 s.
 """
 from __future__ import annotations
@@ -66,6 +69,9 @@ def main() -> int:
     ap.add_argument("--lengths", help="comma-separated subset of the run's prompt lengths")
     ap.add_argument("--per-cell", type=int, default=0, help="first N prompts per (task, length); 0 = all")
     ap.add_argument("--max-new-tokens", type=int, default=12, help="as the run's --max-new-tokens (default 12)")
+    ap.add_argument("--cache-type", default="f16",
+                    help="llama.cpp KV cache type: f16 (default), q8_0, q4_0, or KEYS/VALUES like q8_0/q4_0")
+    ap.add_argument("--ours", default="full", help="the run's policy to compare with (default full)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="results/llamacpp_check.json")
     args = ap.parse_args()
@@ -75,7 +81,13 @@ def main() -> int:
     meta, rows = load_rows(args.results)
     want = set(args.tasks.split(",")) if args.tasks else set(T.RETRIEVAL_TASKS)
     lengths = {int(x) for x in args.lengths.split(",")} if args.lengths else None
-    full = [r for r in rows if r["policy"] == "full" and r["task"] in want and r["task"] in T.RETRIEVAL_TASKS
+    cache_k, _, cache_v = args.cache_type.partition("/")
+    types = {"f16": 1, "q8_0": 8, "q4_0": 2}                 # ggml_type values
+    if cache_k not in types or (cache_v or cache_k) not in types:
+        print(f"--cache-type must be f16, q8_0, q4_0 or KEYS/VALUES, got {args.cache_type!r}", file=sys.stderr)
+        return 1
+    type_k, type_v = types[cache_k], types[cache_v or cache_k]
+    full = [r for r in rows if r["policy"] == args.ours and r["task"] in want and r["task"] in T.RETRIEVAL_TASKS
             and (lengths is None or r["length"] in lengths)]
     full.sort(key=lambda r: (r["length"], r["index"], r["task"]))
     if args.per_cell:
@@ -87,7 +99,7 @@ def main() -> int:
                 keep.append(r)
         full = keep
     if not full:
-        print("no full-cache retrieval rows to check", file=sys.stderr)
+        print(f"no retrieval rows of policy {args.ours!r} to check", file=sys.stderr)
         return 1
     path = str(model_path_or_default(args.model))
     g = GgufFile(path)
@@ -97,7 +109,8 @@ def main() -> int:
                     max_new_tokens=args.max_new_tokens)
     ctx = int(meta.get("ctx") or plan.context(model_config(g).context_length))
     llm = Llama(model_path=path, n_ctx=ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                n_batch=512, logits_all=False, verbose=False)
+                n_batch=512, logits_all=False, verbose=False, type_k=type_k, type_v=type_v,
+                flash_attn=type_v != types["f16"])
 
     out = []
     for k, r in enumerate(full):
@@ -119,7 +132,7 @@ def main() -> int:
     cells = defaultdict(list)
     for o in out:
         cells[(o["task"], o["length"])].append(o)
-    print(f"\n| task | length | prompts | llama.cpp | ours (full cache) | same answer text |")
+    print(f"\n| task | length | prompts | llama.cpp ({args.cache_type} cache) | ours ({args.ours}) | same answer text |")
     print("|---|---|---|---|---|---|")
     for (task, length), os_ in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         n = len(os_)
@@ -130,7 +143,8 @@ def main() -> int:
           f"| {sum(o['llama_cpp'] == o['ours'] for o in out)}/{n} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"source": args.results, "model": os.path.basename(path), "ctx": ctx, "rows": out}, f, indent=1)
+        json.dump({"source": args.results, "model": os.path.basename(path), "ctx": ctx,
+                   "cache_type": args.cache_type, "ours": args.ours, "rows": out}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

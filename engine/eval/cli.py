@@ -14,7 +14,7 @@ import os
 import platform
 from datetime import datetime, timezone
 
-from ..errors import EngineError
+from ..errors import ConfigError, EngineError
 from ..inputs import output_dir
 from . import policies as P
 from .tasks import TASKS
@@ -22,10 +22,10 @@ from .tasks import TASKS
 # Defaults of a full run and of --quick; an explicit flag always wins.
 FULL_RUN = {"tasks": ",".join(TASKS), "lengths": "1024,2048,4096,8192", "budgets": "256,512,1024,2048",
             "samples": 11, "depths": "0,10,20,30,40,50,60,70,80,90,100", "ablation_budget": 1024,
-            "fraction": 8, "policies": None}
+            "fraction": 8, "policies": None, "kv_dtypes": None}
 QUICK_RUN = {"tasks": ",".join(TASKS), "lengths": "1024", "budgets": "256,512",
              "samples": 3, "depths": "0,10,20,30,40,50,60,70,80,90,100", "ablation_budget": 0,
-             "fraction": 8, "policies": None}
+             "fraction": 8, "policies": None, "kv_dtypes": None}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -45,6 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="budget for the granularity/pool/kernel/window/sinks variants (default 1024; 0 = none)")
     p.add_argument("--policies", help="exact policy list instead of the sweep, e.g. "
                                       "full,snapkv-b1024-head-avg-k31-w32-s4,snapkv-bL/8-layer-max-k15-w32-s0")
+    p.add_argument("--kv-dtypes", dest="kv_dtypes",
+                   help="KV storage types every policy runs with, from bf16,q8_0,q4_0,tq4,tq3 or KEYS/VALUES "
+                        "pairs like q8_0/tq4 (default bf16; policies over another type are named +<type>)")
     p.add_argument("--samples", type=int, help="prompts per task and length; needle depths spread over them "
                                                "(default 11 = one per depth)")
     p.add_argument("--depths", help="needle depths in percent (default 0,10,...,100)")
@@ -103,6 +106,14 @@ def resolve(args) -> dict:
         if min(budgets) < 1:
             raise EngineError("--budgets must be positive")
         pols = P.default_policies(budgets, d["ablation_budget"] or None, d["fraction"] or None)
+    if d["kv_dtypes"] is not None:               # every policy over each listed KV type
+        dtypes = [t.strip() for t in str(d["kv_dtypes"]).split(",") if t.strip()]
+        if not dtypes:
+            raise EngineError("--kv-dtypes needs at least one KV type")
+        try:
+            pols = [p.with_kv_dtype(t) for t in dtypes for p in pols]
+        except ConfigError as e:
+            raise EngineError(f"--kv-dtypes: {e}") from None
     if len({p.name for p in pols}) != len(pols):
         raise EngineError("--policies lists a policy twice")
     if int(d["samples"]) < 1:

@@ -3,11 +3,16 @@
 Names: `full` (no eviction) or `snapkv-b<B>-<granularity>-<pool>-k<K>-w<W>-s<S>`
 where <B> is a row budget (`b1024`) or a fraction of the prompt (`bL/8`), e.g.
 `snapkv-b1024-head-avg-k31-w32-s4` (the SnapKvConfig defaults at budget 1024).
+A `+<kv dtype>` suffix stores the cache quantized (backends/kvformat.py), e.g.
+`full+q8_0`, `snapkv-bL/8-head-avg-k31-w32-s4+tq4`, `full+q8_0/tq4` (keys/values);
+no suffix is the bf16 cache.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from backends.kvformat import kv_dtype_name, parse_kv_dtype
 
 from ..errors import ConfigError, EngineError
 from ..snapkv import GRANULARITIES, POOLS, SnapKvConfig
@@ -28,6 +33,7 @@ class Policy:
     kernel: int = DEFAULT.kernel
     window: int = DEFAULT.window
     sinks: int = DEFAULT.sinks
+    kv_dtype: str = "bf16"             # KV storage, "tq4" or keys/values "q8_0/tq4"
 
     @property
     def is_full(self) -> bool:
@@ -54,7 +60,13 @@ class Policy:
     def describe(self) -> dict:
         return {"name": self.name, "budget": self.budget, "budget_fraction": self.fraction,
                 "granularity": self.granularity, "pool": self.pool, "kernel": self.kernel,
-                "window": self.window, "sinks": self.sinks}
+                "window": self.window, "sinks": self.sinks, "kv_dtype": self.kv_dtype}
+
+    def with_kv_dtype(self, kv_dtype: str) -> "Policy":
+        """This policy over a cache stored as `kv_dtype` (the name gains `+<dtype>`)."""
+        kv_dtype = kv_dtype_name(*parse_kv_dtype(kv_dtype))
+        base = self.name.split("+")[0]
+        return replace(self, name=base if kv_dtype == "bf16" else f"{base}+{kv_dtype}", kv_dtype=kv_dtype)
 
 
 FULL = Policy("full")
@@ -69,8 +81,14 @@ def snapkv(budget: int | None = None, fraction: int | None = None, granularity: 
 
 
 def parse_policy(name: str) -> Policy:
-    """`full` or a snapkv-... name (see the module docstring)."""
+    """`full` or a snapkv-... name, optionally +<kv dtype> (see the module docstring)."""
     name = name.strip()
+    base, plus, dtype = name.partition("+")
+    if plus:
+        try:
+            return parse_policy(base).with_kv_dtype(dtype)
+        except ConfigError as e:
+            raise EngineError(f"policy {name!r}: {e}") from None
     if name == "full":
         return FULL
     m = _NAME.match(name)

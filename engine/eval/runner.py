@@ -1,4 +1,6 @@
-"""Runs the evaluation: one full prefill per sample, branched into every policy.
+"""Runs the evaluation: one full prefill per sample and KV dtype, branched into every
+policy over that dtype (the bf16 full cache always runs: it is the reference the KV
+ratios and the fidelity KL are measured against).
 
 Prefill once with the full cache while capturing the post-RoPE queries of the
 last W_max prompt positions of every layer (W_max = the largest window among
@@ -180,12 +182,39 @@ class Runner:
                              self.plan.seed, index, self.plan.fidelity_tokens)
 
     def run_sample(self, task: str, length: int, index: int, depth: float) -> list[dict]:
-        m, tm = self.model, self.timings
         sample = self.make_sample(task, length, index, depth)
         L = sample.n_tokens
-        compacting = [p for p in self.plan.policies if p.compacts(L)]
+        groups: dict[str, list[Policy]] = {"bf16": []}        # kv dtype -> its policies; bf16 first,
+        for p in self.plan.policies:
+            groups.setdefault(p.kv_dtype, []).append(p)
+        base = {"task": task, "length": length, "prompt_tokens": L, "index": index, "seed": sample.seed,
+                "depth": depth, "depth_actual": sample.depth_actual, "key": sample.key,
+                "expected": sample.expected}
+        self.timings.samples += 1
+        rows: dict[str, dict] = {}
+        reference = None                 # the bf16 full cache's teacher-forced logits (fidelity)
+        for dtype, policies in groups.items():      # always run: the reference for KV bytes and KL
+            compacting = [p for p in policies if p.compacts(L)]
+            cache, capture, logits, prefill_s = self._prefill(sample, dtype, compacting)
+            if dtype == "bf16":
+                base["kv_bytes_full"] = cache.bytes
+            if task == "fidelity":
+                out, full_logits = self._fidelity(sample, cache, capture, compacting, reference)
+                reference = full_logits if reference is None else reference
+            else:
+                out = self._retrieval(sample, cache, capture, compacting, logits)
+            for p in policies:
+                r = out.get(p.name) or dict(out["full"], budget=p.budget_for(L))   # not compacted: the full answer
+                rows[p.name] = {**r, "prefill_s": prefill_s}
+        return [{**base, "policy": p.name, **rows[p.name]} for p in self.plan.policies]
+
+    def _prefill(self, sample: T.Sample, kv_dtype: str, compacting: list[Policy]):
+        """One full-cache prefill of the sample into a `kv_dtype` cache, capturing the
+        window queries the compacting policies need -> (cache, capture, logits, seconds)."""
+        m, tm = self.model, self.timings
+        L = sample.n_tokens
         w_max = max((p.window for p in compacting), default=0)
-        cache = m.new_cache()
+        cache = m.new_cache(kv_dtype=kv_dtype)
         capture = WindowCapture(m.config, w_max, L - w_max) if w_max else None
         t0 = time.perf_counter()
         m.forward.window_capture = capture
@@ -196,25 +225,18 @@ class Runner:
         prefill_s = time.perf_counter() - t0
         tm.prefill_s += prefill_s
         tm.prefill_tokens += L
-        tm.samples += 1
-        base = {"task": task, "length": length, "prompt_tokens": L, "index": index, "seed": sample.seed,
-                "depth": depth, "depth_actual": sample.depth_actual, "key": sample.key,
-                "expected": sample.expected, "prefill_s": prefill_s, "kv_bytes_full": cache.bytes}
-        if task == "fidelity":
-            return self._fidelity(sample, cache, capture, compacting, base)
+        return cache, capture, logits, prefill_s
 
-        results: dict[str, dict] = {}
+    def _retrieval(self, sample: T.Sample, cache, capture, compacting: list[Policy], logits) -> dict:
+        """policy name -> row fields for each compacting policy, and "full" for `cache` itself."""
+        out: dict[str, dict] = {}
         for p in compacting:                       # branches first: the full run advances `cache`
             branch = cache.copy()
-            results[p.name] = self._evict(branch, capture, p, L)
-            results[p.name].update(self._answer(sample, branch, logits))
-        full = {"budget": None, "compacted": False, "kv_rows": cache.length, "kv_bytes": cache.bytes,
-                "evict_s": 0.0}
-        full.update(self._answer(sample, cache, logits))
-        out = []
-        for p in self.plan.policies:
-            r = results.get(p.name) or dict(full, budget=p.budget_for(L))   # not compacted: the full answer
-            out.append({**base, "policy": p.name, **r})
+            out[p.name] = self._evict(branch, capture, p, sample.n_tokens)
+            out[p.name].update(self._answer(sample, branch, logits))
+        out["full"] = {"budget": None, "compacted": False, "kv_rows": cache.length, "kv_bytes": cache.bytes,
+                       "evict_s": 0.0}
+        out["full"].update(self._answer(sample, cache, logits))
         return out
 
     def _evict(self, branch, capture: WindowCapture, p: Policy, L: int) -> dict:
@@ -235,7 +257,11 @@ class Runner:
         s = T.score(sample, text)
         return {"generated": text, "score": s, "correct": s == 1.0, "decode_s": dt}
 
-    def _fidelity(self, sample: T.Sample, cache, capture, compacting: list[Policy], base: dict) -> list[dict]:
+    def _fidelity(self, sample: T.Sample, cache, capture, compacting: list[Policy], reference) -> tuple[dict, np.ndarray]:
+        """Teacher-forces the continuation through each compacting policy's branch and
+        through `cache` itself ("full"), each compared with `reference` (the bf16 full
+        cache's logits; None: this cache is that reference). Returns (policy name -> row
+        fields, this cache's full logits)."""
         m = self.model
         cont = sample.continuation
 
@@ -245,22 +271,17 @@ class Runner:
             self.timings.teacher_s += time.perf_counter() - t0
             return out
 
-        results = {}
+        branches = {}
         for p in compacting:
             branch = cache.copy()
-            results[p.name] = r = self._evict(branch, capture, p, sample.n_tokens)
-            r["_logits"] = teacher(branch)
+            branches[p.name] = (self._evict(branch, capture, p, sample.n_tokens), teacher(branch))
+        full = {"budget": None, "compacted": False, "kv_rows": cache.length, "kv_bytes": cache.bytes,
+                "evict_s": 0.0}
         full_logits = teacher(cache)
-        identical = {"kl": 0.0, "kl_max": 0.0, "top1": 1.0}
-        out = []
-        for p in self.plan.policies:
-            r = results.get(p.name)
-            if r is None:
-                r = {"budget": p.budget_for(sample.n_tokens), "compacted": False, "kv_rows": base["prompt_tokens"],
-                     "kv_bytes": base["kv_bytes_full"], "evict_s": 0.0, **identical}
-            else:
-                r = dict(r)
-                r.update(fidelity_metrics(full_logits, r.pop("_logits")))
-            out.append({**base, "policy": p.name, "continuation_tokens": len(cont), "generated": None,
-                        "score": None, "correct": None, **r})
-        return out
+        ref = full_logits if reference is None else reference
+        out = {"full": {**full, **fidelity_metrics(ref, full_logits)}}
+        for name, (r, logits) in branches.items():
+            out[name] = {**r, **fidelity_metrics(ref, logits)}
+        for r in out.values():
+            r.update(continuation_tokens=len(cont), generated=None, score=None, correct=None)
+        return out, full_logits

@@ -57,6 +57,20 @@ def test_bad_arguments_are_one_line_errors():
     assert r["lengths"] == [1024] and [p.name for p in r["policies"]][0] == "full"
 
 
+def test_kv_dtype_policies_are_named_and_crossed():
+    from engine.eval.cli import resolve
+    p = parse_policy("snapkv-bL/8-head-avg-k31-w32-s4+tq4")
+    assert (p.kv_dtype, p.fraction, p.name) == ("tq4", 8, "snapkv-bL/8-head-avg-k31-w32-s4+tq4")
+    assert parse_policy("full+q8_0/tq4").kv_dtype == "q8_0/tq4" and parse_policy("full+bf16").name == "full"
+    with pytest.raises(EngineError, match="KV dtype"):
+        parse_policy("full+q5_1")
+    r = resolve(_parse(["eval", "--policies", "full,snapkv-b512-head-avg-k31-w32-s4", "--kv-dtypes", "bf16,q4_0"]))
+    assert [p.name for p in r["policies"]] == ["full", "snapkv-b512-head-avg-k31-w32-s4",
+                                               "full+q4_0", "snapkv-b512-head-avg-k31-w32-s4+q4_0"]
+    with pytest.raises(EngineError, match="--kv-dtypes"):
+        resolve(_parse(["eval", "--quick", "--kv-dtypes", "fp8"]))
+
+
 def test_eval_end_to_end(default_model_path, tmp_path):
     small = "snapkv-b128-head-avg-k5-w32-s4"
     args = _parse(["eval", str(default_model_path), "--tasks", "passkey,niah,fidelity",
@@ -99,3 +113,24 @@ def test_eval_end_to_end(default_model_path, tmp_path):
     assert "| `full` |" in (out2 / "summary.md").read_text()
     with pytest.raises(EngineError, match="not an eval results"):
         args.func(_parse(["eval", "--render", str(tmp_path / "accuracy_heatmap.png")]))
+
+
+def test_runner_branches_each_kv_dtype_from_its_own_prefill(tmp_path):
+    from tiny_gguf import write_tiny_gguf
+
+    from engine.eval.runner import EvalPlan, Runner
+    path = write_tiny_gguf(tmp_path / "tiny-hd32.gguf", n_heads=2, n_kv_heads=1)   # head_dim 32: one q8_0 block
+    m = engine.load(path, backend="reference", snapkv_budget=0)
+    names = ["full", "full+q8_0", "snapkv-b64-head-avg-k5-w16-s4+tq4"]
+    plan = EvalPlan(tasks=["passkey", "fidelity"], lengths=[160], policies=[parse_policy(n) for n in names],
+                    samples=1, depths=[50], fidelity_tokens=8)
+    rows = {(r["task"], r["policy"]): r for r in Runner(m, plan).run(progress=False)}
+    assert len(rows) == 6
+    for task in ("passkey", "fidelity"):
+        full, q8, tq4 = (rows[(task, n)] for n in names)
+        assert full["kv_bytes"] == full["kv_bytes_full"] == q8["kv_bytes_full"]
+        assert q8["kv_bytes"] * 64 == full["kv_bytes"] * 34           # q8_0 rows: 34 of 64 bytes (head_dim 32)
+        assert tq4["compacted"] and tq4["kv_rows"] == 64 and tq4["kv_bytes"] < q8["kv_bytes"]
+    f = {n: rows[("fidelity", n)] for n in names}
+    assert f["full"]["kl"] == 0.0 and f["full"]["top1"] == 1.0       # the reference itself
+    assert 0.0 < f["full+q8_0"]["kl"] < f[names[2]]["kl"]            # quantizing costs a little, evicting more
