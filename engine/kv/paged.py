@@ -43,11 +43,18 @@ class PagePool:
                  k_dtype: str = "bf16", v_dtype: str = "bf16"):
         self.backend = backend
         self.n_pages, self.n_kv_heads, self.page_size, self.head_dim = n_pages, n_kv_heads, page_size, head_dim
-        self.k_dtype, self.v_dtype = k_dtype, v_dtype
         self.k_format, self.v_format = KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)
         self.k_pages, self.v_pages = backend.alloc_kv_pool(n_pages, n_kv_heads, page_size, head_dim,
                                                            k_dtype=k_dtype, v_dtype=v_dtype)
         self._free = list(range(n_pages - 1, -1, -1))   # stack: lowest page id handed out first
+
+    @property
+    def k_dtype(self) -> str:
+        return self.k_format.name
+
+    @property
+    def v_dtype(self) -> str:
+        return self.v_format.name
 
     @property
     def page_bytes(self) -> int:
