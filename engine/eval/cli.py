@@ -63,6 +63,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--render", metavar="FILE",
                    help="run nothing: rewrite summary.md, results.json and the plots from a results.json or "
                         "from the samples.partial.jsonl of a run cut short")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a run cut short: keep the samples in OUT/samples.partial.jsonl (written by "
+                        "the same command) and run only the rest")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_eval)
     return p
@@ -156,6 +159,26 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
     return meta, rows
 
 
+def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
+    """--resume: the rows of the whole samples in `partial` (none if it does not exist),
+    checked to come from this plan: same seed, tasks and lengths, and every sample with
+    exactly the plan's policies (a sample cut short mid-write is dropped and runs again)."""
+    if not os.path.exists(partial):
+        return []
+    _, rows = _load_rows(partial)
+    names = [p.name for p in plan.policies]
+    by_sample: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("seed") != seed or r["task"] not in plan.tasks or r["length"] not in plan.lengths \
+                or r["policy"] not in names or r["index"] >= plan.samples:
+            raise EngineError(f"--resume: {partial} was written by another plan (sample {r['task']} "
+                              f"{r['length']} #{r['index']}, seed {r.get('seed')}, policy {r['policy']}); "
+                              f"run the same command, or drop --resume to start again")
+        by_sample.setdefault((r["task"], r["length"], r["index"]), []).append(r)
+    return [r for group in by_sample.values() if sorted(x["policy"] for x in group) == sorted(names)
+            for r in group]
+
+
 def cmd_render(args) -> int:
     from . import report
     meta, rows = _load_rows(args.render)
@@ -197,9 +220,10 @@ def cmd_eval(args) -> int:
     model = Model(path, settings.with_overrides(ctx=plan.context(model_ctx)))
     runner = Runner(model, plan)
     partial = os.path.join(out, "samples.partial.jsonl")
-    if os.path.exists(partial):
+    done = _resumed_rows(partial, plan, args.seed) if args.resume else []
+    if not args.resume and os.path.exists(partial):
         os.remove(partial)
-    rows = runner.run(progress=args.progress, partial_path=partial)
+    rows = runner.run(progress=args.progress, partial_path=partial, done=done)
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": os.path.basename(str(path)), "backend": model.backend.name,
@@ -211,6 +235,7 @@ def cmd_eval(args) -> int:
         "policies": {p.name: p.describe() for p in plan.policies},
         "defaults": {k: getattr(P.DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
         "timings": runner.timings.as_dict(), "quick": bool(args.quick),
+        "resumed_samples": len(done) // max(len(plan.policies), 1),   # timings cover only the rest
     }
     paths = report.write_all(out, meta, rows, plan.lengths, plan.tasks)
     os.remove(partial)                       # results.json holds every row now

@@ -17,6 +17,7 @@ cache and compares the next-token distributions.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -151,16 +152,24 @@ class Runner:
         also hold the answer (8192 on an 8192-token model)."""
         return min(length, self.model.ctx - self.plan.margin(task) - 1)
 
-    def run(self, progress: bool = True, partial_path: str | None = None) -> list[dict]:
+    def run(self, progress: bool = True, partial_path: str | None = None,
+            done: Sequence[dict] = ()) -> list[dict]:
         """Every case x policy -> one row per (sample, policy). With `partial_path`, rows
-        are also appended there as JSON lines as each sample finishes."""
+        are also appended there as JSON lines as each sample finishes. `done`: rows of
+        samples already run (a resumed run); their cases are skipped and the rows kept.
+        If `partial_path` holds anything but `done`, it is rewritten to hold exactly it."""
         import json
 
         from tqdm import tqdm
 
-        cases = list(self.plan.cases())
+        finished = {(r["task"], r["length"], r["index"]) for r in done}
+        cases = [c for c in self.plan.cases() if c[:3] not in finished]
         t0 = time.perf_counter()
-        rows: list[dict] = []
+        rows: list[dict] = list(done)
+        if partial_path and done:               # drop a sample cut short mid-write
+            with open(partial_path + ".tmp", "w") as f:
+                f.writelines(json.dumps(r, default=str) + "\n" for r in done)
+            os.replace(partial_path + ".tmp", partial_path)
         bar = tqdm(cases, desc="eval", unit="sample", file=sys.stderr, disable=not progress, dynamic_ncols=True)
         for task, length, index, depth in bar:
             bar.set_postfix_str(f"{task} {length}")

@@ -134,3 +134,31 @@ def test_runner_branches_each_kv_dtype_from_its_own_prefill(tmp_path):
     f = {n: rows[("fidelity", n)] for n in names}
     assert f["full"]["kl"] == 0.0 and f["full"]["top1"] == 1.0       # the reference itself
     assert 0.0 < f["full+q8_0"]["kl"] < f[names[2]]["kl"]            # quantizing costs a little, evicting more
+
+
+def test_resume_runs_only_the_samples_missing(tiny_llama, tmp_path):
+    argv = ["eval", str(tiny_llama), "--backend", "reference", "--tasks", "passkey,niah", "--lengths", "300",
+            "--samples", "2", "--policies", "full,snapkv-b64-head-avg-k5-w16-s4", "--out", str(tmp_path),
+            "--no-progress"]
+    args = _parse(argv)
+    assert args.func(args) == 0
+    first = json.loads((tmp_path / "results.json").read_text())["samples"]
+    assert len(first) == 8
+    key = lambda r: (r["task"], r["index"], r["policy"])                          # noqa: E731
+    whole = [r for r in first if r["index"] == 0]                                 # two whole samples
+    cut = [r for r in first if (r["task"], r["index"]) == ("passkey", 1)][:1]      # one cut mid-write
+    partial = tmp_path / "samples.partial.jsonl"
+    marked = [dict(r, generated="(kept from the partial file)") for r in whole]
+    partial.write_text("".join(json.dumps(r) + "\n" for r in marked + cut))
+    assert args.func(_parse(argv + ["--resume"])) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["resumed_samples"] == 2 and not partial.exists()
+    got = {key(r): r for r in doc["samples"]}
+    assert sorted(got) == sorted(key(r) for r in first)
+    for r in first:
+        g = got[key(r)]
+        assert g["generated"] == ("(kept from the partial file)" if r["index"] == 0 else r["generated"])
+
+    partial.write_text(json.dumps(dict(first[0], seed=5)) + "\n")                # another plan's samples
+    with pytest.raises(EngineError, match="another plan"):
+        args.func(_parse(argv + ["--resume"]))
