@@ -25,11 +25,12 @@ def bench_prompt(tokenizer, n: int) -> list[int]:
     return (ids * reps)[:n]
 
 
-def _engine_case(model, ids, n_decode: int, snapkv=None) -> dict:
-    """snapkv: None = the model's policy, False = full cache. peak_rss_mib: the process's
-    peak so far (cases run in ascending length, so the peak of the longest yet)."""
+def _engine_case(model, ids, n_decode: int, snapkv=None, kv_dtype: str | None = None) -> dict:
+    """snapkv: None = the model's policy, False = full cache; kv_dtype: None = the model's.
+    peak_rss_mib: the process's peak so far (cases run in ascending length, so the peak
+    of the longest yet)."""
     from .model import peak_rss_mib
-    cache = model.new_cache()
+    cache = model.new_cache(kv_dtype=kv_dtype)
     t0 = time.perf_counter()
     cache, logits = model.prefill(ids, cache, snapkv=snapkv)
     prefill_s = time.perf_counter() - t0
@@ -124,6 +125,7 @@ def run_bench(args, settings) -> int:
         raise EngineError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
     if not lengths or min(lengths) < 1:
         raise EngineError("--lengths needs at least one positive length")
+    dtypes = [t.strip() for t in str(args.kv_dtypes or "").split(",") if t.strip()]
     output_dir(args.out)                         # a bad --out fails now, not after the run
     path = model_path_or_default(args.model)
     threads = settings.threads or os.cpu_count() or 1
@@ -142,19 +144,23 @@ def run_bench(args, settings) -> int:
     if use_llama_cpp and llama_rows is None:
         print("llama.cpp: the installed build has no GPU offload; its columns are left out", file=sys.stderr)
         use_llama_cpp = False
+    dtypes = dtypes or [model.kv_dtype]
     warm = bench_prompt(model.tokenizer, 64)
-    _engine_case(model, warm, 4)     # compile / warm caches once
+    for dtype in dtypes:
+        _engine_case(model, warm, 4, kv_dtype=dtype)     # compile / warm caches once (and check the type)
     rows = []
     evicting = model.snapkv is not None
-    print(f"{'prompt':>7} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
+    print(f"{'prompt':>7} {'KV':>5} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
           + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
           + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else ""))
-    for i, (n, ids) in enumerate(zip(lengths, prompts)):
-        row = {"prompt_tokens": n, "engine": _engine_case(model, ids, args.decode_tokens, snapkv=False)}
+    for i, (n, ids), dtype in ((i, c, t) for i, c in enumerate(zip(lengths, prompts)) for t in dtypes):
+        row = {"prompt_tokens": n, "kv_dtype": dtype,
+               "engine": _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype)}
         e = row["engine"]
-        line = f"{n:>7} | {e['prefill_tok_s']:>10.1f} t/s {e['decode_tok_s']:>6.1f} t/s {e['kv_bytes'] / 2**20:>7.1f} |"
+        line = (f"{n:>7} {dtype:>5} | {e['prefill_tok_s']:>10.1f} t/s {e['decode_tok_s']:>6.1f} t/s "
+                f"{e['kv_bytes'] / 2**20:>7.1f} |")
         if evicting:
-            row["engine_snapkv"] = k = _engine_case(model, ids, args.decode_tokens)
+            row["engine_snapkv"] = k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype)
             row["snapkv_decode_speedup"] = k["decode_tok_s"] / e["decode_tok_s"]
             row["snapkv_kv_ratio"] = e["kv_bytes"] / k["kv_bytes"]
             if k["snapkv"]:
@@ -172,7 +178,7 @@ def run_bench(args, settings) -> int:
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": os.path.basename(str(path)), "backend": model.backend.name, "threads": threads,
-        "kv_dtype": model.kv_dtype,
+        "kv_dtypes": dtypes,
         "machine": platform.processor() or platform.machine(), "decode_tokens": args.decode_tokens,
         "settings": {k: v for k, v in vars(settings).items()}, "peak_rss_mib": peak_rss_mib(),
         "snapkv": model.snapkv.summary() if evicting else None,

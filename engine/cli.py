@@ -272,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="prefill/decode throughput, optionally against llama.cpp")
     _add_model_args(bench)
     bench.add_argument("--lengths", default="128,512,2048,8000", help="prompt lengths (comma separated)")
+    bench.add_argument("--kv-dtypes", dest="kv_dtypes",
+                       help="KV types measured side by side, each prompt in each (e.g. bf16,tq4; default: --kv-dtype)")
     bench.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32, help="tokens decoded per case")
     bench.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip llama.cpp even if installed")
     bench.add_argument("--llama-cpp-flash-attn", dest="llama_flash_attn", action="store_true",

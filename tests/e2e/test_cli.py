@@ -38,14 +38,19 @@ def test_info_json(tiny_llama):
 
 def test_bench_writes_json(tiny_llama, tmp_path):
     r = cli("bench", str(tiny_llama), "--lengths", "40,100", "--decode-tokens", "3", "--no-llama-cpp",
-            "--out", str(tmp_path), "--kv-budget", "80", "--kv-window", "8", "--kv-min-tokens", "16")
+            "--out", str(tmp_path), "--kv-budget", "80", "--kv-window", "8", "--kv-min-tokens", "16",
+            "--kv-dtypes", "bf16,tq4")
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-cpu.json").read_text())
-    assert [c["prompt_tokens"] for c in report["cases"]] == [40, 100]
-    big = report["cases"][1]
-    assert big["engine"]["kv_rows"] == 103 and big["engine_snapkv"]["kv_rows"] == 83
-    assert big["engine"]["decode_tok_s"] > 0 and "snapkv_overhead" in big
-    assert report["kv_dtype"] == big["engine"]["kv_dtype"] == big["engine_snapkv"]["kv_dtype"] == "bf16"
+    assert [(c["prompt_tokens"], c["kv_dtype"]) for c in report["cases"]] == [
+        (40, "bf16"), (40, "tq4"), (100, "bf16"), (100, "tq4")]      # each prompt in each KV type
+    assert report["kv_dtypes"] == ["bf16", "tq4"]
+    for big in report["cases"][2:]:
+        assert big["engine"]["kv_rows"] == 103 and big["engine_snapkv"]["kv_rows"] == 83
+        assert big["engine"]["decode_tok_s"] > 0 and "snapkv_overhead" in big
+        assert big["engine"]["kv_dtype"] == big["engine_snapkv"]["kv_dtype"] == big["kv_dtype"]
+    bf16, tq4 = report["cases"][2:]
+    assert tq4["engine"]["kv_bytes"] * 32 == bf16["engine"]["kv_bytes"] * 10   # head_dim 16: rows of 10 bytes, not 32
 
 
 def test_info_devices_lists_vulkan():
