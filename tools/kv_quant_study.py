@@ -19,7 +19,8 @@ estimate of <q, r> is added to each score. The question it answers is the one is
 leaves open: is the QJL residual worth its bits on this model? And one more idea:
 `+center` stores keys minus their mean over the prompt (per layer and KV head), which
 leaves every softmax unchanged (q . mu is the same for every key) and shrinks the rows
-the quantizer sees. Not a test: numbers to stdout (and --json FILE).
+the quantizer sees; `+center256` uses the mean of the first 256 keys only, which is
+what a cache written chunk by chunk could know when it starts writing. Not a test: numbers to stdout (and --json FILE).
 """
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def study(model_name: str, tokens: int, window: int, seed: int) -> dict:
         m.forward.window_capture = None
     d, group = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
     scale = 1.0 / math.sqrt(d)
-    variants = ["q8_0", "q4_0", "tq4", "tq3", "tq3+qjl", "tq4+qjl", "q4_0+center", "tq4+center", "tq3+center"]
+    variants = ["q8_0", "q4_0", "tq4", "tq3", "tq3+qjl", "tq4+qjl", "q4_0+center", "tq4+center", "tq3+center",
+                "q4_0+center256", "tq4+center256"]
     acc = {v: {"key_kl": [], "out_err": []} for v in variants}
     for layer in cache.full_layers:
         k, v = cached_rows(cache, layer, len(ids))
@@ -94,8 +96,12 @@ def study(model_name: str, tokens: int, window: int, seed: int) -> dict:
             o = p @ v[h]
             for name in variants:
                 fmt = KvFormat.get(name.split("+")[0], d)
-                mu = k[h].mean(axis=0) if name.endswith("+center") else 0.0   # q.mu is the same for
-                k_hat = fmt.dequantize(fmt.quantize(k[h] - mu))                # every key: softmax
+                mu = 0.0                        # q . mu is the same for every key: softmax unchanged
+                if name.endswith("+center"):
+                    mu = k[h].mean(axis=0)
+                elif name.endswith("+center256"):
+                    mu = k[h][:256].mean(axis=0)
+                k_hat = fmt.dequantize(fmt.quantize(k[h] - mu))
                 v_hat = fmt.dequantize(fmt.quantize(v[h]))
                 s_hat = qjl_scores(q, k[h], k_hat) if name.endswith("+qjl") else q @ k_hat.T
                 p_hat = softmax(s_hat * scale)
