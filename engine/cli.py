@@ -1,4 +1,4 @@
-"""`engine run|info|bench`: the command line. Errors are one line and exit 1."""
+"""`engine run|info|bench|eval|serve`: the command line. Errors are one line and exit 1."""
 from __future__ import annotations
 
 import os
@@ -284,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .eval.cli import add_parser as add_eval_parser
     add_eval_parser(sub)
+    from .serve.cli import add_parser as add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 

@@ -156,6 +156,12 @@ def label(field: str) -> str:
     return "/".join(x for x in (spec.flag, spec.env) if x) or field
 
 
+def parse_setting(field: str, value, name: str):
+    """One value through its setting's parser (the rules env vars and flags follow);
+    errors name `name`, e.g. a request field of the server ("kv_window")."""
+    return _BY_FIELD[field].parse(value, name)
+
+
 def from_env(env=None) -> Settings:
     """Settings from the environment over the defaults."""
     env = os.environ if env is None else env

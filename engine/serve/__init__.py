@@ -1,0 +1,33 @@
+"""`engine serve`: an OpenAI-compatible HTTP server over one model.
+
+    protocol.py   the wire format: pydantic request bodies, response/chunk/error shapes
+    jobs.py       a validated request -> Job (prompt ids, sampling, SnapKV policy)
+    sequence.py   one request's generation as steps (prefill, then one token per step)
+    scheduler.py  the worker thread that runs the steps; FIFO queue, admission, cancel
+    app.py        FastAPI routes: JSON and server-sent events over the scheduler
+    cli.py        the `engine serve` sub-command
+
+Python use (tests start it this way too):
+
+    from engine.serve import build_app
+    app = build_app(engine.load("x.gguf"), max_queue=4)     # an ASGI app for uvicorn
+"""
+from __future__ import annotations
+
+
+def build_app(model, max_queue: int = 16, model_id: str | None = None, max_running: int = 1):
+    """A FastAPI app serving `model`; its scheduler (app.state.scheduler) starts now and
+    stops with the app's lifespan."""
+    from .app import create_app
+    from .scheduler import Scheduler
+
+    scheduler = Scheduler(model, max_queue=max_queue, max_running=max_running)
+    app = create_app(scheduler, model_id or default_model_id(model.path))
+    scheduler.start()
+    return app
+
+
+def default_model_id(path) -> str:
+    """The id /v1/models lists: the GGUF file's name without `.gguf`."""
+    import pathlib
+    return pathlib.Path(str(path)).stem

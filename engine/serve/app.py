@@ -1,0 +1,211 @@
+"""The HTTP layer: FastAPI routes over a Scheduler. Thin on purpose: a route
+validates (protocol.py), builds a Job in a thread (jobs.py), submits it, and
+turns the worker's events into a JSON response or server-sent events.
+
+Every error leaves as OpenAI's JSON shape through the handlers in `create_app`.
+A client that goes away cancels its request: a stream when Starlette notices the
+disconnect (the generator is cancelled), a plain request by polling while it waits.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import pathlib
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import jobs, protocol
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .scheduler import QueueFull, Scheduler
+from .sequence import Delta, Failed, Finished
+
+DISCONNECT_POLL_S = 0.25     # how often a waiting non-streaming request checks its client
+
+
+class Submission:
+    """A job on the scheduler with its events as an asyncio queue (filled from the
+    worker thread). `close()` cancels it unless it has finished."""
+
+    def __init__(self, scheduler: Scheduler, job):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.scheduler = scheduler
+
+        def emit(event):
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            except RuntimeError:            # the loop has closed: the server is shutting down
+                pass
+
+        try:
+            self.handle = scheduler.submit(job, emit)
+        except QueueFull as e:
+            raise ApiError(503, str(e), None, "queue_full") from None
+
+    async def next(self, timeout: float | None = None):
+        return await asyncio.wait_for(self.queue.get(), timeout)
+
+    def close(self) -> None:
+        self.scheduler.cancel(self.handle)
+
+
+def served_names(model_path: str, name: str) -> set[str]:
+    """Names a request's `model` may use: the served id, the file name, its stem, the path."""
+    p = pathlib.Path(model_path)
+    return {name, p.name, p.stem, str(p), model_path}
+
+
+def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
+    model = scheduler.model
+    names = served_names(model.path, model_id)
+    created = protocol.now()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(scheduler.stop)
+
+    app = FastAPI(title="snapkv-engine", description="OpenAI-compatible API with per-request SnapKV eviction",
+                  lifespan=lifespan)
+    app.state.scheduler = scheduler
+
+    # -- errors: always OpenAI's shape ---------------------------------------------------------
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return JSONResponse(protocol.error(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}"
+                                               .rstrip(": "), "invalid_request_error"), status_code=400)
+        # a union reports each alternative: name the field, not the alternative
+        param = loc[0] if loc else None
+        where = ".".join(x for x in loc if not _is_type_name(x)) or "body"
+        message = f"{where}: {err.get('msg', 'invalid value')}"
+        if err.get("type") == "missing":
+            message = f"{where}: field required"
+        return JSONResponse(protocol.error(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        else:
+            message = str(e.detail)
+        return JSONResponse(protocol.error(message, ApiError.TYPES.get(e.status_code, "invalid_request_error")),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(request, e: Exception):
+        return JSONResponse(protocol.error(f"internal error: {type(e).__name__}: {e}", "server_error"),
+                            status_code=500)
+
+    # -- routes --------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return protocol.model_list(model_id, created)
+
+    @app.get("/state")
+    async def state():
+        """Extension: what the scheduler holds (running requests, queue, live caches)."""
+        return scheduler.state()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model)
+        job = await run_in_threadpool(jobs.completion_job, model, body)
+        return await _respond(request, body, job, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model)
+        job = await run_in_threadpool(jobs.chat_job, model, body)
+        return await _respond(request, body, job, chat=True)
+
+    def _check_model(name: str | None) -> None:
+        if name is not None and name not in names:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {model_id!r}",
+                           "model", "model_not_found")
+
+    async def _respond(request: Request, body, job, chat: bool):
+        sub = Submission(scheduler, job)
+        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(sub, rid, chat, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _collect(request, sub, rid, chat)
+
+    async def _collect(request: Request, sub: Submission, rid: str, chat: bool):
+        parts: list[str] = []
+        try:
+            while True:
+                try:
+                    event = await sub.next(DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse({}, status_code=499)     # nobody is listening
+                    continue
+                if isinstance(event, Delta):
+                    parts.append(event.text)
+                elif isinstance(event, Finished):
+                    make = protocol.chat_completion if chat else protocol.completion
+                    return make(rid, model_id, protocol.now(), "".join(parts), event.finish_reason, event.usage)
+                elif isinstance(event, Failed):
+                    raise ApiError(event.status, event.message)
+        finally:
+            sub.close()
+
+    async def _sse(sub: Submission, rid: str, chat: bool, include_usage: bool):
+        t = protocol.now()
+
+        def chunk(text: str, reason: str | None) -> dict:
+            if chat:
+                return protocol.chat_chunk(rid, model_id, t, {"content": text} if text else {}, reason)
+            return protocol.completion_chunk(rid, model_id, t, text, reason)
+
+        try:
+            if chat:
+                yield _event(protocol.chat_chunk(rid, model_id, t, {"role": "assistant", "content": ""}, None))
+            while True:
+                event = await sub.next()
+                if isinstance(event, Delta):
+                    yield _event(chunk(event.text, None))
+                elif isinstance(event, Finished):
+                    yield _event(chunk("", event.finish_reason))
+                    if include_usage:
+                        obj = "chat.completion.chunk" if chat else "text_completion"
+                        yield _event(protocol.usage_chunk(rid, model_id, t, obj, event.usage))
+                    yield "data: [DONE]\n\n"
+                    return
+                elif isinstance(event, Failed):
+                    yield _event(ApiError(event.status, event.message).body())
+                    return
+        finally:
+            sub.close()          # a client that went away cancels its request here
+
+    return app
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _is_type_name(part: str) -> bool:
+    """Pydantic's union branch labels in an error location ('str', 'list[int]', ...)."""
+    return part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part

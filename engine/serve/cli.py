@@ -1,0 +1,86 @@
+"""`engine serve [MODEL] --host --port --max-queue` and the engine's model and
+SnapKV flags, plus mlx-lm's spellings: `--kv-eviction none|snapkv`, `--kv-sink-tokens`."""
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+from ..errors import EngineError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from ..cli import _add_model_args, _add_snapkv_args
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
+    p.add_argument("--max-queue", dest="max_queue", type=int, default=16,
+                   help="requests that may wait behind the running one; more get 503 (default 16)")
+    p.add_argument("--model-id", dest="model_id", help="the id /v1/models lists (default: the file name)")
+    _add_snapkv_args(p)
+    g = p.add_argument_group("mlx-lm spellings")
+    g.add_argument("--kv-eviction", dest="kv_eviction", choices=("none", "snapkv"),
+                   help="none = --kv-budget 0; snapkv = eviction on (budget from --kv-budget, else 2048)")
+    g.add_argument("--kv-sink-tokens", dest="snapkv_sinks", help="the same as --kv-sinks")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args) -> int:
+    from ..cli import _settings
+    from ..model import AUTO_BUDGET, Model
+    from ..model_path import model_path_or_default
+
+    if not 0 <= args.port <= 65535:
+        raise EngineError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise EngineError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.kv_eviction == "none" and args.snapkv_budget not in (None, "0"):
+        raise EngineError("--kv-eviction none contradicts --kv-budget: pass one of them")
+    settings = _settings(args)
+    if args.kv_eviction == "none":
+        settings = settings.with_overrides("flag", snapkv_budget=0)
+    elif args.kv_eviction == "snapkv" and not settings.snapkv_budget:
+        settings = settings.with_overrides("flag", snapkv_budget=AUTO_BUDGET)
+    try:
+        import uvicorn
+
+        from . import build_app
+    except ImportError as e:
+        raise EngineError(f"engine serve needs fastapi and uvicorn ({e}): run `make setup`") from None
+    sock = _listen(args.host, args.port)
+    model = Model(model_path_or_default(args.model), settings)
+    app = build_app(model, max_queue=args.max_queue, model_id=args.model_id)
+    host, port = sock.getsockname()[:2]
+    policy = model.snapkv.summary() if model.snapkv else "SnapKV off (per request: kv_budget)"
+    print(f"engine serve: {app.state.scheduler.model.path} on {model.backend.name}, context {model.ctx}; "
+          f"{policy}", file=sys.stderr)
+    print(f"engine serve: listening on http://{_url_host(host)}:{port}/v1", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a taken port fails at once, in one line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise EngineError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise EngineError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

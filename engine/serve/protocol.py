@@ -1,0 +1,158 @@
+"""The OpenAI wire protocol: request bodies as pydantic models (strict JSON types),
+the response, chunk and error shapes. Our extensions are marked "extension".
+
+Types are checked here (strict: "5" is not an integer, true is not a number);
+values that follow the engine's own rules (sampling, SnapKV settings, KV dtype)
+are checked where the job is built (engine/serve/jobs.py), by the same code the
+command line uses.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Extension: per-request SnapKV settings, body field -> Settings field (config.py).
+KV_FIELDS = {
+    "kv_budget": "snapkv_budget",          # rows kept per layer; 0 = no eviction for this request
+    "kv_window": "snapkv_window",
+    "kv_recency": "snapkv_recency",
+    "kv_sinks": "snapkv_sinks",
+    "kv_kernel": "snapkv_kernel",
+    "kv_pool": "snapkv_pool",
+    "kv_granularity": "snapkv_granularity",
+    "kv_min_tokens": "snapkv_min_tokens",
+}
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do (clients send many),
+    # except misspelt `kv_*` extensions, which are refused (jobs.py).
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Common(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)     # OpenAI's default; 0 = greedy
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0)                                     # extension; 0 = off
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False                                        # extension (as vLLM, llama.cpp)
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extension: this request's eviction policy and KV row format
+    kv_budget: int | None = None
+    kv_window: int | None = None
+    kv_recency: int | None = None
+    kv_sinks: int | None = None
+    kv_kernel: int | None = None
+    kv_pool: str | None = None
+    kv_granularity: str | None = None
+    kv_min_tokens: int | None = None
+    kv_dtype: str | None = None
+
+
+TokenIds = list[int]
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    max_tokens: int | None = Field(16, ge=1)                        # OpenAI's default for completions
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)          # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+
+# -- responses ---------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def completion(rid: str, model: str, created: int, text: str, finish_reason: str, usage: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def chat_completion(rid: str, model: str, created: int, text: str, finish_reason: str, usage: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, usage: dict) -> dict:
+    """The last chunk with stream_options.include_usage: no choices, the usage."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+
+
+def model_list(model_id: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                        "owned_by": "snapkv-engine"}]}
+
+
+def error(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's JSON: {"error": {message, type, param, code}}."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "server_overloaded",
+             500: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error(self.message, self.TYPES.get(self.status, "server_error"), self.param, self.code)

@@ -1,0 +1,461 @@
+"""`engine serve`: the OpenAI-compatible server, driven with the official `openai`
+client against a server started here on a loopback port (in-process, so a test can
+hold the worker still; one test starts the real `engine serve` command).
+
+Every wait is bounded: `wait_until` polls at most WAIT_S seconds, every client
+call has a timeout, and a held worker is released after HOLD_S seconds at most.
+"""
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+import engine  # noqa: E402
+from engine.serve import build_app  # noqa: E402
+from engine.snapkv import SnapKvConfig  # noqa: E402
+
+CTX = 1024
+WAIT_S = 20.0          # longest any poll waits
+HOLD_S = 30.0          # longest a held worker stays held
+DOC = ("The archive of the harbour office lists every ship that arrived in the spring. "
+       "The Marigold came from Lisbon with wine, the Heron from Bergen with dried fish, "
+       "and the Starling from Genoa with paper and glass. ") * 3 + \
+      "The harbour master's secret code is 4711. Question: what is the secret code? Answer: the code is"
+KV = dict(kv_budget=64, kv_window=32, kv_sinks=4, kv_kernel=31, kv_pool="avg", kv_granularity="head",
+          kv_min_tokens=128)
+KV_POLICY = SnapKvConfig(budget=64, window=32, sinks=4, kernel=31, pool="avg", granularity="head", min_tokens=128)
+
+
+def wait_until(predicate, what: str, timeout: float = WAIT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Served:
+    def __init__(self, url: str, app, model):
+        self.url, self.app, self.model = url, app, model
+        self.scheduler = app.state.scheduler
+
+    def client(self, **kw):
+        return openai.OpenAI(**{"base_url": self.url + "/v1", "api_key": "unused", "max_retries": 0,
+                                "timeout": 120, **kw})
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def post_raw(self, path: str, data: bytes, content_type: str = "application/json"):
+        """(status, JSON body) of a POST with this exact body."""
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def idle(self) -> bool:
+        s = self.get("/state")
+        return not s["running"] and s["waiting"] == 0 and s["caches_held"] == 0
+
+
+@pytest.fixture(scope="module")
+def served(default_model_path):
+    model = engine.load(default_model_path, ctx=CTX, snapkv_budget=0)
+    app = build_app(model, max_queue=1)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the server to start")
+    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", app, model)
+    server.should_exit = True
+    thread.join(10)
+
+
+class Reference:
+    """A second, independent model: what `engine.load(...).generate` says (each answer
+    computed once per module)."""
+
+    def __init__(self, model):
+        self.model, self._answers = model, {}
+
+    def generate(self, prompt, **kw):
+        key = repr((prompt, sorted(kw.items())))
+        if key not in self._answers:
+            self._answers[key] = self.model.generate(prompt, **kw)
+        return self._answers[key]
+
+    def tokenize(self, text, **kw):
+        return self.model.tokenize(text, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_path):
+    return Reference(engine.load(default_model_path, ctx=CTX, snapkv_budget=0))
+
+
+@pytest.fixture(autouse=True)
+def _idle_after(request):
+    yield
+    if "served" in request.fixturenames:
+        s = request.getfixturevalue("served")
+        wait_until(s.idle, "the server to be idle")      # no test leaves a request or cache behind
+
+
+@contextlib.contextmanager
+def held_worker(model):
+    """Hold the worker before every decode step until the gate opens (HOLD_S at most)."""
+    gate = threading.Event()
+    real = model.forward.decode
+
+    def decode(token, cache):
+        gate.wait(HOLD_S)
+        return real(token, cache)
+
+    model.forward.decode = decode
+    try:
+        yield gate
+    finally:
+        gate.set()
+        del model.forward.decode
+
+
+def stream_text(stream, chat: bool):
+    """(text, finish_reason, pieces) of a streamed response."""
+    pieces, reason = [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        piece = (c.delta.content or "") if chat else c.text
+        if piece:
+            pieces.append(piece)
+        reason = c.finish_reason or reason
+    return "".join(pieces), reason, pieces
+
+
+# -- endpoints ------------------------------------------------------------------------------------
+def test_health_and_models(served):
+    assert served.get("/health") == {"status": "ok"}
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+
+
+def test_completion_matches_generate(served, reference):
+    prompt = "The capital of France is"
+    want = reference.generate(prompt, max_tokens=8, temperature=0.0)
+    c = served.client()
+    r = c.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=8, temperature=0)
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
+    assert r.usage.prompt_tokens == len(reference.tokenize(prompt))
+    assert r.usage.completion_tokens == len(want.tokens)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    extra = r.usage.model_extra
+    assert extra["kv_bytes"] == extra["kv_bytes_full"] > 0 and extra["kv_policy"] is None
+    chunks = list(c.completions.create(prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, model="SmolLM2-135M-Instruct.Q4_1.gguf"))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.tokens) and not chunks[-1].choices
+    # token ids as the prompt give the same answer
+    r = c.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=reference.tokenize(prompt),
+                             max_tokens=8, temperature=0)
+    assert r.choices[0].text == want.text
+
+
+def test_chat_matches_generate(served, reference):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    want = reference.generate(messages, chat=True, max_tokens=12, temperature=0.0)
+    c = served.client()
+    r = c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=12,
+                                  temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == ("stop" if want.finish_reason == "stop" else "length")
+    stream = c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=12,
+                                       temperature=0, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    text, reason, _ = stream_text(stream, chat=True)
+    assert text == want.text and reason == r.choices[0].finish_reason
+    # content as a list of text parts, the same conversation
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]}]
+    r = c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=parts, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want.text
+
+
+def test_seeded_sampling_is_reproducible(served):
+    c = served.client()
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt="Once upon a time", max_tokens=6, temperature=0.9,
+              top_p=0.9, seed=7, extra_body={"top_k": 40})
+    assert c.completions.create(**kw).choices[0].text == c.completions.create(**kw).choices[0].text
+
+
+def test_stop_strings(served, reference):
+    prompt = "The capital of France is"
+    full = reference.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True).text
+    k = len(full) // 3
+    stop = full[k:k + 8]
+    assert len(reference.tokenize(stop, add_bos=False)) >= 2          # the stop string spans tokens
+    want = full[:full.find(stop)]
+    c = served.client()
+    common = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=16, temperature=0,
+                  extra_body={"ignore_eos": True})
+    r = c.completions.create(stop=stop, **common)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    text, reason, pieces = stream_text(c.completions.create(stop=["never appears", stop], stream=True, **common),
+                                       chat=False)
+    # nothing that could be the stop string's start was sent before it was ruled out
+    assert (text, reason) == (want, "stop") and len(pieces) >= 2
+    # a stop string whose start appears but not the rest: the held-back text comes out in the end
+    near = full[k:k + 3] + "\x01never"
+    text, reason, _ = stream_text(c.completions.create(stop=near, stream=True, **common), chat=False)
+    assert (text, reason) == (full, "length")
+
+
+def test_per_request_kv_budget(served, reference):
+    want = reference.generate(DOC, max_tokens=8, temperature=0.0, snapkv=KV_POLICY, ignore_eos=True)
+    full = reference.generate(DOC, max_tokens=8, temperature=0.0, ignore_eos=True)
+    c = served.client()
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt=DOC, max_tokens=8, temperature=0,
+              extra_body={"ignore_eos": True})
+    r = c.completions.create(**dict(kw, extra_body={**kw["extra_body"], **KV}))
+    u = r.usage.model_extra
+    assert r.usage.prompt_tokens > 128
+    assert u["kv_bytes"] < u["kv_bytes_full"] and u["kv_policy"].startswith("SnapKV budget 64")
+    assert r.choices[0].text == want.text
+    assert want.stats["snapkv"]["bytes_after"] == u["kv_bytes"]
+    off = c.completions.create(**dict(kw, extra_body={**kw["extra_body"], "kv_budget": 0}))
+    assert off.usage.model_extra["kv_bytes"] == off.usage.model_extra["kv_bytes_full"] == u["kv_bytes_full"]
+    assert off.choices[0].text == full.text
+
+
+# -- scheduling -----------------------------------------------------------------------------------
+def test_concurrent_streams(served, reference):
+    """Two streams at once, one evicting, one not: both complete with their sequential answers."""
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt=DOC, max_tokens=8, temperature=0,
+              extra_body={"ignore_eos": True})
+    want = {"evict": reference.generate(DOC, max_tokens=8, temperature=0.0, snapkv=KV_POLICY, ignore_eos=True).text,
+            "full": reference.generate(DOC, max_tokens=8, temperature=0.0, ignore_eos=True).text}
+    got, errors = {}, []
+
+    def run(name, extra):
+        try:
+            body = dict(kw, extra_body={**kw["extra_body"], **extra})
+            got[name] = stream_text(served.client().completions.create(stream=True, **body), chat=False)[0]
+        except Exception as e:      # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=("evict", KV)), threading.Thread(target=run, args=("full", {}))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and got == want
+
+
+def test_disconnect_mid_stream_frees_the_cache(served):
+    before = served.get("/state")["cancelled"]
+    stream = served.client().completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=DOC, max_tokens=400,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it), next(it)
+    assert served.get("/state")["caches_held"] == 1
+    stream.close()
+    wait_until(served.idle, "the cancelled request's cache to be freed")
+    s = served.get("/state")
+    assert s["cancelled"] == before + 1 and s["kv_bytes_held"] == 0
+
+
+def test_a_plain_request_whose_client_leaves_is_cancelled(served):
+    before = served.get("/state")["cancelled"]
+    with held_worker(served.model):
+        with pytest.raises(openai.APITimeoutError):
+            served.client(timeout=1.0).completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hello",
+                                                          max_tokens=50, temperature=0)
+        wait_until(lambda: any(r["cancelled"] for r in served.get("/state")["running"]),
+                   "the server to notice the client left")
+    wait_until(served.idle, "the cancelled request's cache to be freed")
+    assert served.get("/state")["cancelled"] == before + 1
+
+
+def test_queue_full_gives_503_and_a_queued_client_can_leave(served):
+    c = served.client()
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hello", max_tokens=3, temperature=0,
+              extra_body={"ignore_eos": True})
+    results = {}
+    with held_worker(served.model) as gate:
+        running = threading.Thread(target=lambda: results.update(a=c.completions.create(**kw)))
+        running.start()
+        wait_until(lambda: served.get("/state")["running"], "the first request to run")
+        waiting = c.completions.create(stream=True, **kw)               # queued behind it (max_queue 1)
+        assert served.get("/state")["waiting"] == 1
+        t0 = time.monotonic()
+        assert served.get("/health") == {"status": "ok"}                # the event loop is not blocked
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(**kw)
+        assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        waiting.close()                                                  # leaves the queue at once
+        wait_until(lambda: served.get("/state")["waiting"] == 0, "the queued request to leave")
+        queued = threading.Thread(target=lambda: results.update(b=c.completions.create(**kw)))
+        queued.start()                                                   # room again
+        wait_until(lambda: served.get("/state")["waiting"] == 1, "the next request to queue")
+        gate.set()
+        running.join(60)
+        queued.join(60)
+    assert results["a"].usage.completion_tokens == 3 and results["b"].choices[0].text == results["a"].choices[0].text
+    assert served.get("/state")["rejected"] >= 1
+
+
+def test_scheduler_interleaves_running_requests(tiny_llama):
+    """Round robin over running requests (max_running 2, not exposed yet: the next step
+    batches these decode steps): the steps alternate and each answer equals generate."""
+    from engine.generate import SamplingParams
+    from engine.serve.scheduler import Scheduler
+    from engine.serve.sequence import Delta, Finished, Job
+
+    model = engine.load(tiny_llama, snapkv_budget=0)
+    prompts = [[5, 6, 7, 8], [40, 41, 42]]
+    want = [model.generate(p, max_tokens=6, ignore_eos=True).text for p in prompts]
+    sched = Scheduler(model, max_queue=0, max_running=2)
+    texts, order, finished = ["", ""], [], threading.Semaphore(0)
+
+    def emit_for(i):
+        def emit(event):
+            if isinstance(event, Delta):
+                texts[i] += event.text
+                order.append(i)
+            elif isinstance(event, Finished):
+                finished.release()
+        return emit
+
+    for i, ids in enumerate(prompts):
+        sched.submit(Job(ids, SamplingParams(max_tokens=6, ignore_eos=True), None), emit_for(i))
+    sched.start()
+    try:
+        assert finished.acquire(timeout=WAIT_S) and finished.acquire(timeout=WAIT_S)
+    finally:
+        sched.stop()
+    assert texts == want
+    assert order[:4] in ([0, 1, 0, 1], [1, 0, 1, 0])
+    assert sched.state()["caches_held"] == 0 and sched.state()["completed"] == 2
+
+
+def test_an_engine_error_fails_one_request_not_the_server(served):
+    c = served.client()
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hello", max_tokens=4, temperature=0)
+
+    def broken(token, cache):
+        raise RuntimeError("injected failure")
+
+    served.model.forward.decode = broken
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(**kw)
+        assert "injected failure" in e.value.body["message"]
+        with pytest.raises(openai.APIError):
+            stream_text(c.completions.create(stream=True, **kw), chat=False)
+    finally:
+        del served.model.forward.decode
+    assert c.completions.create(**kw).usage.completion_tokens >= 1
+    assert served.get("/state")["failed"] >= 2
+
+
+# -- errors ---------------------------------------------------------------------------------------
+def test_bad_requests_get_openai_shaped_400s(served):
+    ok = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Hi", "max_tokens": 2}
+    cases = [
+        (b'{"prompt": "Hi", ', None),                                    # malformed JSON
+        (b'[1, 2]', None),
+        (json.dumps(dict(ok, max_tokens="2")).encode(), "max_tokens"),   # wrong types
+        (json.dumps(dict(ok, temperature="hot")).encode(), "temperature"),
+        (json.dumps(dict(ok, stream=1)).encode(), "stream"),
+        (json.dumps(dict(ok, prompt=7)).encode(), "prompt"),
+        (json.dumps({"max_tokens": 2}).encode(), "prompt"),              # missing
+        (json.dumps(dict(ok, temperature=-1)).encode(), "temperature"),  # bad values
+        (json.dumps(dict(ok, top_p=0)).encode(), "top_p"),
+        (json.dumps(dict(ok, max_tokens=0)).encode(), "max_tokens"),
+        (json.dumps(dict(ok, n=2)).encode(), "n"),
+        (json.dumps(dict(ok, stop=[""])).encode(), "stop"),
+        (json.dumps(dict(ok, prompt=[1, 10 ** 9])).encode(), "prompt"),
+        (json.dumps(dict(ok, prompt=["a", "b"])).encode(), "prompt"),
+        (json.dumps(dict(ok, kv_kernel=4)).encode(), "kv_kernel"),       # SnapKV rules, as the flags
+        (json.dumps(dict(ok, kv_budget=30)).encode(), "kv_budget"),
+        (json.dumps(dict(ok, kv_budget=-1)).encode(), "kv_budget"),
+        (json.dumps(dict(ok, kv_pool="median")).encode(), "kv_pool"),
+        (json.dumps(dict(ok, kv_budegt=100)).encode(), "kv_budegt"),
+        (json.dumps(dict(ok, kv_dtype="q2")).encode(), "kv_dtype"),
+        (json.dumps(dict(ok, prompt="word " * (CTX + 10))).encode(), "prompt"),   # longer than the context
+    ]
+    for body, param in cases:
+        status, answer = served.post_raw("/v1/completions", body)
+        assert status == 400, (body[:60], answer)
+        err = answer["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+        assert err["param"] == param and err["message"], (body[:60], err)
+    status, answer = served.post_raw("/v1/completions", json.dumps(dict(ok, prompt="word " * 2000)).encode())
+    assert answer["error"]["code"] == "context_length_exceeded"
+    status, answer = served.post_raw("/v1/chat/completions", json.dumps({"messages": []}).encode())
+    assert status == 400 and answer["error"]["param"] == "messages"
+    c = served.client()
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=2,
+                                  messages=[{"role": "user", "content": "x " * (CTX + 10)}])
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    status, answer = served.post_raw("/v1/no-such-route", b"{}")
+    assert status == 404 and answer["error"]["type"] == "not_found_error"
+    assert c.completions.create(**ok).usage.completion_tokens >= 1     # still serving
+
+
+# -- the command -----------------------------------------------------------------------------------
+def test_engine_serve_command(tiny_llama, tmp_path):
+    """The real `engine serve` in a subprocess: mlx-lm's flag spellings, eviction in usage."""
+    cmd = [sys.executable, "-m", "engine.cli", "serve", str(tiny_llama), "--port", "0", "--kv-eviction", "snapkv",
+           "--kv-budget", "48", "--kv-window", "8", "--kv-sink-tokens", "2", "--kv-min-tokens", "16"]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ))
+    try:
+        line = wait_until(lambda: next((l for l in log.read_text().splitlines() if "listening on" in l), None),
+                          "engine serve to listen", timeout=60)
+        url = line.split("listening on ", 1)[1].strip()
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        r = c.completions.create(model="tiny-llama", prompt=list(range(3, 200)), max_tokens=3, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        u = r.usage.model_extra
+        assert r.usage.completion_tokens == 3 and u["kv_bytes"] < u["kv_bytes_full"]
+        assert "budget 48 (window 8, recency 8, sinks 2)" in u["kv_policy"]
+        taken = url.rsplit(":", 1)[1].split("/")[0]
+        again = subprocess.run([sys.executable, "-m", "engine.cli", "serve", str(tiny_llama), "--port", taken],
+                               capture_output=True, text=True, timeout=60)
+        assert again.returncode == 1 and again.stderr.startswith(f"error: cannot listen on 127.0.0.1:{taken}")
+        assert again.stderr.count("\n") == 1
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
