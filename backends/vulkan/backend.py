@@ -16,6 +16,14 @@ one a shader may read what the previous dispatch is still writing (Vulkan sync
 validation reports it; tests/backends/test_vulkan_sync.py). Without the
 extension every dispatch is submitted alone, which is correct and slow. The CPU
 device (lavapipe) runs dispatches in order and needs neither.
+
+KV pages come in every row format of backends/kvformat.py (keys and values may
+differ): a pool is one buffer holding the pages' bytes unchanged, and each KV shader
+is compiled per format (shaders.kv_defines). tq rows live in a rotated basis: a small
+kv_rotate dispatch rotates rows before kv_write, queries before attention and votes
+over tq keys, and attention outputs over tq values back, with R = rotation(head_dim)
+uploaded once per head_dim; their rotated copies go to two scratch buffers the
+backend keeps (so the pipelines that bind them stay cached).
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from engine.errors import BackendUnavailable
 
 from . import shaders
 from ..base import check_kv_dtypes, rope_inv_freq
+from ..kvformat import KV_DTYPES, TQ_BITS, KvFormat, rotation
 from .arrays import Buffer, DeviceArray, to_words
 from .device import list_devices, manager, pick_device
 from .weights import VulkanWeight, load_weight
@@ -64,7 +73,7 @@ class VulkanBackend:
     CPU device, where buffers are host-visible and dispatches run in order)."""
 
     name = "vulkan"
-    kv_dtypes = ("bf16",)     # the shaders read bf16 pages only
+    kv_dtypes = KV_DTYPES
 
     def __init__(self, device: int | None = None, allow_cpu: bool = True, device_local: bool | None = None):
         if kp is None:
@@ -97,6 +106,8 @@ class VulkanBackend:
         self._keepalive: list = []                         # transient buffers of the pending batch
         self._dummy = self._buffer(np.zeros(1, np.uint32))
         self._rope_tables: dict = {}                       # (rot_dim, inv_freq) -> (DeviceArray, max positions)
+        self._rot_tables: dict = {}                        # head_dim -> f32 [2, hd, hd] (R^T, R) DeviceArray
+        self._rot_scratch: dict = {}                       # "a" | "b" -> Buffer (f32 words, grown on demand)
         self.bytes_to_device = 0                           # host<->device traffic counters
         self.bytes_to_host = 0
 
@@ -153,10 +164,10 @@ class VulkanBackend:
 
     def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim, k_dtype="bf16", v_dtype="bf16"):
         check_kv_dtypes(self, k_dtype, v_dtype)
-        if head_dim % 2:
-            raise BackendUnavailable(f"backend 'vulkan' needs an even head_dim, got {head_dim}")
-        shape = (n_pages, n_kv_heads, page_size, head_dim)
-        return self.alloc(shape, np.uint16), self.alloc(shape, np.uint16)
+        if head_dim % 2 or head_dim > 256:
+            raise BackendUnavailable(f"backend 'vulkan' needs an even head_dim <= 256, got {head_dim}")
+        return tuple(self.alloc(f.page_shape(n_pages, n_kv_heads, page_size), f.storage)
+                     for f in (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)))
 
     def synchronize(self) -> None:
         self.flush()
@@ -282,39 +293,113 @@ class VulkanBackend:
         push = _u32(n, n_heads, head_dim, rot_dim, int(bool(neox)), x.offset, x.row_stride, pos0, use)
         self._dispatch("rope", (), [x.buffer, table.buffer, pos_buf], (n_heads, n, 1), push)
 
+    # -- KV rows ------------------------------------------------------------------------
+    @staticmethod
+    def _kv_format(pages, dtype: str, head_dim: int, what: str) -> KvFormat:
+        """The pool's KvFormat, checked against the pages' storage and row width."""
+        fmt = KvFormat.get(dtype, head_dim)
+        if not isinstance(pages, DeviceArray) or pages.ndim != 4:
+            raise TypeError(f"vulkan {what}: expected 4-d KV pages (alloc_kv_pool/upload), got {pages!r}")
+        if pages.dtype != np.dtype(fmt.storage) or pages.shape[3] != fmt.row_width:
+            raise ValueError(f"vulkan {what}: {dtype} pages at head_dim {head_dim} have rows of "
+                             f"{fmt.row_width} {np.dtype(fmt.storage)}, got {pages.dtype} {pages.shape}")
+        if head_dim % 2 or head_dim > 256:
+            raise ValueError(f"vulkan {what}: head_dim must be even and <= 256, got {head_dim}")
+        return fmt
+
+    @staticmethod
+    def _row_bytes(pages) -> int:
+        return pages.shape[3] * pages.dtype.itemsize
+
+    def _rot_table(self, head_dim: int) -> DeviceArray:
+        """f32 [2, head_dim, head_dim]: R^T then R (R = kvformat.rotation), uploaded once."""
+        table = self._rot_tables.get(head_dim)
+        if table is None:
+            r = rotation(head_dim)
+            table = self._rot_tables[head_dim] = self.upload(np.stack([r.T, r]))
+        return table
+
+    def _rot_buffer(self, role: str, n: int, width: int) -> DeviceArray:
+        """Scratch f32 [n, width] for rotated rows; one buffer per role, kept and grown."""
+        buf = self._rot_scratch.get(role)
+        if buf is None or buf.n_words < n * width:
+            if buf is not None:
+                self._keepalive.append(buf)                # still bound by pending dispatches
+            buf = self._rot_scratch[role] = self._buffer(np.zeros(1 << max(10, (n * width - 1).bit_length()),
+                                                                  np.uint32))
+        return DeviceArray(buf, F32, (n, width))
+
+    def _rotate(self, x: DeviceArray, y: DeviceArray, n_heads: int, head_dim: int, back: bool) -> None:
+        """Each head_dim-wide head of x's rows -> y: R x (into the tq basis) or R^T x (back)."""
+        table = self._rot_table(head_dim)
+        push = _u32(head_dim, x.offset, x.row_stride, y.offset, y.row_stride,
+                    head_dim * head_dim if back else 0)
+        self._dispatch("kv_rotate", (), [x.buffer, table.buffer, y.buffer], (n_heads, x.shape[0], 1), push)
+
     def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int,
                  k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
         check_kv_dtypes(self, k_dtype, v_dtype)
         k, v = self._f32(k, "kv_write"), self._f32(v, "kv_write")
-        _, n_kv, page_size, head_dim = k_pages.shape
-        n = k.shape[0]
+        n_kv = k_pages.shape[1]
+        n, width = k.shape
+        head_dim = width // n_kv
+        if v.shape != (n, width) or width != n_kv * head_dim:
+            raise ValueError(f"vulkan kv_write: k {k.shape}, v {v.shape} for {n_kv} KV heads")
+        self._kv_format(k_pages, k_dtype, head_dim, "kv_write")
+        self._kv_format(v_pages, v_dtype, head_dim, "kv_write")
+        if n == 0:
+            return
+        if k_dtype in TQ_BITS:                             # tq rows are coded in the rotated basis
+            k, k_src = self._rot_buffer("a", n, width), k
+            self._rotate(k_src, k, n_kv, head_dim, back=False)
+        if v_dtype in TQ_BITS:
+            v, v_src = self._rot_buffer("b", n, width), v
+            self._rotate(v_src, v, n_kv, head_dim, back=False)
+        page_size = k_pages.shape[2]
         push = _u32(n, n_kv, head_dim, page_size, start_row, k.offset, k.row_stride, v.offset, v.row_stride)
-        self._dispatch("kv_write", (), [k_pages.buffer, v_pages.buffer, page_table.buffer, k.buffer, v.buffer],
-                       (n_kv, n, 1), push)
+        self._dispatch("kv_write", shaders.kv_defines(k_dtype, v_dtype),
+                       [k_pages.buffer, v_pages.buffer, page_table.buffer, k.buffer, v.buffer],
+                       (n_kv, n, 2), push)
 
-    def _attention(self, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window):
+    def _attention(self, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
+                   k_dtype, v_dtype):
+        check_kv_dtypes(self, k_dtype, v_dtype)
         q, out = self._f32(q, "attention"), self._f32(out, "attention")
-        _, n_kv, page_size, head_dim = k_pages.shape
-        if n_q_heads % n_kv or head_dim > 256 or window < 0:
-            raise ValueError(f"vulkan attention: {n_q_heads} query heads over {n_kv} KV heads, "
-                             f"head_dim {head_dim}, window {window}")
-        n = q.shape[0]
+        n_kv = k_pages.shape[1]
+        n, width = q.shape
+        head_dim = width // max(n_q_heads, 1)
+        if n_q_heads <= 0 or n_q_heads % n_kv or width != n_q_heads * head_dim or out.shape != q.shape \
+                or window < 0:
+            raise ValueError(f"vulkan attention: q {q.shape}, out {out.shape}, {n_q_heads} query heads "
+                             f"over {n_kv} KV heads, window {window}")
+        self._kv_format(k_pages, k_dtype, head_dim, "attention")
+        self._kv_format(v_pages, v_dtype, head_dim, "attention")
+        if n == 0:
+            return
+        if k_dtype in TQ_BITS:                             # score in the keys' basis: (R q) . y
+            q, q_src = self._rot_buffer("a", n, width), q
+            self._rotate(q_src, q, n_q_heads, head_dim, back=False)
+        o = self._rot_buffer("b", n, width) if v_dtype in TQ_BITS else out
+        page_size = k_pages.shape[2]
         push = _u32(n, n_q_heads, n_kv, head_dim, page_size, start_row, q.offset, q.row_stride,
-                    out.offset, out.row_stride, _fbits(scale), window)
-        self._dispatch("attention", (), [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, out.buffer],
+                    o.offset, o.row_stride, _fbits(scale), window)
+        self._dispatch("attention", shaders.kv_defines(k_dtype, v_dtype),
+                       [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, o.buffer],
                        (n_q_heads, n, 1), push)
+        if o is not out:                                   # sum_j p_j y_j back from the values' basis
+            self._rotate(o, out, n_q_heads, head_dim, back=True)
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,
                           k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
-        check_kv_dtypes(self, k_dtype, v_dtype)
-        self._attention(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window)
+        self._attention(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
+                        k_dtype, v_dtype)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
                          n_q_heads: int, scale: float, out, window: int = 0,
                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
-        check_kv_dtypes(self, k_dtype, v_dtype)
-        self._attention(q, k_pages, v_pages, page_table, n_rows - 1, n_q_heads, scale, out, window)
+        self._attention(q, k_pages, v_pages, page_table, n_rows - 1, n_q_heads, scale, out, window,
+                        k_dtype, v_dtype)
 
     def _eltwise(self, op: str, a, b, out, s: float = 0.0) -> None:
         """out = op(a, b) (b None for "scale", which multiplies by s) over [n, d] views."""
@@ -347,26 +432,40 @@ class VulkanBackend:
         check_kv_dtypes(self, k_dtype)
         if isinstance(q_window, np.ndarray):
             q_window = self._transient(np.ascontiguousarray(q_window, dtype=np.float32))
+        if q_window.ndim != 3 or not q_window.contiguous:
+            raise ValueError(f"vulkan snapkv_votes: q_window must be a contiguous [n_q_heads, W, head_dim], "
+                             f"got {q_window!r}")
         n_q_heads, window, head_dim = q_window.shape
+        self._kv_format(k_pages, k_dtype, head_dim, "snapkv_votes")
         n_kv, page_size = k_pages.shape[1], k_pages.shape[2]
         prefix = n_rows - window
         if prefix <= 0:
             return np.zeros((n_kv, max(prefix, 0)), np.float32)
+        q_buf, q_off = q_window.buffer, q_window.offset
+        if k_dtype in TQ_BITS:                             # window queries into the keys' basis
+            flat = DeviceArray(q_buf, F32, (n_q_heads * window, head_dim), q_off)
+            rotated = self._rot_buffer("a", n_q_heads * window, head_dim)
+            self._rotate(flat, rotated, 1, head_dim, back=False)
+            q_buf, q_off = rotated.buffer, 0
         stats = self._scratch(2 * n_q_heads * window)
         votes = self._scratch(n_kv * prefix)
-        push = _u32(n_q_heads, n_kv, head_dim, page_size, n_rows, window, q_window.offset, _fbits(scale))
-        bufs = [q_window.buffer, k_pages.buffer, page_table.buffer, stats, votes]
-        self._dispatch("snapkv_votes", ("PASS_STATS",), bufs, (n_q_heads, window, 1), push)
-        self._dispatch("snapkv_votes", ("PASS_VOTES",), bufs, (-(-prefix // 64), n_kv, 1), push)
+        push = _u32(n_q_heads, n_kv, head_dim, page_size, n_rows, window, q_off, _fbits(scale))
+        bufs = [q_buf, k_pages.buffer, page_table.buffer, stats, votes]
+        defines = shaders.kv_defines(k_dtype)
+        self._dispatch("snapkv_votes", ("PASS_STATS",) + defines, bufs, (n_q_heads, window, 1), push)
+        self._dispatch("snapkv_votes", ("PASS_VOTES",) + defines, bufs, (-(-prefix // 64), n_kv, 1), push)
         return self.download(DeviceArray(votes, F32, (n_kv, prefix)))
 
     def kv_gather(self, k_pages, v_pages, page_table, keep) -> None:
         keep = np.ascontiguousarray(keep, dtype=np.int32)
         n_kv, n_keep = keep.shape
-        head_dim, page_size = k_pages.shape[3], k_pages.shape[2]
+        if n_keep == 0:
+            return
+        page_size = k_pages.shape[2]
+        k_rb, v_rb = self._row_bytes(k_pages), self._row_bytes(v_pages)
         keep_dev = self._transient(keep)
-        tmp = self._scratch(2 * n_kv * n_keep * head_dim // 2)
-        push = _u32(n_kv, n_keep, head_dim, page_size)
+        tmp = self._scratch(n_kv * n_keep * (-(-k_rb // 4) + -(-v_rb // 4)))
+        push = _u32(n_kv, n_keep, k_rb, v_rb, page_size)
         bufs = [k_pages.buffer, v_pages.buffer, page_table.buffer, keep_dev.buffer, tmp]
         self._dispatch("kv_gather", ("PASS_GATHER",), bufs, (n_keep, n_kv, 1), push)
         self._dispatch("kv_gather", ("PASS_SCATTER",), bufs, (n_keep, n_kv, 1), push)
@@ -375,9 +474,13 @@ class VulkanBackend:
         pages = np.ascontiguousarray(pages, dtype=np.int32).reshape(-1)
         if pages.size == 0:
             return
-        _, n_kv, page_size, head_dim = src_k.shape
-        page_words = n_kv * page_size * head_dim // 2
+        if src_k.shape != dst_k.shape or src_v.shape != dst_v.shape \
+                or src_k.dtype != dst_k.dtype or src_v.dtype != dst_v.dtype:
+            raise ValueError(f"vulkan kv_copy_pages: pools differ: {src_k!r} / {dst_k!r}, {src_v!r} / {dst_v!r}")
+        _, n_kv, page_size, _ = src_k.shape
+        k_page, v_page = (n_kv * page_size * self._row_bytes(p) for p in (src_k, src_v))
         pages_dev = self._transient(pages)
-        push = _u32(pages.size, page_words)
+        push = _u32(pages.size, k_page, v_page)
+        words = max(k_page, v_page) // 4 + 2              # a page may straddle one more word
         self._dispatch("kv_copy_pages", (), [src_k.buffer, src_v.buffer, dst_k.buffer, dst_v.buffer,
-                                             pages_dev.buffer], (-(-page_words // 256), pages.size, 1), push)
+                                             pages_dev.buffer], (-(-words // 256), pages.size, 1), push)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from engine.errors import BackendUnavailable
 
+from ..kvformat import KV_DTYPES, TQ_BITS, boundaries, codebook
+
 SHADER_DIR = Path(__file__).resolve().parents[2] / "shaders"
 
 # qtype name -> #define used by quant.glsl (gguf.GGMLQuantizationType names)
@@ -31,11 +33,33 @@ MATMUL_TN = 2   # tokens per invocation of the mat-mat variant (best on lavapipe
 ELTWISE_OPS = {"add": "OP_ADD", "silu_gate": "OP_SILU_GATE", "gelu_gate": "OP_GELU_GATE", "scale": "OP_SCALE"}
 
 
+def _f32_list(values) -> str:
+    """f32 values as exact GLSL literals, comma-separated."""
+    return ",".join(repr(float(v)) for v in values)
+
+
+@lru_cache(maxsize=None)
+def kv_defines(k_dtype: str | None = None, v_dtype: str | None = None) -> tuple[str, ...]:
+    """The #defines of a KV shader variant (shaders/kv.glsl): K_FMT / V_FMT = the dtype's
+    index in kvformat.KV_DTYPES, and for tq dtypes the codebook and its boundaries."""
+    out = []
+    for name, dtype in (("K_FMT", k_dtype), ("V_FMT", v_dtype)):
+        if dtype is not None:
+            out.append(f"{name}={KV_DTYPES.index(dtype)}")
+    for bits in sorted({TQ_BITS[d] for d in (k_dtype, v_dtype) if d in TQ_BITS}, reverse=True):
+        out.append(f"TQ{bits}_LEVELS={_f32_list(codebook(bits))}")
+        out.append(f"TQ{bits}_BOUNDS={_f32_list(boundaries(bits))}")
+    return tuple(out)
+
+
 def variants() -> list[tuple[str, tuple[str, ...]]]:
     """Every (shader, defines) the backend can dispatch."""
-    out = [("rms_norm", ()), ("rope", ()), ("kv_write", ()), ("attention", ()),
-           ("snapkv_votes", ("PASS_STATS",)), ("snapkv_votes", ("PASS_VOTES",)),
+    out = [("rms_norm", ()), ("rope", ()), ("kv_rotate", ()),
            ("kv_gather", ("PASS_GATHER",)), ("kv_gather", ("PASS_SCATTER",)), ("kv_copy_pages", ())]
+    for k in KV_DTYPES:
+        out += [("snapkv_votes", ("PASS_STATS",) + kv_defines(k)), ("snapkv_votes", ("PASS_VOTES",) + kv_defines(k))]
+        for v in KV_DTYPES:
+            out += [("kv_write", kv_defines(k, v)), ("attention", kv_defines(k, v))]
     out += [("eltwise", (define,)) for define in ELTWISE_OPS.values()]
     for q in QTYPES:
         out.append(("embedding", (f"QTYPE_{q}",)))

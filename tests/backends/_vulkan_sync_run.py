@@ -1,11 +1,12 @@
 """Child process of test_vulkan_sync.py (validation layers are chosen when Vulkan
 starts, so they need a process of their own).
 
-    python _vulkan_sync_run.py MODEL.gguf barrier|submit|none
+    python _vulkan_sync_run.py MODEL.gguf barrier|submit|none [KV_DTYPE]
 
 Runs the model on Vulkan with device-local buffers, as on a GPU, with the given
-inter-dispatch sync: prefill, SnapKV compaction, a cache branch, decode. Prints
-one JSON line with the greedy tokens and the last logits."""
+inter-dispatch sync and KV row format (default bf16; e.g. tq4/tq3): prefill, SnapKV
+compaction, a cache branch, decode. Prints one JSON line with the greedy tokens and
+the last logits."""
 import json
 import sys
 
@@ -33,6 +34,7 @@ def run_sequence(model) -> dict:
 
 def main() -> None:
     path, mode = sys.argv[1], sys.argv[2]
+    kv_dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     if mode == "submit":
         vk_backend.OpGlobalBarrier = None                 # as if the extension were not built
 
@@ -44,7 +46,8 @@ def main() -> None:
         return b
 
     backends.get_backend = get_backend
-    model = engine.load(path, backend="vulkan", snapkv_budget=24, snapkv_window=8, snapkv_min_tokens=16)
+    model = engine.load(path, backend="vulkan", snapkv_budget=24, snapkv_window=8, snapkv_min_tokens=16,
+                        kv_dtype=kv_dtype)
     assert model.backend._sync == (None if mode == "none" else mode), model.backend._sync
     print(json.dumps(run_sequence(model)))
 

@@ -255,3 +255,98 @@ def test_attention_decode_window_cost_is_window_not_context(vk):
         return min(times[1:])
     full, windowed = best_of_3(0), best_of_3(64)
     assert windowed < 0.25 * full, f"window 64: {windowed * 1e3:.2f} ms, full: {full * 1e3:.2f} ms"
+
+
+# -- quantized KV rows: rounding edges and rows that do not fill whole words --------------
+def q_edge_rows(head_dim: int) -> np.ndarray:
+    """f32 [8, head_dim] rows whose 32-blocks hit q8_0 / q4_0 rounding edges: exact halves
+    after scaling (C roundf goes away from zero), 0.49999997, a largest |x| that is
+    negative or repeated, f16-subnormal and overflowing scales, zeros."""
+    rng = np.random.default_rng(21)
+    rows = rng.standard_normal((8, head_dim)).astype(np.float32)
+    halves = np.array([0.5, 1.5, -2.5, 3.5, -0.5, 0.49999997, -126.5, 126.5], np.float32)
+    rows[0, :8], rows[0, 8] = halves, 127.0                        # q8_0: d = 1, inv = 1
+    rows[1, :8], rows[1, 8] = halves / 2, -8.0                     # q4_0: d = 1 (first max)
+    rows[1, 9] = 8.0                                               # |x| ties: the first one wins
+    rows[2] *= np.float32(2.0 ** -21)                              # f16-subnormal scales
+    rows[3] *= np.float32(3e5)                                     # scales past f16 max: inf
+    rows[4] = 0.0
+    rows[5] *= np.float32(2.0 ** -30)                              # scales below f16's smallest
+    rows[6] = np.float32(1.0) / np.arange(1, head_dim + 1, dtype=np.float32)
+    rows[7] *= np.logspace(-4, 4, head_dim).astype(np.float32)
+    return rows
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")          # the oracle's f16 overflow
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_kv_write_q_blocks_bit_exact_at_rounding_edges(vk, dtype):
+    from backends.kvformat import KvFormat
+    head_dim, n_kv = 64, 2
+    fmt = KvFormat.get(dtype, head_dim)
+    rows = q_edge_rows(head_dim)                                   # 8 rows -> 4 tokens x 2 heads
+    k = rows.reshape(4, n_kv * head_dim)
+    pages = np.full(fmt.page_shape(2, n_kv, 3), 0xFF, np.uint8)
+    table = np.array([1, 0], np.int32)
+    dk, dv = vk.upload(pages), vk.upload(pages)
+    vk.kv_write(dk, dv, vk.upload(table), vk.upload(k), vk.upload(k[:, ::-1].copy()), 0, dtype, dtype)
+    got = vk.download(dk)
+    want = pages.copy()
+    REF.kv_write(want, pages.copy(), table, k, k[:, ::-1].copy(), 0, dtype, dtype)
+    np.testing.assert_array_equal(got, want)
+    # a row attended alone reads back exactly as KvFormat.dequantize (subnormal scales too;
+    # rows with an inf scale left out)
+    for t in range(4):
+        row = want[table[t // 3], :, t % 3]                            # [n_kv, row_bytes]
+        q = np.zeros((1, n_kv * head_dim), np.float32)
+        out = vk.alloc((1, n_kv * head_dim))
+        dpages = vk.upload(row.reshape(1, n_kv, 1, -1))
+        vk.attention_decode(vk.upload(q), dpages, dpages, vk.upload(np.zeros(1, np.int32)), 1, n_kv, 1.0,
+                            out, 0, dtype, dtype)
+        got, exact = vk.download(out).reshape(n_kv, head_dim), fmt.dequantize(row)
+        finite = np.isfinite(exact).all(axis=1)
+        np.testing.assert_array_equal(got[finite], exact[finite])
+
+
+def test_kv_ops_on_rows_of_odd_byte_widths(vk):
+    """tq3 / tq4 at head_dim 24: rows of 11 and 14 bytes (scales straddle words, rows share
+    words), pages of 33 / 42 bytes (pages share words): write, attend, vote, gather, copy."""
+    import math
+
+    from test_ops import assert_rows_written, filled_pool, make_pool, random_keep
+    kv, n_q, n_kv, hd, ps, n_rows = ("tq3", "tq4"), 2, 1, 24, 3, 20
+    rng = np.random.default_rng(8)
+    k_pages, v_pages, table = make_pool(rng, n_rows, n_kv, ps, hd, kv=kv)
+    k = rng.standard_normal((n_rows, hd)).astype(np.float32)
+    v = rng.standard_normal((n_rows, hd)).astype(np.float32)
+    dk, dv, dt = vk.upload(k_pages), vk.upload(v_pages), vk.upload(table)
+    vk.kv_write(dk, dv, dt, vk.upload(k[:7]), vk.upload(v[:7]), 0, *kv)     # two chunks
+    vk.kv_write(dk, dv, dt, vk.upload(k[7:]), vk.upload(v[7:]), 7, *kv)
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    REF.kv_write(want_k, want_v, table, k, v, 0, *kv)
+    assert_rows_written(vk.download(dk), want_k, kv[0], hd)
+    assert_rows_written(vk.download(dv), want_v, kv[1], hd)
+
+    k_pages, v_pages, table = filled_pool(rng, n_rows, n_kv, ps, hd, kscale=2.0, kv=kv)
+    dk, dv, dt = vk.upload(k_pages), vk.upload(v_pages), vk.upload(table)
+    q = rng.standard_normal((5, n_q * hd)).astype(np.float32)
+    out, want = vk.alloc(q.shape), np.empty(q.shape)
+    vk.attention_prefill(vk.upload(q), dk, dv, dt, n_rows - 5, n_q, 1 / math.sqrt(hd), out, 0, *kv)
+    REF.attention_prefill(q, k_pages, v_pages, table, n_rows - 5, n_q, 1 / math.sqrt(hd), want, 0, *kv)
+    assert nmse(vk.download(out), want) < 1e-8
+    qw = rng.standard_normal((n_q, 4, hd)).astype(np.float32)
+    votes = vk.snapkv_votes(vk.upload(qw), dk, dt, n_rows, 0.3, kv[0])
+    assert nmse(votes, REF.snapkv_votes(qw, k_pages, table, n_rows, 0.3, kv[0])) < 1e-8
+
+    dst_k, dst_v = make_pool(rng, n_rows, n_kv, ps, hd, kv=kv)[:2]
+    pages = np.sort(table[[0, 1, 2, 5]]).astype(np.int32)                   # neighbouring pages
+    ck, cv = vk.upload(dst_k), vk.upload(dst_v)
+    vk.kv_copy_pages(dk, dv, ck, cv, pages)
+    REF.kv_copy_pages(k_pages, v_pages, dst_k, dst_v, pages)
+    np.testing.assert_array_equal(vk.download(ck), dst_k)
+    np.testing.assert_array_equal(vk.download(cv), dst_v)
+
+    keep = random_keep(rng, n_kv, n_rows, 9, window=3)
+    vk.kv_gather(dk, dv, dt, keep)
+    REF.kv_gather(k_pages, v_pages, table, keep)
+    np.testing.assert_array_equal(vk.download(dk), k_pages)
+    np.testing.assert_array_equal(vk.download(dv), v_pages)

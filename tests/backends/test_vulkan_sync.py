@@ -1,8 +1,10 @@
 """Vulkan synchronization between dependent dispatches, checked by the Khronos
 synchronization validation layer on lavapipe with device-local buffers (what a GPU
 gets): prefill, SnapKV compaction, a cache branch and decode record no hazard with
-the global barrier (and with one submission per dispatch), the validator does flag
-the race when the barrier is left out, and the results match the CPU backend."""
+the global barrier (and with one submission per dispatch), also with quantized KV
+pages (tq4 keys / tq3 values: the rotations before and after attention, rows that
+share words), the validator does flag the race when the barrier is left out, and the
+results match the CPU backend."""
 from __future__ import annotations
 
 import json
@@ -27,11 +29,11 @@ pytestmark = [
 ]
 
 
-def run_child(model: str, mode: str) -> tuple[str, dict | None]:
+def run_child(model: str, mode: str, kv_dtype: str = "bf16") -> tuple[str, dict | None]:
     env = dict(os.environ, VK_INSTANCE_LAYERS="VK_LAYER_KHRONOS_validation",
                VK_LAYER_SETTINGS_PATH=os.path.join(ROOT, "tests", "fixtures"),
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_vulkan_sync_run.py"), model, mode],
+    r = subprocess.run([sys.executable, os.path.join(HERE, "_vulkan_sync_run.py"), model, mode, kv_dtype],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     result = next((json.loads(line) for line in r.stdout.splitlines() if line.startswith('{"tokens"')), None)
@@ -40,21 +42,34 @@ def run_child(model: str, mode: str) -> tuple[str, dict | None]:
 
 @pytest.fixture(scope="module")
 def cpu_reference(tiny_llama):
+    """kv_dtype -> run_sequence on the CPU backend (computed once per dtype)."""
     import engine
-    model = engine.load(str(tiny_llama), backend="cpu", snapkv_budget=24, snapkv_window=8, snapkv_min_tokens=16)
-    return run_sequence(model)
+    runs = {}
+
+    def get(kv_dtype: str) -> dict:
+        if kv_dtype not in runs:
+            model = engine.load(str(tiny_llama), backend="cpu", snapkv_budget=24, snapkv_window=8,
+                                snapkv_min_tokens=16, kv_dtype=kv_dtype)
+            runs[kv_dtype] = run_sequence(model)
+        return runs[kv_dtype]
+    return get
 
 
-@pytest.mark.parametrize("mode", ["barrier", "submit"])
-def test_no_hazards_and_cpu_results(tiny_llama, cpu_reference, mode):
-    out, got = run_child(str(tiny_llama), mode)
+# bf16 in both sync modes; quantized pages with the barrier (tq4 rows of head_dim 16
+# are 10 bytes, so neighbouring rows share words). Tolerance: f32 sums in a different
+# order; with tq rows a code at a near-tie of the rotated row may also differ from CPU's
+# (see test_ops' kv_write tolerance), which moves a logit by ~1e-2 at most here.
+@pytest.mark.parametrize("mode,kv_dtype,tol", [("barrier", "bf16", 1e-4), ("submit", "bf16", 1e-4),
+                                               ("barrier", "tq4/tq3", 2e-2)])
+def test_no_hazards_and_cpu_results(tiny_llama, cpu_reference, mode, kv_dtype, tol):
+    out, got = run_child(str(tiny_llama), mode, kv_dtype)
     hazards = [line for line in out.splitlines() if "SYNC-HAZARD" in line or "Validation Error" in line]
     assert not hazards, "\n".join(hazards[:5])
     assert got is not None, out[-2000:]
-    ref = cpu_reference
+    ref = cpu_reference(kv_dtype)
     assert got["tokens"] == ref["tokens"] and got["rows"] == ref["rows"]
-    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(got["branch"], ref["branch"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=tol, atol=tol)
+    np.testing.assert_allclose(got["branch"], ref["branch"], rtol=tol, atol=tol)
 
 
 def test_validator_sees_the_race_without_a_barrier(tiny_llama):
