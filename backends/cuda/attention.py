@@ -1,20 +1,28 @@
 """Attention ops of the CUDA backend: causal prefill attention, flash-decoding and the
 SnapKV window votes; argument lists, launch geometry and scratch of
-kernels/attention.cu and kernels/snapkv_votes.cu.
+kernels/attention.cu, kernels/snapkv_votes.cu and kernels/rotate.cu.
 
-KV pools are uint16 [n_pages, n_kv, page_size, head_dim] (bf16 bits), which the
-kernels read as u32 words of bf16 pairs; page_table is int32 [max_pages]. Queries
-and outputs are f32 [n, n_q_heads * head_dim] (row-strided views allowed). Scratch
-lives in `ex.cache`, allocated once and grown when a call needs more, so a decode
-token allocates and uploads nothing.
+KV pools are pages of any KV row format (kvrows.py: uint16 [n_pages, n_kv, page_size,
+head_dim] bf16 bits, or uint8 [.., row_bytes] quantized rows), named by the ops'
+k_dtype / v_dtype; the kernels are compiled per format pair (kvrows.defines) and read
+the rows as stored. tq keys: the queries are rotated once (rotate.cu, into scratch)
+before the kernels score them against the rotated rows; tq values: the output comes out
+in the rotated basis and is rotated back once per head (the decode combine, or
+rotate.cu in place after prefill). page_table is int32 [max_pages]. Queries and outputs
+are f32 [n, n_q_heads * head_dim] (row-strided views allowed). Scratch lives in
+`ex.cache`, allocated once and grown when a call needs more, so a decode token
+allocates and uploads nothing.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..kvformat import KV_DTYPES
+from . import kvrows
 from .elementwise import row_stride
 
-VARIANTS = [("attention.cu", ()), ("snapkv_votes.cu", ())]
+VARIANTS = ([("attention.cu", kvrows.defines(k, v)) for k in KV_DTYPES for v in KV_DTYPES]
+            + [("snapkv_votes.cu", kvrows.defines(k)) for k in KV_DTYPES] + [("rotate.cu", ())])
 
 _i32, _f32 = np.int32, np.float32
 MAX_HEAD_DIM = 256
@@ -39,13 +47,19 @@ SNAP_QC = 32                 # window queries per block (query chunk)
 SNAP_RT = 32                 # cache rows per tile
 SNAP_TARGET_BLOCKS = 512     # the stats pass splits the rows until it has about this many blocks
 
+# Rotations (rotate.cu): a block per vector (rotate_vectors_1) up to this many vectors, else 8 per block.
+ROT_THREADS = 128
+ROT_ONE_MAX = 64
 
-def _kv_dims(k_pages, v_pages, n_q_heads: int, op: str) -> tuple[int, int, int]:
+
+def _kv_dims(k_pages, v_pages, n_q_heads: int, op: str, k_dtype: str = "bf16",
+             v_dtype: str = "bf16") -> tuple[int, int, int]:
     """(n_kv, page_size, head_dim) of the pools, after checking what the kernels assume."""
-    if k_pages.ndim != 4 or k_pages.dtype != np.uint16 or (v_pages is not None and v_pages.shape != k_pages.shape):
-        raise ValueError(f"cuda {op}: KV pools must be uint16 [n_pages, n_kv, page_size, head_dim], got "
-                         f"{k_pages.dtype} {k_pages.shape}" + ("" if v_pages is None else f" and {v_pages.shape}"))
-    _, n_kv, page_size, head_dim = k_pages.shape
+    head_dim = kvrows.head_dim_of(k_pages, k_dtype, op)
+    if v_pages is not None and (kvrows.head_dim_of(v_pages, v_dtype, op) != head_dim
+                                or v_pages.shape[:3] != k_pages.shape[:3]):
+        raise ValueError(f"cuda {op}: K and V pools differ: {k_dtype} {k_pages.shape}, {v_dtype} {v_pages.shape}")
+    _, n_kv, page_size, _ = k_pages.shape
     if head_dim % 2 or not 2 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"cuda {op}: head_dim must be even and at most {MAX_HEAD_DIM}, got {head_dim}")
     if n_q_heads < 1 or n_q_heads % n_kv:
@@ -75,6 +89,21 @@ def _scratch(ex, key: str, n_floats: int):
     return buf
 
 
+def rotate(ex, x, x_stride, out, out_stride, table, n_vec: int, n_heads: int, head_dim: int) -> None:
+    """Vector v = (row v // n_heads, head v % n_heads) of x -> out: out_v[p] = sum_k
+    table[k, p] x_v[k] (table rot_t: R x; rot: R^T x). out may be x (in place)."""
+    if n_vec <= ROT_ONE_MAX:
+        name, grid = "rotate_vectors_1", n_vec
+    else:
+        name, grid = "rotate_vectors_8", -(-n_vec // 8)
+    ex.function("rotate.cu", name)((grid,), (ROT_THREADS,), (x, _i32(x_stride), out, _i32(out_stride), table,
+                                                              _i32(n_vec), _i32(n_heads), _i32(head_dim)))
+
+
+def _codebooks(ex, *dtypes):
+    return tuple(kvrows.codebook_dev(ex, d) for d in dtypes)
+
+
 # -- prefill -------------------------------------------------------------------------------
 
 def prefill_kernel(head_dim: int) -> tuple[str, int]:
@@ -82,19 +111,26 @@ def prefill_kernel(head_dim: int) -> tuple[str, int]:
     return next((name, bq) for max_hd, name, bq in PREFILL_KERNELS if head_dim <= max_hd)
 
 
-def prefill_smem_bytes(bq: int, head_dim: int) -> int:
-    """Dynamic shared memory of attention_prefill_d*: Q [BQ][head_dim] f32, one K-or-V tile
-    [32][head_dim/2 | 1] u32, S [BQ][32 + 16/QT] f32 (QT = BQ/8), m, l, alpha [BQ] f32."""
+def prefill_smem_bytes(bq: int, head_dim: int, k_dtype: str = "bf16", v_dtype: str = "bf16") -> int:
+    """Dynamic shared memory of attention_prefill_d* (PrefillShape in attention.cu): Q
+    [BQ][head_dim] f32, one K-or-V tile of units [32][ws] u32 (ws: the larger of the two
+    formats' head_dim/unit | 1; bf16: head_dim/2 | 1) and scales [32][ss] f32 (n_scales | 1
+    of the scaled formats), S [BQ][32 + 16/QT] f32 (QT = BQ/8), m, l, alpha [BQ] f32, and
+    the two codebooks [32] f32 when a format is tq."""
     qt = bq // 8
-    return 4 * (bq * head_dim + PRE_BK * ((head_dim // 2) | 1) + bq * (PRE_BK + 16 // qt) + 3 * bq)
+    fmts = (kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype])
+    ws = max((head_dim // f.unit) | 1 for f in fmts)
+    ss = max((f.n_scales(head_dim) | 1) if f.scaled else 0 for f in fmts)
+    cb = 32 if any(f.rotated for f in fmts) else 0
+    return 4 * (bq * head_dim + PRE_BK * (ws + ss) + bq * (PRE_BK + 16 // qt) + 3 * bq + cb)
 
 
 def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_heads: int, scale: float,
-                      out, window: int = 0) -> None:
+                      out, window: int = 0, k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
     """q, out: f32 [n, n_q_heads*head_dim]; query i sees rows 0 .. start_row + i, or with
     window > 0 only rows max(0, start_row + i - window + 1) .. start_row + i (a block's
     tiles start at its first query's lowest row: O(window) tiles per block)."""
-    n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_prefill")
+    n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_prefill", k_dtype, v_dtype)
     n = q.shape[0]
     _check_rows(q, n, n_q_heads * head_dim, "q", "attention_prefill")
     _check_rows(out, n, n_q_heads * head_dim, "out", "attention_prefill")
@@ -103,13 +139,24 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
     if n == 0:
         return
     _check_table(page_table, page_size, start_row + n, "attention_prefill")
+    k_spec, v_spec = kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype]
+    width = n_q_heads * head_dim
+    q_in, q_stride = q, row_stride(q)
+    if k_spec.rotated:                               # q' = R q, once per query head
+        q_in, q_stride = _scratch(ex, "attention_prefill_q", n * width)[:n * width].reshape(n, width), width
+        rotate(ex, q, row_stride(q), q_in, q_stride, kvrows.rotation(ex, head_dim)[0], n * n_q_heads,
+               n_q_heads, head_dim)
     name, bq = prefill_kernel(head_dim)
     grid, block = (-(-n // bq), n_q_heads), (PRE_THREADS,)
-    ex.function("attention.cu", name)(
+    ex.function("attention.cu", name, kvrows.defines(k_dtype, v_dtype))(
         grid, block,
-        (q, row_stride(q), k_pages, v_pages, page_table, out, row_stride(out), _i32(n), _i32(start_row),
-         _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(window), _f32(scale)),
-        shared_mem=prefill_smem_bytes(bq, head_dim))
+        (q_in, _i32(q_stride), k_pages, v_pages, page_table, *_codebooks(ex, k_dtype, v_dtype), out,
+         row_stride(out), _i32(n), _i32(start_row), _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size),
+         _i32(window), _f32(scale)),
+        shared_mem=prefill_smem_bytes(bq, head_dim, k_dtype, v_dtype))
+    if v_spec.rotated:                               # out = R^T y, in place
+        rotate(ex, out, row_stride(out), out, row_stride(out), kvrows.rotation(ex, head_dim)[1], n * n_q_heads,
+               n_q_heads, head_dim)
 
 
 # -- decode ----------------------------------------------------------------------------------
@@ -127,10 +174,10 @@ def decode_geometry(n_rows: int, n_q_heads: int, n_kv: int) -> tuple[int, int, i
 
 
 def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads: int, scale: float,
-                     out, window: int = 0) -> None:
+                     out, window: int = 0, k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
     """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1, or with window > 0
     rows max(0, n_rows - window) .. n_rows-1: the splits cover only those."""
-    n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_decode")
+    n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_decode", k_dtype, v_dtype)
     _check_rows(q, 1, n_q_heads * head_dim, "q", "attention_decode")
     _check_rows(out, 1, n_q_heads * head_dim, "out", "attention_decode")
     if n_rows < 1 or window < 0:
@@ -143,13 +190,22 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
     n_acc = n_q_heads * n_splits * head_dim
     buf = _scratch(ex, "attention_decode", n_q_heads * DEC_MAX_SPLITS * (head_dim + 2))
     part_acc, part_ml = buf[:n_acc], buf[n_acc:n_acc + 2 * n_q_heads * n_splits]
-    ex.function("attention.cu", "attention_decode_split")(
+    k_spec, v_spec = kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype]
+    defines = kvrows.defines(k_dtype, v_dtype)
+    if k_spec.rotated:                               # q' = R q, once per query head
+        width = n_q_heads * head_dim
+        q_rot = _scratch(ex, "attention_decode_q", width)[:width].reshape(1, width)
+        rotate(ex, q, width, q_rot, width, kvrows.rotation(ex, head_dim)[0], n_q_heads, n_q_heads, head_dim)
+        q = q_rot
+    ex.function("attention.cu", "attention_decode_split", defines)(
         (n_kv * n_chunks, n_splits), (DEC_THREADS,),
-        (q, k_pages, v_pages, page_table, out, part_acc, part_ml, _i32(row0), _i32(n_rows), _i32(rows_per_split),
-         _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(heads_per_block), _f32(scale)))
-    if n_splits > 1:                                 # with one split the first kernel wrote out
-        ex.function("attention.cu", "attention_decode_combine")(
-            (n_q_heads,), (DEC_THREADS,), (part_acc, part_ml, out, _i32(n_splits), _i32(head_dim)))
+        (q, k_pages, v_pages, page_table, *_codebooks(ex, k_dtype, v_dtype), out, part_acc, part_ml, _i32(row0),
+         _i32(n_rows), _i32(rows_per_split), _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size),
+         _i32(heads_per_block), _f32(scale)))
+    if n_splits > 1 or v_spec.rotated:               # else the first kernel wrote out
+        v_rot = kvrows.rotation(ex, head_dim)[1] if v_spec.rotated else part_ml     # any pointer: unread
+        ex.function("attention.cu", "attention_decode_combine", defines)(
+            (n_q_heads,), (DEC_THREADS,), (part_acc, part_ml, v_rot, out, _i32(n_splits), _i32(head_dim)))
 
 
 # -- SnapKV votes --------------------------------------------------------------------------
@@ -164,7 +220,7 @@ def votes_geometry(n_rows: int, n_queries: int, n_kv: int) -> tuple[int, int, in
     return n_qchunks, -(-n_tiles // tiles_per_split), tiles_per_split * SNAP_RT
 
 
-def snapkv_votes(ex, q_window, k_pages, page_table, n_rows: int, scale: float) -> np.ndarray:
+def snapkv_votes(ex, q_window, k_pages, page_table, n_rows: int, scale: float, k_dtype: str = "bf16") -> np.ndarray:
     """q_window: f32 [n_q_heads, W, head_dim] (executor array, or host numpy: uploaded);
     returns host f32 [n_kv, n_rows - W] (see Backend.snapkv_votes)."""
     if isinstance(q_window, np.ndarray):
@@ -173,7 +229,7 @@ def snapkv_votes(ex, q_window, k_pages, page_table, n_rows: int, scale: float) -
         raise ValueError(f"cuda snapkv_votes: q_window must be contiguous f32 [n_q_heads, W, head_dim], got "
                          f"{q_window.dtype} {q_window.shape}")
     n_q_heads, window, q_dim = q_window.shape
-    n_kv, page_size, head_dim = _kv_dims(k_pages, None, n_q_heads, "snapkv_votes")
+    n_kv, page_size, head_dim = _kv_dims(k_pages, None, n_q_heads, "snapkv_votes", k_dtype)
     if q_dim != head_dim:
         raise ValueError(f"cuda snapkv_votes: q_window head_dim {q_dim} != the cache's {head_dim}")
     if not 1 <= window <= n_rows:
@@ -188,11 +244,18 @@ def snapkv_votes(ex, q_window, k_pages, page_table, n_rows: int, scale: float) -
     n_stats = n_q_heads * window * n_splits * 2
     buf = _scratch(ex, "snapkv_votes", n_stats + n_kv * prefix)
     stats, votes = buf[:n_stats], buf[n_stats:n_stats + n_kv * prefix]
+    if kvrows.SPECS[k_dtype].rotated:                # q' = R q for every window query
+        n_vec = n_q_heads * window
+        q_rot = _scratch(ex, "snapkv_votes_q", n_vec * head_dim)[:n_vec * head_dim].reshape(n_vec, head_dim)
+        rotate(ex, q_window.reshape(n_vec, head_dim), head_dim, q_rot, head_dim, kvrows.rotation(ex, head_dim)[0],
+               n_vec, 1, head_dim)
+        q_window = q_rot
     dims = (_i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(n_rows), _i32(window))
-    ex.function("snapkv_votes.cu", "snapkv_stats")(
+    defines, cb = kvrows.defines(k_dtype), kvrows.codebook_dev(ex, k_dtype)
+    ex.function("snapkv_votes.cu", "snapkv_stats", defines)(
         (n_kv * n_qchunks, n_splits), (SNAP_THREADS,),
-        (q_window, k_pages, page_table, stats) + dims + (_i32(rows_per_split), _f32(scale)))
-    ex.function("snapkv_votes.cu", "snapkv_votes")(
+        (q_window, k_pages, page_table, cb, stats) + dims + (_i32(rows_per_split), _f32(scale)))
+    ex.function("snapkv_votes.cu", "snapkv_votes", defines)(
         (-(-prefix // SNAP_RT), n_kv), (SNAP_THREADS,),
-        (q_window, k_pages, page_table, stats, votes) + dims + (_i32(n_splits), _f32(scale)))
+        (q_window, k_pages, page_table, cb, stats, votes) + dims + (_i32(n_splits), _f32(scale)))
     return ex.to_host(votes).reshape(n_kv, prefix)

@@ -1,8 +1,9 @@
 """CudaBackend: every op of backends/base.py as CUDA C kernels (kernels/*.cu).
 
 Weights are uploaded once as raw GGUF blocks and dequantized inside the
-kernels; the paged bf16 KV cache, the SnapKV votes and the compaction stay on
-the device. Per decode token only the token id goes up (a kernel argument) and
+kernels; the paged KV cache (bf16 or a quantized row format of
+backends/kvformat.py, quantized on write and read as stored), the SnapKV votes
+and the compaction stay on the device. Per decode token only the token id goes up (a kernel argument) and
 the logits come down. Kernels are launched on one stream with no host
 synchronisation until a result is downloaded.
 
@@ -17,7 +18,8 @@ from engine.config import env_setting
 from engine.errors import EngineError
 
 from ..base import check_kv_dtypes
-from . import attention, elementwise, quant
+from ..kvformat import KV_DTYPES, KvFormat
+from . import attention, elementwise, kvrows, quant
 from .runtime import make_executor
 
 
@@ -26,7 +28,7 @@ class CudaBackend:
     "device" or "cpu-harness" (default: SHARPI_CUDA_EXECUTOR, i.e. "device")."""
 
     name = "cuda"
-    kv_dtypes = ("bf16",)     # the kernels read bf16 pages only
+    kv_dtypes = KV_DTYPES     # every row format, keys and values independently (kvrows.py)
 
     def __init__(self, device: int = 0, executor: str | None = None):
         self.ex = make_executor(executor or env_setting("cuda_executor"), device)
@@ -56,8 +58,9 @@ class CudaBackend:
         check_kv_dtypes(self, k_dtype, v_dtype)
         if head_dim % 2 or head_dim > 256:
             raise ValueError(f"backend 'cuda' needs an even head_dim <= 256, got {head_dim}")
-        shape = (n_pages, n_kv_heads, page_size, head_dim)
-        return self.ex.zeros(shape, np.uint16), self.ex.zeros(shape, np.uint16)
+        fmts = (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim))
+        self.bytes_to_device += kvrows.upload_tables(self.ex, head_dim, k_dtype, v_dtype)   # tq: once
+        return tuple(self.ex.zeros(f.page_shape(n_pages, n_kv_heads, page_size), f.storage) for f in fmts)
 
     def synchronize(self) -> None:
         self.ex.synchronize()
@@ -100,21 +103,21 @@ class CudaBackend:
     def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int,
                  k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
         check_kv_dtypes(self, k_dtype, v_dtype)
-        elementwise.kv_write(self.ex, k_pages, v_pages, page_table, k, v, start_row)
+        elementwise.kv_write(self.ex, k_pages, v_pages, page_table, k, v, start_row, k_dtype, v_dtype)
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,
                           k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
         check_kv_dtypes(self, k_dtype, v_dtype)
         attention.attention_prefill(self.ex, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                                    window)
+                                    window, k_dtype, v_dtype)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
                          n_q_heads: int, scale: float, out, window: int = 0,
                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
         check_kv_dtypes(self, k_dtype, v_dtype)
         attention.attention_decode(self.ex, q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
-                                   window)
+                                   window, k_dtype, v_dtype)
 
     def silu_gate(self, gate, up, out) -> None:
         elementwise.silu_gate(self.ex, gate, up, out)
@@ -130,7 +133,7 @@ class CudaBackend:
         check_kv_dtypes(self, k_dtype)
         if isinstance(q_window, np.ndarray):                # the forward pass's host capture
             self.bytes_to_device += q_window.nbytes
-        votes = attention.snapkv_votes(self.ex, q_window, k_pages, page_table, n_rows, scale)
+        votes = attention.snapkv_votes(self.ex, q_window, k_pages, page_table, n_rows, scale, k_dtype)
         self.bytes_to_host += votes.nbytes
         return votes
 

@@ -2,14 +2,16 @@
 launch geometry (grid, block) of kernels/norm.cu, eltwise.cu, rope.cu and kv.cu.
 
 Activations are f32 [n, d] arrays of the executor (row-strided views allowed);
-KV pools are uint16 [n_pages, n_kv, page_size, head_dim] (bf16 bits), which the
-kernels address as u32 words of bf16 pairs.
+KV pools are pages of any KV row format (kvrows.py: uint16 bf16 bits, or uint8
+quantized rows): kv_write quantizes on the device into the pool's format (kv.cu);
+kv_gather and kv_copy_pages move whole rows / pages of any width.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..base import rope_inv_freq
+from . import kvrows
 
 VARIANTS = [("norm.cu", ()), ("eltwise.cu", ()), ("rope.cu", ()), ("kv.cu", ())]
 
@@ -18,6 +20,7 @@ NORM_WARP_COLS = 256         # norm.cu: groups up to this wide get a warp each (
 NORM_WARP_WARPS = 4          # warps (groups) per rms_norm_warp block
 ELTWISE_THREADS = 256
 COPY_THREADS = 256
+KVW_THREADS = 128            # kv.cu: kv_write_<fmt> (a block per row)
 _i32, _f32 = np.int32, np.float32
 
 
@@ -127,50 +130,82 @@ def rope(ex, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int
     return uploaded
 
 
-def _pool_dims(k_pages):
-    _, n_kv, page_size, head_dim = k_pages.shape
-    if head_dim % 2:
-        raise ValueError(f"cuda KV pages need an even head_dim, got {head_dim}")
-    return n_kv, page_size, head_dim
-
-
-def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int) -> None:
-    n_kv, page_size, head_dim = _pool_dims(k_pages)
+def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: str = "bf16",
+             v_dtype: str = "bf16") -> None:
+    """k, v: f32 [n, n_kv*head_dim] -> rows start_row .. start_row+n-1 of the pools, each
+    head's row quantized on the device as KvFormat.quantize does (kv.cu)."""
+    head_dim = kvrows.head_dim_of(k_pages, k_dtype, "kv_write")
+    if kvrows.head_dim_of(v_pages, v_dtype, "kv_write") != head_dim or v_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"cuda kv_write: K and V pools differ: {k_dtype} {k_pages.shape}, {v_dtype} {v_pages.shape}")
+    _, n_kv, page_size, _ = k_pages.shape
     n = k.shape[0]
-    if k.shape[1] < n_kv * head_dim or v.shape != k.shape or n == 0:
-        if n == 0:
-            return
+    if n == 0:
+        return
+    if k.shape[1] < n_kv * head_dim or v.shape != k.shape:
         raise ValueError(f"cuda kv_write: k {k.shape}, v {v.shape}, {n_kv} KV heads of {head_dim}")
-    ex.function("kv.cu", "kv_write")((n, n_kv), (threads_for(head_dim // 2, 128),),
-                                     (k_pages, v_pages, page_table, k, row_stride(k), v, row_stride(v),
-                                      _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row)))
+    if head_dim % 2:
+        raise ValueError(f"cuda kv_write: head_dim must be even, got {head_dim}")
+    if k_dtype == v_dtype == "bf16":                 # both pools in one launch
+        ex.function("kv.cu", "kv_write")((n, n_kv), (threads_for(head_dim // 2, 128),),
+                                         (k_pages, v_pages, page_table, k, row_stride(k), v, row_stride(v),
+                                          _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row)))
+        return
+    for pages, x, dtype in ((k_pages, k, k_dtype), (v_pages, v, v_dtype)):
+        cb = kvrows.codebook_dev(ex, dtype)
+        rot_t = kvrows.rotation(ex, head_dim)[0] if kvrows.SPECS[dtype].rotated else cb     # else unread
+        ex.function("kv.cu", f"kv_write_{dtype}")(
+            (n, n_kv), (KVW_THREADS,),
+            (pages, page_table, x, row_stride(x), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row),
+             rot_t, cb, kvrows.bounds_dev(ex, dtype)))
+
+
+def _move_unit(*byte_counts: int) -> tuple[str, type]:
+    """The widest copy unit (kernel suffix, numpy type) dividing every byte count."""
+    for suffix, t in (("u32", np.uint32), ("u16", np.uint16)):
+        if all(b % np.dtype(t).itemsize == 0 for b in byte_counts):
+            return suffix, t
+    return "u8", np.uint8
 
 
 def kv_gather(ex, k_pages, v_pages, page_table, keep) -> int:
-    """Returns the bytes uploaded (the keep sets)."""
-    n_kv, page_size, head_dim = _pool_dims(k_pages)
+    """keep: int [n_kv, n_keep] host; whole rows (any format: the bytes of the row) of each
+    head move to rows 0 .. n_keep-1. Returns the bytes uploaded (the keep sets)."""
+    if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"cuda kv_gather: pools {k_pages.shape}, {v_pages.shape}")
+    _, n_kv, page_size, _ = k_pages.shape
     keep = np.ascontiguousarray(keep, dtype=np.int32)
     if keep.ndim != 2 or keep.shape[0] != n_kv:
         raise ValueError(f"cuda kv_gather: keep {keep.shape}, expected ({n_kv}, n_keep)")
     n_keep = keep.shape[1]
     if n_keep == 0:
         return 0
+    kb, vb = kvrows.row_bytes(k_pages), kvrows.row_bytes(v_pages)
+    suffix, unit = _move_unit(kb, vb)
+    kw, vw = kb // np.dtype(unit).itemsize, vb // np.dtype(unit).itemsize
     keep_dev = ex.asarray(keep)
-    tmp = ex.empty((2, n_kv, n_keep, head_dim // 2), np.uint32)
-    grid, block = (n_keep, n_kv), (threads_for(head_dim // 2, 128),)
-    dims = (_i32(n_keep), _i32(n_kv), _i32(head_dim), _i32(page_size))
-    ex.function("kv.cu", "kv_gather_read")(grid, block, (k_pages, v_pages, page_table, keep_dev, tmp) + dims)
-    ex.function("kv.cu", "kv_gather_write")(grid, block, (k_pages, v_pages, page_table, tmp) + dims)
+    tmp = ex.empty((n_kv * n_keep * (kw + vw),), unit)          # K rows, then V rows
+    grid, block = (n_keep, n_kv), (threads_for(max(kw, vw), 128),)
+    dims = (_i32(n_keep), _i32(n_kv), _i32(page_size), _i32(kw), _i32(vw))
+    ex.function("kv.cu", f"kv_gather_read_{suffix}")(grid, block,
+                                                      (k_pages, v_pages, page_table, keep_dev, tmp) + dims)
+    ex.function("kv.cu", f"kv_gather_write_{suffix}")(grid, block, (k_pages, v_pages, page_table, tmp) + dims)
     return keep.nbytes
 
 
 def kv_copy_pages(ex, src_k, src_v, dst_k, dst_v, pages) -> int:
-    """Returns the bytes uploaded (the page list)."""
+    """dst pools' listed pages = src pools' (each pool of its own format). Returns the
+    bytes uploaded (the page list)."""
     pages = np.ascontiguousarray(pages, dtype=np.int32).reshape(-1)
     if pages.size == 0:
         return 0
-    n_kv, page_size, head_dim = _pool_dims(src_k)
-    page_words = n_kv * page_size * head_dim // 2
-    ex.function("kv.cu", "kv_copy_pages")((-(-page_words // COPY_THREADS), pages.size), (COPY_THREADS,),
-                                          (src_k, src_v, dst_k, dst_v, ex.asarray(pages), _i32(page_words)))
+    if src_k.shape != dst_k.shape or src_v.shape != dst_v.shape or src_k.dtype != dst_k.dtype \
+            or src_v.dtype != dst_v.dtype:
+        raise ValueError(f"cuda kv_copy_pages: source pools {src_k.shape}, {src_v.shape} and destination pools "
+                         f"{dst_k.shape}, {dst_v.shape} differ")
+    kpb, vpb = (a[0].size * a.itemsize for a in (src_k, src_v))                 # bytes per page
+    suffix, unit = _move_unit(kpb, vpb)
+    kpw, vpw = kpb // np.dtype(unit).itemsize, vpb // np.dtype(unit).itemsize
+    ex.function("kv.cu", f"kv_copy_pages_{suffix}")(
+        (-(-max(kpw, vpw) // COPY_THREADS), pages.size), (COPY_THREADS,),
+        (src_k, src_v, dst_k, dst_v, ex.asarray(pages), _i32(kpw), _i32(vpw)))
     return pages.nbytes

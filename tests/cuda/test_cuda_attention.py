@@ -13,7 +13,8 @@ row counts below and above the window. Unused page slots hold bf16 NaN and page
 tables are permuted, so a read outside the valid rows shows up (with a window, the
 rows below it are NaN too and its whole pages are gone from the table: entry -1, a
 read there is a memcheck error); outputs are column slices of NaN-filled buffers,
-so a write outside the view shows up too.
+so a write outside the view shows up too. The quantized KV row formats (q8_0, q4_0, tq4,
+tq3 and mixed key/value pairs) run decode, prefill, windows and votes at the end.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import pytest
 
 from backends.bf16 import BF16_QNAN
 from backends.cuda import attention
+from backends.kvformat import KV_DTYPES, KvFormat
 from _backends import nmse
 from backends.reference import ReferenceBackend
 
@@ -335,3 +337,144 @@ def test_rejects_unsupported_shapes(ex):
         attention.attention_decode(ex, ex.zeros((1, 9 * 64)), k, v, pt, 40, 9, 0.1, ex.zeros((1, 9 * 64)))
     with pytest.raises(ValueError, match="window"):
         attention.snapkv_votes(ex, np.zeros((9, 40, 64), np.float32), k, pt, 20, 0.1)
+
+
+# -- quantized KV rows -------------------------------------------------------------------------
+# Every row format of backends/kvformat.py through the kernels' own paths: decode over one
+# split and many (GQA 3:1 at head_dim 64, Gemma 3's 4:1 at 256, tq3 at head_dim 40: odd
+# row bytes, fewer units than lanes), prefill tiles at start_row 0 and past 256 rows, a
+# sliding window, votes over two 128-value slices; mixed pairs with the rotated format on
+# either side. Unused slots hold 0xFF bytes (an f16 NaN scale); pages below a window are
+# gone from the table (-1). The reference reads what KvFormat.dequantize gives.
+QKV = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("tq4", "tq4"), ("tq3", "tq3"), ("tq3", "q4_0"), ("q8_0", "tq4")]
+QKV_IDS = ["/".join(dict.fromkeys(c)) for c in QKV]
+
+
+def quant_cases(shapes):
+    """(kv, *shape) for every pair of QKV and shape its formats allow (q8_0 / q4_0: head_dim
+    a multiple of 32), with readable ids."""
+    return [pytest.param(kv, *shape, id=f"{kv_id}-{'-'.join(map(str, shape))}")
+            for kv, kv_id in zip(QKV, QKV_IDS) for shape in shapes
+            if not (shape[2] % 32 and any(d.startswith("q") for d in kv))]
+
+
+def quant_pool(rng, n_rows, n_kv, page_size, head_dim, kv, kscale=2.0):
+    """Host pools of formats kv = (k_dtype, v_dtype), NaN-poisoned but rows 0..n_rows-1,
+    and a permuted page table with one spare entry."""
+    n_used = -(-n_rows // page_size)
+    fmts = [KvFormat.get(d, head_dim) for d in kv]
+    k_pages, v_pages = (np.full(f.page_shape(n_used + 3, n_kv, page_size), BF16_QNAN if f.name == "bf16" else 0xFF,
+                                f.storage) for f in fmts)
+    page_table = rng.permutation(n_used + 3).astype(np.int32)[:n_used + 1]
+    k = (rng.standard_normal((n_rows, n_kv * head_dim)) * kscale).astype(np.float32)
+    v = rng.standard_normal((n_rows, n_kv * head_dim)).astype(np.float32)
+    REF.kv_write(k_pages, v_pages, page_table, k, v, 0, *kv)
+    return k_pages, v_pages, page_table
+
+
+def drop_below_any(k_pages, v_pages, page_table, lo):
+    """drop_below for pools of any format: rows below lo poisoned, whole pages gone (-1)."""
+    page_size = k_pages.shape[2]
+    k_pages, v_pages, page_table = k_pages.copy(), v_pages.copy(), page_table.copy()
+    for r in range(lo):
+        page = page_table[r // page_size]
+        if page >= 0:
+            for pages in (k_pages, v_pages):
+                pages[page, :, r % page_size] = BF16_QNAN if pages.dtype == np.uint16 else 0xFF
+    page_table[:lo // page_size] = -1
+    return k_pages, v_pages, page_table
+
+
+@pytest.mark.parametrize("kv,n_q,n_kv,head_dim,page_size,n_rows,window", quant_cases([
+    (9, 3, 64, 16, 7, 0), (4, 1, 256, 16, 3000, 0), (9, 3, 64, 16, 1000, 64), (6, 2, 40, 16, 300, 0)]))
+def test_attention_decode_quantized(ex, kv, n_q, n_kv, head_dim, page_size, n_rows, window):
+    rng = np.random.default_rng(n_rows + head_dim + window)
+    pools = quant_pool(rng, n_rows, n_kv, page_size, head_dim, kv)
+    if window:
+        pools = drop_below_any(*pools, n_rows - window)
+    width = n_q * head_dim
+    q = rng.standard_normal((1, width)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_decode(q, *pools, n_rows, n_q, scale, want, window, *kv)
+
+    _, q_dev = nan_view(ex, q, 3, 5)
+    out_buf, out = nan_view(ex, np.full_like(q, np.nan), 2, 6)
+    attention.attention_decode(ex, q_dev, *upload(ex, *pools), n_rows, n_q, scale, out, window, *kv)
+    got = ex.to_host(out_buf)
+    assert nmse(got[:, 2:2 + width], want) < TOL
+    assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + width:]))
+
+
+@pytest.mark.parametrize("kv,n_q,n_kv,head_dim,page_size,start_row,n,window", quant_cases([
+    (9, 3, 64, 16, 0, 45, 0), (4, 1, 256, 16, 300, 17, 0), (9, 3, 64, 16, 37, 70, 7), (6, 2, 40, 16, 20, 9, 0)]))
+def test_attention_prefill_quantized(ex, kv, n_q, n_kv, head_dim, page_size, start_row, n, window):
+    rng = np.random.default_rng(start_row * 13 + n + head_dim + window)
+    pools = quant_pool(rng, start_row + n, n_kv, page_size, head_dim, kv)
+    if window:
+        pools = drop_below_any(*pools, max(0, start_row - window + 1))
+    width = n_q * head_dim
+    q = rng.standard_normal((n, width)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, *pools, start_row, n_q, scale, want, window, *kv)
+
+    _, q_dev = nan_view(ex, q, 0, 2 * n_kv * head_dim)          # q of a fused qkv row
+    out_buf, out = nan_view(ex, np.full_like(q, np.nan), 4, 3)
+    attention.attention_prefill(ex, q_dev, *upload(ex, *pools), start_row, n_q, scale, out, window, *kv)
+    got = ex.to_host(out_buf)
+    assert nmse(got[:, 4:4 + width], want) < TOL
+    assert np.all(np.isnan(got[:, :4])) and np.all(np.isnan(got[:, 4 + width:]))
+
+
+@pytest.mark.parametrize("k_dtype", ["q8_0", "q4_0", "tq4", "tq3"])
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size,n_rows,window", [
+    (9, 3, 64, 16, 301, 32), (4, 1, 256, 16, 1000, 32)])
+def test_snapkv_votes_quantized(ex, k_dtype, n_q, n_kv, head_dim, page_size, n_rows, window):
+    rng = np.random.default_rng(n_rows * 3 + window + head_dim)
+    k_pages, _, page_table = quant_pool(rng, n_rows, n_kv, page_size, head_dim, (k_dtype, "bf16"))
+    q_window = rng.standard_normal((n_q, window, head_dim)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = REF.snapkv_votes(q_window, k_pages, page_table, n_rows, scale, k_dtype)
+    got = attention.snapkv_votes(ex, q_window, ex.asarray(k_pages), ex.asarray(page_table), n_rows, scale, k_dtype)
+    assert got.shape == want.shape == (n_kv, n_rows - window)
+    assert nmse(got, want) < TOL
+
+
+def test_prefill_shared_memory_fits_every_format():
+    for head_dim in range(8, attention.MAX_HEAD_DIM + 1, 8):
+        name, bq = attention.prefill_kernel(head_dim)
+        for k_dtype in KV_DTYPES:
+            for v_dtype in KV_DTYPES:
+                if head_dim % 32 and (k_dtype[0] == "q" or v_dtype[0] == "q"):
+                    continue
+                assert attention.prefill_smem_bytes(bq, head_dim, k_dtype, v_dtype) <= 48 * 1024, \
+                    (head_dim, k_dtype, v_dtype)
+
+
+def test_rotated_formats_rotate_once(ex):
+    """tq keys rotate the queries once, tq values rotate the output back once: the launches
+    around the attention kernels, and no rotation for the other formats."""
+    rng = np.random.default_rng(21)
+    n_q, n_kv, head_dim, n_rows = 9, 3, 64, 300
+    q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
+    for kv, want in [(("tq4", "tq3"), ["rotate_vectors_1", "attention_decode_split", "attention_decode_combine"]),
+                     (("q8_0", "q4_0"), ["attention_decode_split", "attention_decode_combine"])]:
+        log = LaunchLog(ex)
+        pools = upload(ex, *quant_pool(rng, n_rows, n_kv, 16, head_dim, kv))
+        attention.attention_decode(log, ex.asarray(q), *pools, n_rows, n_q, 0.125, ex.zeros(q.shape), 0, *kv)
+        assert [name for name, _ in log.launches] == want
+        log = LaunchLog(ex)
+        attention.attention_prefill(log, ex.asarray(np.repeat(q, 5, 0)), *pools, n_rows - 5, n_q, 0.125,
+                                    ex.zeros((5, q.shape[1])), 0, *kv)
+        rotations = [name for name, _ in log.launches if name.startswith("rotate")]
+        assert len(rotations) == (2 if kv[0] == "tq4" else 0)
+
+
+def test_rejects_pool_of_another_format(ex):
+    k, v, pt = upload(ex, *quant_pool(np.random.default_rng(2), 20, 3, 16, 64, ("q8_0", "q8_0")))
+    q = ex.zeros((1, 9 * 64))
+    with pytest.raises(ValueError, match="uint16"):
+        attention.attention_decode(ex, q, k, v, pt, 20, 9, 0.1, ex.zeros(q.shape))      # read as bf16
+    with pytest.raises(ValueError, match="no q4_0 row"):
+        attention.attention_decode(ex, q, k, v, pt, 20, 9, 0.1, ex.zeros(q.shape), 0, "q4_0", "q4_0")

@@ -51,6 +51,16 @@ def test_harness_logits_and_greedy_tokens(harness, tiny_models, name):
     check_logits_and_tokens(cpu, cuda, PROMPT[:150], 8)
 
 
+@pytest.mark.parametrize("name,kv_dtype", [("llama-q4_k-gqa4", "q8_0/tq4"), ("llama-q8", "tq3")])
+def test_harness_quantized_kv_cache(harness, tiny_models, name, kv_dtype):
+    """A quantized KV cache end to end (keys and values of different formats; tq3 at
+    head_dim 16): logits near the CPU backend's with the same cache dtype (each backend
+    quantizes its own K/V, so a code may differ at a near-tie) and the same tokens."""
+    cpu, cuda = load_pair(tiny_models[name], prefill_chunk=64, kv_dtype=kv_dtype)
+    assert (cuda.k_dtype, cuda.v_dtype) == (cpu.k_dtype, cpu.v_dtype)
+    check_logits_and_tokens(cpu, cuda, PROMPT[:100], 4, tol=1e-4)
+
+
 def test_harness_decode_moves_only_the_logits(harness, tiny_models):
     _, cuda = load_pair(tiny_models["llama-q8"])
     check_decode_moves_only_the_logits(cuda, PROMPT[:40])

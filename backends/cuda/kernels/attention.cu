@@ -1,7 +1,13 @@
-// Causal attention over the paged bf16 KV cache (backends/base.py):
-//   pages[n_pages][n_kv][page_size][head_dim / 2]   u32 words of bf16 pairs (element 2i low)
+// Causal attention over the paged KV cache (backends/base.py), compiled per KV format pair:
+// KV_K / KV_V (kvrow.cuh; bf16 when not defined) name the key and value row formats.
+//   pages[n_pages][n_kv][page_size][row_bytes]   rows of the format (kvrow.cuh), read in units
 // physical row r in page page_table[r / page_size] at offset r % page_size.
-// Query head h reads KV head h / (n_q_heads / n_kv); head_dim even, <= 256.
+// Query head h reads KV head h / (n_q_heads / n_kv); head_dim <= 256 (even; q8_0 / q4_0:
+// a multiple of 32; tq: of 8). Quantized rows are read as they are stored and decoded in
+// registers. tq keys: q arrives already rotated (q' = R q, rotate.cu), scored against the
+// stored rotated rows; tq values: the kernels produce the output in the rotated basis and
+// the host rotates it back once per head (attention_decode_combine here, rotate.cu for
+// prefill). k_cb / v_cb: the formats' codebooks (f32 [16], tq only; any pointer otherwise).
 // Sliding window (window > 0): the query at row r sees only rows max(0, r - window + 1) .. r;
 // rows below are never read (their pages may be back in the pool, the table entries stale).
 //
@@ -11,47 +17,68 @@
 //                             the group) over one contiguous range of the attended rows
 //                             row0 .. n_rows-1 (row0 > 0 with a window), so each K/V row is
 //                             read once per chunk. Warp w takes rows w, w + DEC_WARPS, ... two
-//                             at a time; a lane holds words lane + 32 k of q, K, V and the
+//                             at a time; a lane holds units lane + 32 k of the row (bf16: words,
+//                             DEC_VALS values in all) and the matching values of q and of the
 //                             accumulator; dot products are warp sums. Partial (max, sum,
 //                             unnormalised accumulator) per (query head, split) go to scratch,
-//                             or, with one split, the normalised result straight to out.
-//   attention_decode_combine  grid (n_q_heads), DEC_THREADS threads: merges the splits.
+//                             or, with one split and unrotated values, the normalised result
+//                             straight to out.
+//   attention_decode_combine  grid (n_q_heads), DEC_THREADS threads: merges the splits (and
+//                             rotates tq values back: out = R^T y, v_rot = R).
 // Prefill (n queries, query i sees rows 0 .. start_row + i, or its window of them):
 //   attention_prefill_d{64,128,256}  (BQ = 64, 32, 16) grid (ceil(n / BQ), n_q_heads),
 //                             PRE_THREADS threads, dynamic shared memory
-//                             attention.prefill_smem_bytes(BQ, head_dim) (<= 35 KiB).
-//                             A block stages BQ queries (scaled, f32) once, then walks 32-row
-//                             tiles of the cache from the lowest row any of its queries sees
-//                             (0, or its first query's window start; tiles below are skipped):
-//                             K tile -> S = Q K^T (registers, QT x 2 per thread) -> online
-//                             softmax per query (a warp per query row, lane = column) -> V
-//                             tile (into the K tile's buffer) -> O = alpha O + P V (registers,
-//                             4 queries x 4 words per thread). Queries of one block
-//                             share every K/V tile; one KV head's query heads run side by side.
-#include "common.cuh"
+//                             attention.prefill_smem_bytes(BQ, head_dim, formats) (<= 37 KiB).
+//                             A block stages BQ queries (scaled, f32, in key-unit order) once,
+//                             then walks 32-row tiles of the cache from the lowest row any of its
+//                             queries sees (0, or its first query's window start; tiles below are
+//                             skipped): K tile (units as stored, scales as f32) -> S = Q K^T
+//                             (registers, QT x 2 per thread, units decoded as read) -> online
+//                             softmax per query (a warp per query row, lane = column) -> V tile
+//                             (into the K tile's buffer) -> O = alpha O + P V (registers, QO
+//                             queries x PRE_VALS values per thread). Queries of one block share
+//                             every K/V tile; one KV head's query heads run side by side.
+#include "kvrow.cuh"
+
+typedef KvRow<KV_K> KF;
+typedef KvRow<KV_V> VF;
 
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * WARP_SIZE)
 #define DEC_HEADS 4              // query heads per decode block
-#define DEC_WORDS 4              // u32 words per lane: head_dim <= 2 * 32 * 4
+#define DEC_VALS 8               // values per lane: head_dim <= 32 * 8
 #define MAX_HEAD_DIM 256
 #define MAX_SPLITS 256           // attention.py caps n_splits at this
 
 #define PRE_THREADS 128
 #define PRE_BK 32                // cache rows per tile (= WARP_SIZE: one lane per column in the softmax)
+#define PRE_VALS 8               // values per thread and query in the P V step: head_dim <= 8 * DL
+#if KV_K != KV_BF16 || KV_V != KV_BF16
+// Quantized rows: a register budget of MINB blocks of 128 threads per SM (MINB 5: 96
+// registers, about the blocks their shared memory allows on sm_80/90; 4: 128); left to
+// itself ptxas caps some variants lower and spills. bf16 keeps ptxas's own choice.
+#define PRE_BOUNDS(MINB) __launch_bounds__(PRE_THREADS, MINB)
+#else
+#define PRE_BOUNDS(MINB) __launch_bounds__(PRE_THREADS)
+#endif
 
 // -- decode ----------------------------------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split(
-        const float* __restrict__ q, const u32* __restrict__ k_pages, const u32* __restrict__ v_pages,
-        const int* __restrict__ page_table, float* __restrict__ out, float* __restrict__ part_acc,
-        float* __restrict__ part_ml, int row0, int n_rows, int rows_per_split, int n_q_heads, int n_kv,
-        int head_dim, int page_size, int heads_per_block, float scale) {
+        const float* __restrict__ q, const u8* __restrict__ k_pages, const u8* __restrict__ v_pages,
+        const int* __restrict__ page_table, const float* __restrict__ k_cb, const float* __restrict__ v_cb,
+        float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, int row0, int n_rows,
+        int rows_per_split, int n_q_heads, int n_kv, int head_dim, int page_size, int heads_per_block,
+        float scale) {
+    constexpr int KU = KF::UNIT, VU = VF::UNIT, KPL = DEC_VALS / KU, VPL = DEC_VALS / VU;
     __shared__ float sh_acc[DEC_WARPS][DEC_HEADS][MAX_HEAD_DIM];
     __shared__ float sh_m[DEC_WARPS][DEC_HEADS];
     __shared__ float sh_l[DEC_WARPS][DEC_HEADS];
+    __shared__ float sh_cb[2][16];                   // key, value codebooks (tq)
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int hd2 = head_dim / 2, group = n_q_heads / n_kv;
+    const int nuk = head_dim / KU, nuv = head_dim / VU;
+    const int kbytes = KF::row_bytes(head_dim), vbytes = VF::row_bytes(head_dim);
+    const int group = n_q_heads / n_kv;
     const int n_chunks = (group + heads_per_block - 1) / heads_per_block;
     const int g = blockIdx.x / n_chunks, chunk = blockIdx.x % n_chunks;
     const int h0 = g * group + chunk * heads_per_block;
@@ -59,51 +86,71 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
     const int split = blockIdx.y, n_splits = gridDim.y;
     const int r_begin = row0 + split * rows_per_split, r_end = min(n_rows, r_begin + rows_per_split);
 
-    float2 qr[DEC_HEADS][DEC_WORDS];                 // scaled query words of this lane
-    float2 acc[DEC_HEADS][DEC_WORDS];
+    stage_codebook<KV_K>(sh_cb[0], k_cb);
+    stage_codebook<KV_V>(sh_cb[1], v_cb);
+    if (KF::ROTATED || VF::ROTATED) __syncthreads();
+
+    float qr[DEC_HEADS][DEC_VALS];                   // scaled query values of this lane's key units
+    float acc[DEC_HEADS][DEC_VALS];                  // ... and of its value units
     float m[DEC_HEADS], l[DEC_HEADS];
 #pragma unroll
     for (int hh = 0; hh < DEC_HEADS; ++hh) {
         m[hh] = NEG_INF;
         l[hh] = 0.0f;
 #pragma unroll
-        for (int k = 0; k < DEC_WORDS; ++k) {
-            const int p = lane + WARP_SIZE * k;
-            float2 v = make_float2(0.0f, 0.0f);
-            if (hh < nh && p < hd2) {
-                const float* src = q + (long long)(h0 + hh) * head_dim + 2 * p;
-                v = make_float2(src[0] * scale, src[1] * scale);
-            }
-            qr[hh][k] = v;
-            acc[hh][k] = make_float2(0.0f, 0.0f);
+        for (int k = 0; k < KPL; ++k) {
+            const int u = lane + WARP_SIZE * k;
+#pragma unroll
+            for (int i = 0; i < KU; ++i)
+                qr[hh][k * KU + i] = hh < nh && u < nuk
+                                         ? q[(long long)(h0 + hh) * head_dim + KF::value(u, i)] * scale : 0.0f;
         }
+#pragma unroll
+        for (int e = 0; e < DEC_VALS; ++e) acc[hh][e] = 0.0f;
     }
 
     // Two rows per step (r0 and r1 = r0 + DEC_WARPS): both rows' loads are in flight together.
     for (int r0 = r_begin + warp; r0 < r_end; r0 += 2 * DEC_WARPS) {
         const int r1 = r0 + DEC_WARPS;
         const bool has1 = r1 < r_end;                // warp-uniform
-        const long long b0 = row_word(page_table, r0, g, n_kv, page_size, hd2);
-        const long long b1 = has1 ? row_word(page_table, r1, g, n_kv, page_size, hd2) : b0;
-        u32 k0w[DEC_WORDS], k1w[DEC_WORDS], v0w[DEC_WORDS], v1w[DEC_WORDS];
+        const u8* k0 = kv_row(k_pages, page_table, r0, g, n_kv, page_size, kbytes);
+        const u8* v0 = kv_row(v_pages, page_table, r0, g, n_kv, page_size, vbytes);
+        const u8* k1 = has1 ? kv_row(k_pages, page_table, r1, g, n_kv, page_size, kbytes) : k0;
+        const u8* v1 = has1 ? kv_row(v_pages, page_table, r1, g, n_kv, page_size, vbytes) : v0;
+        u32 k0w[KPL], k1w[KPL], v0w[VPL], v1w[VPL];
+        float k0s[KPL], k1s[KPL], v0s[VPL], v1s[VPL];  // scales (0 past the row: the unit reads as 0)
 #pragma unroll
-        for (int k = 0; k < DEC_WORDS; ++k) {
-            const int p = lane + WARP_SIZE * k;
-            const bool ok = p < hd2;
-            k0w[k] = ok ? k_pages[b0 + p] : 0u;
-            v0w[k] = ok ? v_pages[b0 + p] : 0u;
-            k1w[k] = ok && has1 ? k_pages[b1 + p] : 0u;
-            v1w[k] = ok && has1 ? v_pages[b1 + p] : 0u;
+        for (int k = 0; k < KPL; ++k) {
+            const int u = lane + WARP_SIZE * k;
+            const bool ok = u < nuk;
+            k0w[k] = ok ? KF::load(k0, u) : 0u;
+            k1w[k] = ok && has1 ? KF::load(k1, u) : 0u;
+            k0s[k] = ok ? KF::scale(k0, KF::block(u)) : 0.0f;
+            k1s[k] = ok && has1 ? KF::scale(k1, KF::block(u)) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+            const int u = lane + WARP_SIZE * k;
+            const bool ok = u < nuv;
+            v0w[k] = ok ? VF::load(v0, u) : 0u;
+            v1w[k] = ok && has1 ? VF::load(v1, u) : 0u;
+            v0s[k] = ok ? VF::scale(v0, VF::block(u)) : 0.0f;
+            v1s[k] = ok && has1 ? VF::scale(v1, VF::block(u)) : 0.0f;
+        }
+        float a[DEC_VALS], b[DEC_VALS];
+#pragma unroll
+        for (int k = 0; k < KPL; ++k) {
+            kv_decode<KV_K>(k0w[k], k0s[k], sh_cb[0], a + k * KU);
+            kv_decode<KV_K>(k1w[k], k1s[k], sh_cb[0], b + k * KU);
         }
         float s0[DEC_HEADS], s1[DEC_HEADS];
 #pragma unroll
         for (int hh = 0; hh < DEC_HEADS; ++hh) {
             float d0 = 0.0f, d1 = 0.0f;
 #pragma unroll
-            for (int k = 0; k < DEC_WORDS; ++k) {
-                const float2 a = bf16x2_to_f32(k0w[k]), b = bf16x2_to_f32(k1w[k]);
-                d0 += qr[hh][k].x * a.x + qr[hh][k].y * a.y;
-                d1 += qr[hh][k].x * b.x + qr[hh][k].y * b.y;
+            for (int e = 0; e < DEC_VALS; ++e) {
+                d0 += qr[hh][e] * a[e];
+                d1 += qr[hh][e] * b[e];
             }
             s0[hh] = d0;
             s1[hh] = d1;
@@ -116,6 +163,11 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
             }
         }
 #pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+            kv_decode<KV_V>(v0w[k], v0s[k], sh_cb[1], a + k * VU);
+            kv_decode<KV_V>(v1w[k], v1s[k], sh_cb[1], b + k * VU);
+        }
+#pragma unroll
         for (int hh = 0; hh < DEC_HEADS; ++hh) {
             if (hh >= nh) continue;
             const float m_new = fmaxf(m[hh], fmaxf(s0[hh], s1[hh]));
@@ -125,11 +177,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
             l[hh] = l[hh] * alpha + p0 + p1;
             m[hh] = m_new;
 #pragma unroll
-            for (int k = 0; k < DEC_WORDS; ++k) {
-                const float2 a = bf16x2_to_f32(v0w[k]), b = bf16x2_to_f32(v1w[k]);
-                acc[hh][k].x = acc[hh][k].x * alpha + p0 * a.x + p1 * b.x;
-                acc[hh][k].y = acc[hh][k].y * alpha + p0 * a.y + p1 * b.y;
-            }
+            for (int e = 0; e < DEC_VALS; ++e) acc[hh][e] = acc[hh][e] * alpha + p0 * a[e] + p1 * b[e];
         }
     }
 
@@ -142,11 +190,11 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
             sh_l[warp][hh] = l[hh];
         }
 #pragma unroll
-        for (int k = 0; k < DEC_WORDS; ++k) {
-            const int p = lane + WARP_SIZE * k;
-            if (p < hd2) {
-                sh_acc[warp][hh][2 * p] = acc[hh][k].x;
-                sh_acc[warp][hh][2 * p + 1] = acc[hh][k].y;
+        for (int k = 0; k < VPL; ++k) {
+            const int u = lane + WARP_SIZE * k;
+            if (u < nuv) {
+#pragma unroll
+                for (int i = 0; i < VU; ++i) sh_acc[warp][hh][VF::value(u, i)] = acc[hh][k * VU + i];
             }
         }
     }
@@ -164,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
             a += sh_acc[w][hh][d] * e;
         }
         const int h = h0 + hh;
-        if (n_splits == 1) {
+        if (n_splits == 1 && !VF::ROTATED) {
             out[(long long)h * head_dim + d] = a / sum;
         } else {
             const long long slot = (long long)h * n_splits + split;
@@ -178,12 +226,14 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
 }
 
 // Splits of query head blockIdx.x -> out. part_acc f32 [n_q_heads, n_splits, head_dim],
-// part_ml f32 [n_q_heads, n_splits, 2] (max, sum).
+// part_ml f32 [n_q_heads, n_splits, 2] (max, sum). tq values: the merged row y is in the
+// rotated basis; out = R^T y with v_rot = R f32 [head_dim, head_dim] (read for tq only).
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_combine(
-        const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out,
-        int n_splits, int head_dim) {
+        const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ v_rot,
+        float* __restrict__ out, int n_splits, int head_dim) {
     __shared__ float weight[MAX_SPLITS];
     __shared__ float red[32];
+    __shared__ float y[VF::ROTATED ? MAX_HEAD_DIM : 1];
     const int h = blockIdx.x;
     const float* ml = part_ml + 2ll * h * n_splits;
     float mx = NEG_INF;
@@ -201,53 +251,58 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_combi
     for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) {
         float a = 0.0f;
         for (int s = 0; s < n_splits; ++s) a += weight[s] * acc[(long long)s * head_dim + d];
-        out[(long long)h * head_dim + d] = a * inv;
+        if (VF::ROTATED) y[d] = a * inv;
+        else out[(long long)h * head_dim + d] = a * inv;
     }
-}
-
-// -- prefill ----------------------------------------------------------------------------
-// Rows k0 .. k0 + PRE_BK - 1 of KV head g (zeros from n_vis on) -> tile[PRE_BK][ks], a warp per row.
-// k0 need not be a multiple of PRE_BK (a windowed block starts at its lowest visible row).
-__device__ __forceinline__ void load_tile(u32* tile, int ks, const u32* __restrict__ pages,
-                                          const int* __restrict__ page_table, int k0, int n_vis, int g,
-                                          int n_kv, int page_size, int hd2) {
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    for (int j = warp; j < PRE_BK; j += PRE_THREADS / WARP_SIZE) {
-        u32* dst = tile + j * ks;
-        if (k0 + j < n_vis) {
-            const u32* src = pages + row_word(page_table, k0 + j, g, n_kv, page_size, hd2);
-            for (int p = lane; p < hd2; p += WARP_SIZE) dst[p] = src[p];
-        } else {
-            for (int p = lane; p < hd2; p += WARP_SIZE) dst[p] = 0u;
+    if (VF::ROTATED) {                               // compile-time: block-uniform
+        __syncthreads();
+        for (int p = threadIdx.x; p < head_dim; p += DEC_THREADS) {
+            float o = 0.0f;
+            for (int k = 0; k < head_dim; ++k) o += v_rot[k * head_dim + p] * y[k];
+            out[(long long)h * head_dim + p] = o;
         }
     }
 }
 
-// Per configuration (BQ queries per block, DL lanes across a row's words in the P V step):
+// -- prefill ----------------------------------------------------------------------------
+// Per configuration (BQ queries per block, DL lanes across a row's units in the P V step):
 //   S step:   thread (qg = tid / 16, rj = tid % 16) computes queries qg*QT .. qg*QT+QT-1
 //             against tile rows rj and rj + 16 (QT = BQ / 8).
 //   P V step: thread (qo = tid / DL, dl = tid % DL) owns queries qo*QO .. qo*QO+QO-1 and
-//             words dl + DL*k, k < 4 (QO = BQ * DL / 128; head_dim <= 8 * DL).
-// Shared memory (floats): Q [BQ][head_dim] | K or V tile [32][hd2 | 1] | S [BQ][SS] | m, l, alpha [BQ].
+//             value units dl + DL*k, k < PRE_VALS / UNIT (QO = BQ * DL / 128; head_dim <= 8 * DL).
+// Shared memory (floats): Q [BQ][head_dim] | K or V tile units [32][ws] | their scales
+// [32][ss] | S [BQ][SS] | m, l, alpha [BQ] | codebooks [32] (tq only); PrefillShape and
+// attention.prefill_smem_bytes agree on it.
 
 template <int BQ>
 struct PrefillShape {
     static constexpr int QT = BQ / 8;
     static constexpr int SS = PRE_BK + 16 / QT;     // S row stride: the two query groups of a warp
                                                      // land 16 banks apart in the S step's stores
+    static constexpr int CB = (KF::ROTATED || VF::ROTATED) ? 32 : 0;
+    // odd unit / scale strides: the 16 rows read together in the S step hit 16 banks
+    __device__ static int kst(int d) { return (d / KF::UNIT) | 1; }
+    __device__ static int vst(int d) { return (d / VF::UNIT) | 1; }
+    __device__ static int kss(int d) { return KF::SCALED ? KF::n_scales(d) | 1 : 0; }
+    __device__ static int vss(int d) { return VF::SCALED ? VF::n_scales(d) | 1 : 0; }
 };
 
 template <int BQ, int DL>
 __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q_stride,
-                                              const u32* __restrict__ k_pages, const u32* __restrict__ v_pages,
-                                              const int* __restrict__ page_table, float* __restrict__ out,
+                                              const u8* __restrict__ k_pages, const u8* __restrict__ v_pages,
+                                              const int* __restrict__ page_table, const float* __restrict__ k_cb,
+                                              const float* __restrict__ v_cb, float* __restrict__ out,
                                               int out_stride, int n, int start_row, int n_q_heads, int n_kv,
                                               int head_dim, int page_size, int window, float scale,
                                               float* smem) {
-    constexpr int QT = PrefillShape<BQ>::QT, SS = PrefillShape<BQ>::SS;
-    constexpr int QO = BQ * DL / PRE_THREADS, DW = 4;
+    typedef PrefillShape<BQ> Shape;
+    constexpr int QT = Shape::QT, SS = Shape::SS, KU = KF::UNIT, VU = VF::UNIT;
+    constexpr int QO = BQ * DL / PRE_THREADS, VPT = PRE_VALS / VU;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-    const int hd2 = head_dim / 2, ks = hd2 | 1;      // odd tile stride: S-step K reads are conflict free
+    const int nuk = head_dim / KU, nuv = head_dim / VU;
+    const int kst = Shape::kst(head_dim), vst = Shape::vst(head_dim);
+    const int kss = Shape::kss(head_dim), vss = Shape::vss(head_dim);
+    const int ws = max(kst, vst), ss = max(kss, vss);
     // Blocks start in linear order; make the query head vary fastest in it and the longest
     // (last) query tiles come first: blocks running together share KV heads in L2, and no
     // long tile starts at the end of the launch.
@@ -258,53 +313,73 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
     const int n_vis = start_row + q0 + nq;          // rows any query of this block sees: k_lo .. n_vis-1
     const int k_lo = window > 0 ? max(0, start_row + q0 - window + 1) : 0;     // the first query's lowest
 
-    float2* qs = reinterpret_cast<float2*>(smem);   // [BQ][hd2]
-    u32* kv = reinterpret_cast<u32*>(smem + BQ * head_dim);      // [PRE_BK][ks]
-    float* sc = smem + BQ * head_dim + PRE_BK * ks;             // [BQ][SS]
+    float* qs = smem;                                // [BQ][head_dim], key-unit order
+    u32* tw = reinterpret_cast<u32*>(smem + BQ * head_dim);      // [PRE_BK][ws] units
+    float* tsc = smem + BQ * head_dim + PRE_BK * ws;            // [PRE_BK][ss] scales
+    float* sc = tsc + PRE_BK * ss;                   // [BQ][SS]
     float* mq = sc + BQ * SS;                        // running max per query
     float* lq = mq + BQ;                             // running sum
     float* aq = lq + BQ;                             // this tile's rescale factor
+    float* cbk = aq + BQ;                            // codebooks [16] + [16] (tq)
+    float* cbv = cbk + 16;
 
-    for (int i = tid; i < BQ * hd2; i += PRE_THREADS) {
-        const int qi = i / hd2, p = i % hd2;
-        float2 v = make_float2(0.0f, 0.0f);
-        if (qi < nq) {
-            const float* src = q + (long long)(q0 + qi) * q_stride + (long long)h * head_dim + 2 * p;
-            v = make_float2(src[0] * scale, src[1] * scale);
-        }
+    for (int i = tid; i < BQ * head_dim; i += PRE_THREADS) {
+        const int qi = i / head_dim, e = i % head_dim;
+        float v = 0.0f;
+        if (qi < nq)
+            v = q[(long long)(q0 + qi) * q_stride + (long long)h * head_dim + KF::value(e / KU, e % KU)] * scale;
         qs[i] = v;
     }
     for (int i = tid; i < BQ; i += PRE_THREADS) {
         mq[i] = NEG_INF;
         lq[i] = 0.0f;
     }
+    stage_codebook<KV_K>(cbk, k_cb);
+    stage_codebook<KV_V>(cbv, v_cb);
 
     const int qg = tid / 16, rj = tid % 16;          // S step
     const int qo = tid / DL, dl = tid % DL;          // P V step
-    float2 acc[QO][DW];
+    float acc[QO][PRE_VALS];
 #pragma unroll
     for (int i = 0; i < QO; ++i)
 #pragma unroll
-        for (int k = 0; k < DW; ++k) acc[i][k] = make_float2(0.0f, 0.0f);
+        for (int e = 0; e < PRE_VALS; ++e) acc[i][e] = 0.0f;
 
     for (int k0 = k_lo; k0 < n_vis; k0 += PRE_BK) {
-        __syncthreads();                             // previous P V step is done with kv and sc
-        load_tile(kv, ks, k_pages, page_table, k0, n_vis, g, n_kv, page_size, hd2);
+        __syncthreads();                             // previous P V step is done with the tile and sc
+        stage_units<KV_K, PRE_THREADS>(tw, kst, tsc, kss, k_pages, page_table, k0, PRE_BK, n_vis, g, n_kv,
+                                       page_size, KF::row_bytes(head_dim), 0, nuk);
         __syncthreads();
 
         float s[QT][2];
 #pragma unroll
         for (int i = 0; i < QT; ++i) s[i][0] = s[i][1] = 0.0f;
-        const u32* ka = kv + rj * ks;
-        const u32* kb = kv + (rj + 16) * ks;
-        const float2* qa = qs + qg * QT * hd2;
-        for (int p = 0; p < hd2; ++p) {
-            const float2 a = bf16x2_to_f32(ka[p]), b = bf16x2_to_f32(kb[p]);
+        const u32* ka = tw + rj * kst;
+        const u32* kb = tw + (rj + 16) * kst;
+        const float* sa = tsc + rj * kss;
+        const float* sb = tsc + (rj + 16) * kss;
+        const float* qa = qs + qg * QT * head_dim;
+        for (int p = 0; p < nuk; ++p) {
+            const u32 wa = ka[p], wb = kb[p];
+            const float fa = KF::SCALED ? sa[KF::block(p)] : 1.0f, fb = KF::SCALED ? sb[KF::block(p)] : 1.0f;
+            // a unit in chunks of KV_CHUNK values, not unrolled: unrolled, ptxas hoists the
+            // chunks' query loads and spills at head_dim 64 (BQ 64)
+#pragma unroll 1
+            for (int e0 = 0; e0 < KU; e0 += KV_CHUNK) {
+                constexpr int C = KU < KV_CHUNK ? KU : KV_CHUNK;
+                float a[C], b[C];
+                kv_decode<KV_K, C>(wa, fa, cbk, a, e0);
+                kv_decode<KV_K, C>(wb, fb, cbk, b, e0);
 #pragma unroll
-            for (int i = 0; i < QT; ++i) {
-                const float2 x = qa[i * hd2 + p];
-                s[i][0] += x.x * a.x + x.y * a.y;
-                s[i][1] += x.x * b.x + x.y * b.y;
+                for (int i = 0; i < QT; ++i) {
+                    float x[C];
+                    load_floats<C>(qa + i * head_dim + p * KU + e0, x);
+#pragma unroll
+                    for (int e = 0; e < C; ++e) {
+                        s[i][0] += x[e] * a[e];
+                        s[i][1] += x[e] * b[e];
+                    }
+                }
             }
         }
 #pragma unroll
@@ -314,7 +389,8 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
         }
         __syncthreads();                             // S complete; the K tile is no longer read
 
-        load_tile(kv, ks, v_pages, page_table, k0, n_vis, g, n_kv, page_size, hd2);   // V tile over K
+        stage_units<KV_V, PRE_THREADS>(tw, vst, tsc, vss, v_pages, page_table, k0, PRE_BK, n_vis, g, n_kv,
+                                       page_size, VF::row_bytes(head_dim), 0, nuv);     // V tile over K
         const int row = k0 + lane;
         for (int qi = warp; qi < BQ; qi += PRE_THREADS / WARP_SIZE) {     // online softmax, lane = column
             const int q_row = start_row + q0 + qi;
@@ -340,26 +416,25 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
         for (int i = 0; i < QO; ++i) {
             const float alpha = aq[qo * QO + i];
 #pragma unroll
-            for (int k = 0; k < DW; ++k) {
-                acc[i][k].x *= alpha;
-                acc[i][k].y *= alpha;
-            }
+            for (int e = 0; e < PRE_VALS; ++e) acc[i][e] *= alpha;
         }
         for (int j = 0; j < rows_here; ++j) {
-            float2 v[DW];
+            float v[PRE_VALS];
 #pragma unroll
-            for (int k = 0; k < DW; ++k) {
-                const int w = dl + DL * k;
-                v[k] = w < hd2 ? bf16x2_to_f32(kv[j * ks + w]) : make_float2(0.0f, 0.0f);
+            for (int k = 0; k < VPT; ++k) {
+                const int u = dl + DL * k;
+                if (u < nuv) {
+                    kv_decode<KV_V>(tw[j * vst + u], VF::SCALED ? tsc[j * vss + VF::block(u)] : 1.0f, cbv, v + k * VU);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VU; ++e) v[k * VU + e] = 0.0f;
+                }
             }
 #pragma unroll
             for (int i = 0; i < QO; ++i) {
                 const float pj = sc[(qo * QO + i) * SS + j];
 #pragma unroll
-                for (int k = 0; k < DW; ++k) {
-                    acc[i][k].x += pj * v[k].x;
-                    acc[i][k].y += pj * v[k].y;
-                }
+                for (int e = 0; e < PRE_VALS; ++e) acc[i][e] += pj * v[e];
             }
         }
     }
@@ -371,27 +446,29 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
         const float inv = 1.0f / lq[qi];
         float* dst = out + (long long)(q0 + qi) * out_stride + (long long)h * head_dim;
 #pragma unroll
-        for (int k = 0; k < DW; ++k) {
-            const int w = dl + DL * k;
-            if (w < hd2) {
-                dst[2 * w] = acc[i][k].x * inv;
-                dst[2 * w + 1] = acc[i][k].y * inv;
+        for (int k = 0; k < VPT; ++k) {
+            const int u = dl + DL * k;
+            if (u < nuv) {
+#pragma unroll
+                for (int e = 0; e < VU; ++e) dst[VF::value(u, e)] = acc[i][k * VU + e] * inv;
             }
         }
     }
 }
 
-// head_dim <= 64: BQ 64; <= 128: BQ 32; <= 256: BQ 16 (attention.py picks by head_dim).
-#define PREFILL_ENTRY(NAME, BQ, DL)                                                                          \
-    extern "C" __global__ void __launch_bounds__(PRE_THREADS) NAME(                                          \
-            const float* __restrict__ q, int q_stride, const u32* __restrict__ k_pages,                      \
-            const u32* __restrict__ v_pages, const int* __restrict__ page_table, float* __restrict__ out,     \
+// head_dim <= 64: BQ 64; <= 128: BQ 32; <= 256: BQ 16 (attention.py picks by head_dim);
+// MINB: the register budget of the quantized variants (PRE_BOUNDS).
+#define PREFILL_ENTRY(NAME, BQ, DL, MINB)                                                                    \
+    extern "C" __global__ void PRE_BOUNDS(MINB) NAME(                                          \
+            const float* __restrict__ q, int q_stride, const u8* __restrict__ k_pages,                       \
+            const u8* __restrict__ v_pages, const int* __restrict__ page_table,                              \
+            const float* __restrict__ k_cb, const float* __restrict__ v_cb, float* __restrict__ out,         \
             int out_stride, int n, int start_row, int n_q_heads, int n_kv, int head_dim, int page_size,      \
             int window, float scale) {                                                                       \
         DYN_SHARED(float, smem);                                                                             \
-        prefill_block<BQ, DL>(q, q_stride, k_pages, v_pages, page_table, out, out_stride, n, start_row,     \
-                              n_q_heads, n_kv, head_dim, page_size, window, scale, smem);                    \
+        prefill_block<BQ, DL>(q, q_stride, k_pages, v_pages, page_table, k_cb, v_cb, out, out_stride, n,    \
+                              start_row, n_q_heads, n_kv, head_dim, page_size, window, scale, smem);         \
     }
-PREFILL_ENTRY(attention_prefill_d64, 64, 8)
-PREFILL_ENTRY(attention_prefill_d128, 32, 16)
-PREFILL_ENTRY(attention_prefill_d256, 16, 32)
+PREFILL_ENTRY(attention_prefill_d64, 64, 8, 4)
+PREFILL_ENTRY(attention_prefill_d128, 32, 16, 5)
+PREFILL_ENTRY(attention_prefill_d256, 16, 32, 5)

@@ -87,6 +87,23 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
 #endif
 }
 
+// f32 -> IEEE half bits, round to nearest even (numpy's astype(float16)): subnormal
+// halves, overflow to inf, NaN stays NaN. Bit arithmetic on the GPU too (no cvt), so
+// the harness runs exactly what a GPU runs; it is called once per stored scale.
+__device__ __forceinline__ u32 f32_to_f16(float f) {
+    const u32 x = __float_as_uint(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00u | ((ax >> 13) & 0x3FFu);        // NaN
+    if (ax >= 0x477FF000u) return sign | 0x7C00u;                               // >= 65520: inf
+    if (ax >= 0x38800000u) {                                                    // normal half
+        const u32 r = ax - 0x38000000u;                                         // exponent rebiased
+        return sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13);
+    }
+    if (ax <= 0x33000000u) return sign;                                         // <= 2^-25: zero
+    const u32 m = (ax & 0x7FFFFFu) | 0x800000u, sh = 126u - (ax >> 23);        // subnormal: m * 2^-sh
+    const u32 r = m >> sh, rem = m & ((1u << sh) - 1u), half = 1u << (sh - 1u);
+    return sign | (r + (rem > half || (rem == half && (r & 1u))));
+}
+
 // Paged bf16 KV cache: pages are u32 words holding bf16 pairs (element 2i low),
 //   pages[n_pages][n_kv][page_size][head_dim / 2]
 // and physical row r of a layer lives in page page_table[r / page_size] at offset

@@ -1,4 +1,7 @@
-// SnapKV window votes over the paged bf16 cache (backends/base.py, DESIGN.md). Window
+// SnapKV window votes over the paged KV cache (backends/base.py, DESIGN.md), compiled per key
+// format (KV_K, kvrow.cuh; bf16 when not defined): keys are read as stored and decoded in
+// registers; tq keys are scored in the rotated basis (q_window arrives rotated, rotate.cu),
+// k_cb their codebook (any pointer for the other formats). Window
 // query w of query head h sits at row P + w (P = n_rows - W); its causal softmax runs over
 // rows 0 .. P + w, window rows included, and is never renormalised over the prefix. The
 // votes of prefix row r < P for KV head g: the sum of those probabilities over the W
@@ -6,7 +9,8 @@
 //
 // A KV group's G*W window queries are the contiguous rows g*G*W .. of q_window
 // f32 [n_q_heads * W, head_dim]; a block works on 32 of them ("a query chunk") against
-// 32-row tiles of the cache, both staged in shared memory in 128-dim slices, thread
+// 32-row tiles of the cache, both staged in shared memory in 128-value slices (the queries
+// as f32 in key-unit order, the rows as their units and f32 scales), thread
 // (qg = tid / 16, rj = tid % 16) scoring queries 4 qg .. 4 qg + 3 against tile rows rj and
 // rj + 16. Both passes compute each score with the same code, so they agree bit for bit.
 //
@@ -17,68 +21,79 @@
 //                 loops over the group's query chunks (merging their split stats) and sums
 //                 exp(s - max) / sum per row -> votes f32 [n_kv, P].
 // Memory: O(n_q_heads * W * n_splits) stats + the votes; no score matrix.
-#include "common.cuh"
+#include "kvrow.cuh"
+
+typedef KvRow<KV_K> KF;
 
 #define SNAP_THREADS 128
+// A register budget of 80 (6 blocks of 128 threads): left to itself ptxas sizes the blocks by
+// their static shared memory and caps the registers lower, which spills for quantized keys.
+#define SNAP_MIN_BLOCKS 6
 #define SNAP_QC 32               // window queries per chunk
 #define SNAP_RT 32               // cache rows per tile
-#define SNAP_DW 64               // words (bf16 pairs) per staged slice: 128 dims
-#define SNAP_KS (SNAP_DW + 1)    // odd row stride: the 16 rows read together hit 16 banks
+#define SNAP_DV 128              // values per staged slice
+#define SNAP_DU (SNAP_DV / KF::UNIT)     // key units per slice (bf16: 64 words)
+#define SNAP_KS (SNAP_DU + 1)    // odd row stride: the 16 rows read together hit 16 banks
+#define SNAP_SS 5                // scale blocks per staged row and slice (<= 4), odd stride
 
-// Queries c0 .. c0+31 of the group (scaled; zero past n_queries), words w0 .. w0+nw-1.
-__device__ __forceinline__ void stage_queries(float2* qs, const float* __restrict__ group_q, int c0, int n_queries,
-                                              int head_dim, int w0, int nw, float scale) {
-    for (int i = threadIdx.x; i < SNAP_QC * SNAP_DW; i += SNAP_THREADS) {
-        const int c = i / SNAP_DW, p = i % SNAP_DW;
-        float2 v = make_float2(0.0f, 0.0f);
-        if (p < nw && c0 + c < n_queries) {
-            const float* src = group_q + (long long)(c0 + c) * head_dim + 2 * (w0 + p);
-            v = make_float2(src[0] * scale, src[1] * scale);
-        }
+// Queries c0 .. c0+31 of the group (scaled; zero past n_queries), key units u0 .. u0+nu-1
+// -> qs[c][p * UNIT + i] = q_c[value(u0 + p, i)].
+__device__ __forceinline__ void stage_queries(float* qs, const float* __restrict__ group_q, int c0, int n_queries,
+                                              int head_dim, int u0, int nu, float scale) {
+    for (int i = threadIdx.x; i < SNAP_QC * SNAP_DV; i += SNAP_THREADS) {
+        const int c = i / SNAP_DV, e = i % SNAP_DV, p = e / KF::UNIT;
+        float v = 0.0f;
+        if (p < nu && c0 + c < n_queries)
+            v = group_q[(long long)(c0 + c) * head_dim + KF::value(u0 + p, e % KF::UNIT)] * scale;
         qs[i] = v;
     }
 }
 
-// Cache rows r0 .. r0+31 of KV head g (zero at and past row_end), words w0 .. w0+nw-1.
-__device__ __forceinline__ void stage_rows(u32* ks, const u32* __restrict__ k_pages, const int* __restrict__ page_table,
-                                           int g, int n_kv, int page_size, int hd2, int r0, int row_end, int w0,
-                                           int nw) {
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    for (int j = warp; j < SNAP_RT; j += SNAP_THREADS / WARP_SIZE) {
-        u32* dst = ks + j * SNAP_KS;
-        if (r0 + j < row_end) {
-            const u32* src = k_pages + row_word(page_table, r0 + j, g, n_kv, page_size, hd2) + w0;
-            for (int p = lane; p < nw; p += WARP_SIZE) dst[p] = src[p];
-        } else {
-            for (int p = lane; p < nw; p += WARP_SIZE) dst[p] = 0u;
-        }
-    }
-}
-
-// s[i][k] += q(4 qg + i) . k(rj + 16 k) over the staged slice of nw words.
-__device__ __forceinline__ void score_slice(const float2* qs, const u32* ks, int nw, int qg, int rj, float s[4][2]) {
+// s[i][k] += q(4 qg + i) . k(rj + 16 k) over the staged slice of nu units (scales relative
+// to the slice's first scale block b0).
+__device__ __forceinline__ void score_slice(const float* qs, const u32* ks, const float* kss, const float* cb, int u0,
+                                            int nu, int qg, int rj, float s[4][2]) {
     const u32* ka = ks + rj * SNAP_KS;
     const u32* kb = ks + (rj + 16) * SNAP_KS;
-    const float2* qa = qs + 4 * qg * SNAP_DW;
-    for (int p = 0; p < nw; ++p) {
-        const float2 a = bf16x2_to_f32(ka[p]), b = bf16x2_to_f32(kb[p]);
+    const float* sa = kss + rj * SNAP_SS;
+    const float* sb = kss + (rj + 16) * SNAP_SS;
+    const float* qa = qs + 4 * qg * SNAP_DV;
+    const int b0 = KF::block(u0);
+    constexpr int KU = KF::UNIT, C = KU < KV_CHUNK ? KU : KV_CHUNK;
+    for (int p = 0; p < nu; ++p) {
+        const u32 wa = ka[p], wb = kb[p];
+        const float fa = KF::SCALED ? sa[KF::block(u0 + p) - b0] : 1.0f;
+        const float fb = KF::SCALED ? sb[KF::block(u0 + p) - b0] : 1.0f;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 x = qa[i * SNAP_DW + p];
-            s[i][0] += x.x * a.x + x.y * a.y;
-            s[i][1] += x.x * b.x + x.y * b.y;
+        for (int e0 = 0; e0 < KU; e0 += C) {         // a unit in chunks of C values
+            float a[C], b[C];
+            kv_decode<KV_K, C>(wa, fa, cb, a, e0);
+            kv_decode<KV_K, C>(wb, fb, cb, b, e0);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float x[C];
+                load_floats<C>(qa + i * SNAP_DV + p * KU + e0, x);
+#pragma unroll
+                for (int e = 0; e < C; ++e) {
+                    s[i][0] += x[e] * a[e];
+                    s[i][1] += x[e] * b[e];
+                }
+            }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SNAP_THREADS) snapkv_stats(
-        const float* __restrict__ q_window, const u32* __restrict__ k_pages, const int* __restrict__ page_table,
-        float* __restrict__ stats, int n_q_heads, int n_kv, int head_dim, int page_size, int n_rows, int window,
-        int rows_per_split, float scale) {
-    __shared__ float2 qs[SNAP_QC * SNAP_DW];
+extern "C" __global__ void __launch_bounds__(SNAP_THREADS, SNAP_MIN_BLOCKS) snapkv_stats(
+        const float* __restrict__ q_window, const u8* __restrict__ k_pages, const int* __restrict__ page_table,
+        const float* __restrict__ k_cb, float* __restrict__ stats, int n_q_heads, int n_kv, int head_dim,
+        int page_size, int n_rows, int window, int rows_per_split, float scale) {
+    __shared__ float4 qs4[SNAP_QC * SNAP_DV / 4];
     __shared__ u32 ks[SNAP_RT * SNAP_KS];
+    __shared__ float kss[SNAP_RT * SNAP_SS];
+    __shared__ float cb[16];
+    float* qs = reinterpret_cast<float*>(qs4);
     const int tid = threadIdx.x, qg = tid / 16, rj = tid % 16;
-    const int hd2 = head_dim / 2, n_slices = (hd2 + SNAP_DW - 1) / SNAP_DW;
+    const int nu_row = head_dim / KF::UNIT, n_slices = (nu_row + SNAP_DU - 1) / SNAP_DU;
     const int n_queries = n_q_heads / n_kv * window;
     const int n_qchunks = (n_queries + SNAP_QC - 1) / SNAP_QC;
     const int g = blockIdx.x / n_qchunks, c0 = blockIdx.x % n_qchunks * SNAP_QC;
@@ -96,16 +111,18 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) snapkv_stats(
         m[i] = NEG_INF;
         l[i] = 0.0f;
     }
+    stage_codebook<KV_K>(cb, k_cb);                  // published by the first slice's barrier
     for (int r0 = r_begin; r0 < r_end; r0 += SNAP_RT) {
         float s[4][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}};
         for (int sl = 0; sl < n_slices; ++sl) {
-            const int w0 = sl * SNAP_DW, nw = min(SNAP_DW, hd2 - w0);
+            const int u0 = sl * SNAP_DU, nu = min(SNAP_DU, nu_row - u0);
             __syncthreads();                         // the previous slice is no longer read
             if (n_slices > 1 || r0 == r_begin)
-                stage_queries(qs, group_q, c0, n_queries, head_dim, w0, nw, scale);
-            stage_rows(ks, k_pages, page_table, g, n_kv, page_size, hd2, r0, r_end, w0, nw);
+                stage_queries(qs, group_q, c0, n_queries, head_dim, u0, nu, scale);
+            stage_units<KV_K, SNAP_THREADS>(ks, SNAP_KS, kss, SNAP_SS, k_pages, page_table, r0, SNAP_RT, r_end, g,
+                                            n_kv, page_size, KF::row_bytes(head_dim), u0, nu);
             __syncthreads();
-            score_slice(qs, ks, nw, qg, rj, s);
+            score_slice(qs, ks, kss, cb, u0, nu, qg, rj, s);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {                // online max / sum over my two rows
@@ -137,26 +154,30 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) snapkv_stats(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SNAP_THREADS) snapkv_votes(
-        const float* __restrict__ q_window, const u32* __restrict__ k_pages, const int* __restrict__ page_table,
-        const float* __restrict__ stats, float* __restrict__ votes, int n_q_heads, int n_kv, int head_dim,
-        int page_size, int n_rows, int window, int n_splits, float scale) {
-    __shared__ float2 qs[SNAP_QC * SNAP_DW];
+extern "C" __global__ void __launch_bounds__(SNAP_THREADS, SNAP_MIN_BLOCKS) snapkv_votes(
+        const float* __restrict__ q_window, const u8* __restrict__ k_pages, const int* __restrict__ page_table,
+        const float* __restrict__ k_cb, const float* __restrict__ stats, float* __restrict__ votes, int n_q_heads,
+        int n_kv, int head_dim, int page_size, int n_rows, int window, int n_splits, float scale) {
+    __shared__ float4 qs4[SNAP_QC * SNAP_DV / 4];
     __shared__ u32 ks[SNAP_RT * SNAP_KS];
+    __shared__ float kss[SNAP_RT * SNAP_SS];
+    __shared__ float cb[16];
     __shared__ float q_max[SNAP_QC], q_inv[SNAP_QC];
     __shared__ float red[SNAP_THREADS / 16][SNAP_RT];
+    float* qs = reinterpret_cast<float*>(qs4);
     const int tid = threadIdx.x, qg = tid / 16, rj = tid % 16;
-    const int hd2 = head_dim / 2, n_slices = (hd2 + SNAP_DW - 1) / SNAP_DW;
+    const int nu_row = head_dim / KF::UNIT, n_slices = (nu_row + SNAP_DU - 1) / SNAP_DU;
     const int n_queries = n_q_heads / n_kv * window;
     const int g = blockIdx.y, r0 = blockIdx.x * SNAP_RT;
     const int prefix = n_rows - window;
     const float* group_q = q_window + (long long)g * n_queries * head_dim;
 
     float vr[2] = {0.0f, 0.0f};                      // votes of rows r0 + rj, r0 + rj + 16
+    stage_codebook<KV_K>(cb, k_cb);                  // published by the first slice's barrier
     for (int c0 = 0; c0 < n_queries; c0 += SNAP_QC) {
         float s[4][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}};
         for (int sl = 0; sl < n_slices; ++sl) {
-            const int w0 = sl * SNAP_DW, nw = min(SNAP_DW, hd2 - w0);
+            const int u0 = sl * SNAP_DU, nu = min(SNAP_DU, nu_row - u0);
             __syncthreads();                         // the previous slice and q_max / q_inv are no longer read
             if (sl == 0 && tid < SNAP_QC) {          // merge the stats splits of query c0 + tid
                 const int c = c0 + tid;
@@ -173,11 +194,12 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) snapkv_votes(
                 q_max[tid] = mx;
                 q_inv[tid] = inv;
             }
-            stage_queries(qs, group_q, c0, n_queries, head_dim, w0, nw, scale);
+            stage_queries(qs, group_q, c0, n_queries, head_dim, u0, nu, scale);
             if (n_slices > 1 || c0 == 0)
-                stage_rows(ks, k_pages, page_table, g, n_kv, page_size, hd2, r0, prefix, w0, nw);
+                stage_units<KV_K, SNAP_THREADS>(ks, SNAP_KS, kss, SNAP_SS, k_pages, page_table, r0, SNAP_RT, prefix,
+                                                g, n_kv, page_size, KF::row_bytes(head_dim), u0, nu);
             __syncthreads();
-            score_slice(qs, ks, nw, qg, rj, s);
+            score_slice(qs, ks, kss, cb, u0, nu, qg, rj, s);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {                // every prefix row is visible to every window query
