@@ -19,9 +19,9 @@ import math
 import numpy as np
 import pytest
 
-from _backends import available_backends, make_backend, nmse
+from _backends import assert_rows_written, available_backends, make_backend, nmse
 from backends.bf16 import BF16_QNAN, bf16_to_f32, f32_to_bf16
-from backends.kvformat import TQ_BITS, KvFormat, _unpack
+from backends.kvformat import KvFormat
 from backends.reference import ReferenceBackend
 from tiny_gguf import llama3_rope_factors
 
@@ -91,24 +91,6 @@ def filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=1.0, kv=("bf16", 
     v = rng.standard_normal((n_rows, n_kv * head_dim)).astype(np.float32)
     REF.kv_write(k_pages, v_pages, page_table, k, v, 0, *kv)
     return k_pages, v_pages, page_table
-
-
-def assert_rows_written(got, want, dtype, head_dim):
-    """Pages after kv_write: bit-exact, except that a tq code may go to the neighbouring
-    level where the rotated value sits on a boundary to within summation order (at
-    most 1e-3 of the codes) and its row's f16 scale may move by 1 ulp."""
-    if dtype not in TQ_BITS:
-        np.testing.assert_array_equal(got, want)
-        return
-    g = got.reshape(-1, got.shape[-1])
-    w = want.reshape(-1, want.shape[-1])
-    np.testing.assert_array_equal(g[:, 0] == 0xFF, w[:, 0] == 0xFF)        # same rows written
-    sg = g[:, :2].copy().view(np.int16)[:, 0].astype(np.int32)
-    sw = w[:, :2].copy().view(np.int16)[:, 0].astype(np.int32)
-    assert np.abs(sg - sw).max() <= 1
-    cg = _unpack(g[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
-    cw = _unpack(w[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
-    assert np.abs(cg - cw).max() <= 1 and (cg != cw).mean() <= 1e-3
 
 
 # -- bf16 ----------------------------------------------------------------------
