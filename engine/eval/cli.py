@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from ..errors import ConfigError, EngineError
 from ..inputs import output_dir
 from . import policies as P
-from .tasks import TASKS
+from .tasks import TASKS, sample_depth
 
 # Defaults of a full run and of --quick; an explicit flag always wins.
 FULL_RUN = {"tasks": ",".join(TASKS), "lengths": "1024,2048,4096,8192", "budgets": "256,512,1024,2048",
@@ -161,8 +161,8 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
 
 def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
     """--resume: the rows of the whole samples in `partial` (none if it does not exist),
-    checked to come from this plan: same seed, tasks and lengths, and every sample with
-    exactly the plan's policies (a sample cut short mid-write is dropped and runs again)."""
+    checked to come from this plan: same seed, tasks, lengths and needle depths, and every
+    sample with exactly the plan's policies (a sample cut short mid-write is dropped and runs again)."""
     if not os.path.exists(partial):
         return []
     _, rows = _load_rows(partial)
@@ -170,9 +170,10 @@ def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
     by_sample: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("seed") != seed or r["task"] not in plan.tasks or r["length"] not in plan.lengths \
-                or r["policy"] not in names or r["index"] >= plan.samples:
+                or r["policy"] not in names or r["index"] >= plan.samples \
+                or r["depth"] != sample_depth(plan.depths, r["index"], plan.samples):
             raise EngineError(f"--resume: {partial} was written by another plan (sample {r['task']} "
-                              f"{r['length']} #{r['index']}, seed {r.get('seed')}, policy {r['policy']}); "
+                              f"{r['length']} #{r['index']}, seed {r.get('seed')}, depth {r['depth']}, policy {r['policy']}); "
                               f"run the same command, or drop --resume to start again")
         by_sample.setdefault((r["task"], r["length"], r["index"]), []).append(r)
     return [r for group in by_sample.values() if sorted(x["policy"] for x in group) == sorted(names)

@@ -159,6 +159,7 @@ def test_resume_runs_only_the_samples_missing(tiny_llama, tmp_path):
         g = got[key(r)]
         assert g["generated"] == ("(kept from the partial file)" if r["index"] == 0 else r["generated"])
 
-    partial.write_text(json.dumps(dict(first[0], seed=5)) + "\n")                # another plan's samples
-    with pytest.raises(EngineError, match="another plan"):
-        args.func(_parse(argv + ["--resume"]))
+    for other in (dict(first[0], seed=5), dict(first[0], depth=first[0]["depth"] + 10)):   # another plan's
+        partial.write_text(json.dumps(other) + "\n")
+        with pytest.raises(EngineError, match="another plan"):
+            args.func(_parse(argv + ["--resume"]))
