@@ -1,0 +1,79 @@
+"""Paired decode benchmark: the same prompt prefilled once per KV type, then decode
+timed in alternating rounds (bf16, tq4, bf16, tq4, ...), so machine noise that
+moves 10-20% between runs falls on every type alike. Reports per round tok/s and
+the median of the per-round ratios against the first type.
+
+    .venv/bin/python tools/bench_decode_ab.py [--model smollm2] [--length 8000]
+        [--kv-budget 1024] [--kv-dtypes bf16,tq4] [--rounds 8] [--tokens 16]
+
+--kv-budget 0: the full cache. Not a test: numbers go to stdout (and --json FILE).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine  # noqa: E402
+from engine.bench import bench_prompt  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--length", type=int, default=8000)
+    p.add_argument("--kv-budget", type=int, default=1024)
+    p.add_argument("--kv-dtypes", default="bf16,tq4")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=16, help="decode tokens per round")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    dtypes = [d.strip() for d in a.kv_dtypes.split(",") if d.strip()]
+    ctx = a.length + a.rounds * a.tokens + 1
+    model = engine.load(a.model, ctx=ctx, threads=a.threads, snapkv_budget=a.kv_budget)
+    ids = bench_prompt(model.tokenizer, a.length)
+    state = {}
+    for d in dtypes:
+        t0 = time.perf_counter()
+        cache, logits = model.prefill(ids, kv_dtype=d)
+        print(f"{d}: prefill {time.perf_counter() - t0:.1f} s, {cache.length} rows, "
+              f"{cache.bytes / 2**20:.1f} MiB", flush=True)
+        state[d] = [cache, int(np.argmax(logits))]
+    rates = {d: [] for d in dtypes}
+    for r in range(a.rounds):
+        for d in dtypes:
+            cache, token = state[d]
+            t0 = time.perf_counter()
+            for _ in range(a.tokens):
+                token = int(np.argmax(model.forward.decode(token, cache)))
+            rates[d].append(a.tokens / (time.perf_counter() - t0))
+            state[d][1] = token
+        print(f"round {r}: " + "  ".join(f"{d} {rates[d][-1]:.1f} tok/s" for d in dtypes), flush=True)
+    base = dtypes[0]
+    report = {"length": a.length, "kv_budget": a.kv_budget, "tokens_per_round": a.tokens,
+              "rounds": a.rounds, "tok_s": rates,
+              "median_tok_s": {d: statistics.median(rates[d]) for d in dtypes},
+              "median_ratio_vs_" + base: {d: statistics.median(x / y for x, y in zip(rates[d], rates[base]))
+                                          for d in dtypes[1:]}}
+    for d in dtypes:
+        line = f"{d:>10}: median {report['median_tok_s'][d]:.1f} tok/s"
+        if d != base:
+            ratios = sorted(x / y for x, y in zip(rates[d], rates[base]))
+            line += (f", paired ratio vs {base}: median {report['median_ratio_vs_' + base][d]:.3f}"
+                     f" (range {ratios[0]:.3f}-{ratios[-1]:.3f})")
+        print(line)
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
