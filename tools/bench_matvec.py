@@ -5,7 +5,11 @@ Q8_0 output head) and the same set as mat-mat for n = 128 / 512 tokens. Weights
 of 30 layers exceed the caches, so the mat-vec figure includes streaming them from
 memory, as decode does. Run with NUMBA_NUM_THREADS=1 for a figure that a busy
 machine disturbs less.
-    python tools/bench_matvec.py [--model PATH] [--repeats 5] [--layers 30]
+--batched instead times batched decode: for n = 1, 2, 4, 8 rows (one per request),
+one matmul of n rows against n matmuls of one row, and against the dequantize + sgemm
+mat-mat path (what matmul ran for every n > 1 before MULTI_MAX), for the blk.* set and
+the head.
+    python tools/bench_matvec.py [--model PATH] [--repeats 5] [--layers 30] [--batched]
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import numba
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from backends.cpu.quant import load_weight, matmul  # noqa: E402
+from backends.cpu.quant import MULTI_MAX, _matmat, load_weight, matmul  # noqa: E402
 from backends.cpu.quant_kernels import ACT_PLANES, HAVE_VNNI  # noqa: E402
 from engine.gguf import GgufFile  # noqa: E402
 
@@ -32,6 +36,8 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batched", action="store_true",
+                    help="time n rows in one matmul vs n one-row matmuls (n = 1, 2, 4, 8)")
     args = ap.parse_args()
     g = GgufFile(args.model)
     n_layers = args.layers or int(g.arch_key("block_count"))
@@ -46,6 +52,9 @@ def main() -> None:
     print(f"{len(ws)} matrices, {file_bytes / 1e6:.1f} MB in file, {packed_bytes / 1e6:.1f} MB "
           f"repacked, load+repack {t_load:.2f} s")
 
+    if args.batched:
+        _batched(ws[:-1], ws[-1], args.repeats)
+        return
     rng = np.random.default_rng(0)
     cols_max = max(w.shape[1] for w in ws)
     rows_max = max(w.shape[0] for w in ws)
@@ -76,6 +85,48 @@ def main() -> None:
     for n in (128, 512):
         t = run(n)
         print(f"mat-mat  n={n:<4d}: {t:7.3f} s  = {n / t:7.1f} tok/s")
+
+
+def _batched(blk: list, head, repeats: int) -> None:
+    """Batched decode: n rows in one matmul (the weight streamed once) vs n matmuls of one
+    row (streamed n times) vs the mat-mat path; best of `repeats`, timed alternately."""
+    rng = np.random.default_rng(0)
+    print(f"batched decode, best of {repeats}, ms: one matmul of n rows ('1 call'), n one-row "
+          f"matmuls ('n calls'), dequantize + sgemm ('mat-mat'); speedup = n calls / 1 call")
+    print(f"{'n':>3} | {'blk.* 1 call':>12} {'n calls':>8} {'mat-mat':>8} {'speedup':>7} | "
+          f"{'head 1 call':>11} {'n calls':>8} {'mat-mat':>8} {'speedup':>7}")
+    for n in (1, 2, 4, 8):
+        row = f"{n:3d} |"
+        for group in (blk, [head]):
+            cols = max(w.shape[1] for w in group)
+            rows = max(w.shape[0] for w in group)
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            out = np.empty((n, rows + 1), np.float32)     # column views, as the engine passes
+            jobs = [(w, x[:, :w.shape[1]], out[:, :w.shape[0]]) for w in group]
+
+            def one_call():
+                for w, xi, oi in jobs:
+                    matmul(w, xi, oi)
+
+            def n_calls():
+                for w, xi, oi in jobs:
+                    for i in range(n):
+                        matmul(w, xi[i:i + 1], oi[i:i + 1])
+
+            def mat_mat():
+                for w, xi, oi in jobs:
+                    _matmat(w, xi, oi)
+
+            fns = (one_call, n_calls, mat_mat)
+            best = [float("inf")] * 3
+            for fn in fns:                                # warm-up (compile, caches)
+                fn()
+            for _ in range(repeats):
+                for k, fn in enumerate(fns):
+                    best[k] = min(best[k], _timeit(fn, 1))
+            t1, tn, tm = (b * 1e3 for b in best)
+            row += f" {t1:12.2f} {tn:8.2f} {tm:8.2f} {tn / t1:6.2f}x |"
+        print(row)
 
 
 def _timeit(fn, reps: int = 20) -> float:

@@ -2,16 +2,19 @@
 
 A `QuantWeight` keeps the weight quantized (see `quant_repack` for the tiled
 layouts); F32/F16/BF16 stay in their file layout. The kernels to call are bound at
-load, so `matmul` for one token is one dict-free call into numba.
+load, so `matmul` for a decode step is one dict-free call into numba.
 
-    n == 1  mat-vec, numba, over 16-row tiles (in parallel only for matrices of at
-            least PARALLEL_MIN_WEIGHTS: the tied head; on a shared 2-core machine a
-            thread-pool wake-up per small mat-vec cost more than it saved, 2-thread
-            decode ~140 -> ~160 tok/s). The activation is quantized
-            per block to ACT_PLANES = 3 int8 planes (~22 bits, results within fp32-level
-            error of float activations) and dotted with the unsigned codes by AVX-512
-            VNNI `vpdpbusd` (quant_kernels, vnni.py; a plain-numba twin elsewhere).
-    n > 1   mat-mat: dequantize a chunk of rows (~1 MB of f32) into a scratch
+    n <= MULTI_MAX  mat-vec (decode; batched decode: one row per request), numba, over
+            16-row tiles (in parallel only for matrices of at least PARALLEL_MIN_WEIGHTS:
+            the tied head; on a shared 2-core machine a thread-pool wake-up per small
+            mat-vec cost more than it saved, 2-thread decode ~140 -> ~160 tok/s). Each
+            activation is quantized per block to ACT_PLANES = 3 int8 planes (~22 bits,
+            results within fp32-level error of float activations) and dotted with the
+            unsigned codes by AVX-512 VNNI `vpdpbusd` (quant_kernels, vnni.py; a
+            plain-numba twin elsewhere). Each tile is dotted with all n activations while
+            in L1, so the weight streams once per call, and every row runs the same code:
+            row i is bit-identical to matmul of x[i:i+1] alone.
+    n > MULTI_MAX  mat-mat: dequantize a chunk of rows (~1 MB of f32) into a scratch
             buffer, then one BLAS sgemm of all n tokens against it; the chunk is
             reused by every token, so dequantization is paid once per call.
 """
@@ -26,6 +29,7 @@ from .quant_repack import INT8, NIBBLE, repack
 FLOAT_KIND = {Q.F32: 0, Q.F16: 1, Q.BF16: 2}   # kind code used by mv_float / deq_float
 CHUNK_BYTES = 4 << 20                          # f32 scratch per mat-mat chunk
 PARALLEL_MIN_WEIGHTS = 1 << 22                 # smaller mat-vecs run on the calling thread
+MULTI_MAX = 8                                  # n up to this: batched mat-vec; more: mat-mat
 
 
 class QuantWeight:
@@ -82,8 +86,8 @@ def matmul(w: QuantWeight, x: np.ndarray, out: np.ndarray, bias=None) -> None:
     """x f32 [n, cols] (rows may be strided); out f32 [n, rows] (may be a column view);
     bias f32 [rows] or None. out = x @ W.T (+ bias)."""
     n = x.shape[0]
-    if n == 1:
-        w._mv(*w._mv_args, x[0], out[0])
+    if n <= MULTI_MAX:
+        w._mv(*w._mv_args, np.ascontiguousarray(x), out)
     else:
         _matmat(w, x, out)
     if bias is not None:

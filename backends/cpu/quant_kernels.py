@@ -37,46 +37,47 @@ ACT_PLANES = 3     # int8 planes per activation block: 3 ~ fp32 activations (2 m
 
 
 @njit(inline="always", **_opts)
-def _quant_act(x, L, code_off, c0):
-    """x f32 [nb*L] -> xq i8 [ACT_PLANES, nb*L], xs f32 [ACT_PLANES + 2, nb]: per block
-    the scale of each plane, corr, and the exact block sum sx. Plane p + 1 codes the
-    rounding residual of plane p in steps _PLANE_STEP times finer. With codes stored as
-    c + code_off (c ~ c0 on average), d * (dot_q + corr) + m * sx is the dot of
-    d * c + m with x up to d * sum (c - c0) * (x - xhat): the rounding error of the
-    activation only meets centred codes."""
-    nb = x.shape[0] // L
-    xq = np.empty((ACT_PLANES, nb * L), np.int8)
-    xs = np.empty((ACT_PLANES + 2, nb), np.float32)
+def _quant_acts(x, L, code_off, c0):
+    """x f32 [n, nb*L] -> xq i8 [n, ACT_PLANES, nb*L], xs f32 [n, ACT_PLANES + 2, nb]: per
+    activation and block the scale of each plane, corr, and the exact block sum sx.
+    Plane p + 1 codes the rounding residual of plane p in steps _PLANE_STEP times finer.
+    With codes stored as c + code_off (c ~ c0 on average), d * (dot_q + corr) + m * sx
+    is the dot of d * c + m with x up to d * sum (c - c0) * (x - xhat): the rounding
+    error of the activation only meets centred codes."""
+    n, cols = x.shape
+    nb = cols // L
+    xq = np.empty((n, ACT_PLANES, cols), np.int8)
+    xs = np.empty((n, ACT_PLANES + 2, nb), np.float32)
     res = np.empty(L, np.float32)
     step = np.float32(_PLANE_STEP)
-    for b in range(nb):
-        o = b * L
-        sx = np.float32(0)
-        amax = np.float32(0)
-        for j in range(L):
-            v = x[o + j]
-            sx += v
-            amax = max(amax, abs(v))
-        dx = amax / np.float32(127)
-        inv = np.float32(1) / dx if dx > 0 else np.float32(0)
-        for j in range(L):
-            res[j] = x[o + j] * inv          # in units of dx, |res| <= 127
-        qsum = np.float32(0)                 # sum of the dequantized codes, in units of dx
-        unit = np.float32(1)
-        for p in range(ACT_PLANES):
-            row = xq[p]
-            psum = np.int32(0)
+    for i in range(n):
+        for b in range(nb):
+            o = b * L
+            sx = np.float32(0)
+            amax = np.float32(0)
             for j in range(L):
-                q = np.rint(res[j])
-                row[o + j] = np.int8(q)
-                psum += np.int32(q)
-                res[j] = (res[j] - q) * step     # |res| <= step / 2 = 127
-            xs[p, b] = dx * unit
-            qsum += np.float32(psum) * unit
-            unit /= step
-        sx_hat = qsum * dx
-        xs[ACT_PLANES, b] = -np.float32(code_off) * sx_hat + np.float32(c0) * (sx - sx_hat)
-        xs[ACT_PLANES + 1, b] = sx
+                v = x[i, o + j]
+                sx += v
+                amax = max(amax, abs(v))
+            dx = amax / np.float32(127)
+            inv = np.float32(1) / dx if dx > 0 else np.float32(0)
+            for j in range(L):
+                res[j] = x[i, o + j] * inv       # in units of dx, |res| <= 127
+            qsum = np.float32(0)                 # sum of the dequantized codes, in units of dx
+            unit = np.float32(1)
+            for p in range(ACT_PLANES):
+                psum = np.int32(0)
+                for j in range(L):
+                    q = np.rint(res[j])
+                    xq[i, p, o + j] = np.int8(q)
+                    psum += np.int32(q)
+                    res[j] = (res[j] - q) * step     # |res| <= step / 2 = 127
+                xs[i, p, b] = dx * unit
+                qsum += np.float32(psum) * unit
+                unit /= step
+            sx_hat = qsum * dx
+            xs[i, ACT_PLANES, b] = -np.float32(code_off) * sx_hat + np.float32(c0) * (sx - sx_hat)
+            xs[i, ACT_PLANES + 1, b] = sx
     return xq, xs
 
 
@@ -109,48 +110,60 @@ def _int8_tile(qs, d, m, has_m, xq, xs, t, out):
         _tile_i8_16(qs, d, m, xq, xs, t, out, row0, n_valid)
 
 
-# Parallel and serial entry points (QuantWeight picks one by size at load: waking the
-# thread pool costs more than it saves on a matrix of well under a millisecond).
-# out: f32 [rows] with unit stride (a row of a possibly column-sliced 2-D array).
+# Mat-vec of n = 1 .. quant.MULTI_MAX activations: decode, one row per request when
+# batched. Each activation is quantized once, then each tile is dotted with every
+# activation in turn while it sits in L1, so the weight streams from memory once per
+# call. Every row runs the same machine code whatever n, so row i is bit-identical to a
+# call with x[i] alone (separate kernels for n == 1 would not be: under fastmath the
+# backend reassociates the unrolled block sums of _quant_acts by the critical path of
+# the code around them).
+# Parallel and serial twins: QuantWeight picks one by size at load (waking the thread
+# pool costs more than it saves on a matrix of well under a millisecond).
+# x: f32 [n, cols] C-contiguous; out: f32 [n, rows] with unit stride along a row (its
+# row stride free: out may be a column slice of a wider array).
 
 @njit(parallel=True, **_opts)
 def mv_nibble(qs, d, m, x, out):
-    """qs u8 [T, nb, 4, R, 4]; d, m [T, nb, R]; x f32 [nb*32]; out f32 [rows]."""
-    if out.strides[0] != 4:
-        raise ValueError("mv_nibble: out must have unit stride")
-    xq, xs = _quant_act(x, 32, 0, 8)
+    """qs u8 [T, nb, 4, R, 4]; d, m [T, nb, R]; x f32 [n, nb*32]; out f32 [n, rows]."""
+    if out.strides[1] != 4:
+        raise ValueError("mv_nibble: out rows must have unit stride")
+    xq, xs = _quant_acts(x, 32, 0, 8)
     for t in prange(qs.shape[0]):
-        _nibble_tile(qs, d, m, xq, xs, t, out)
+        for i in range(x.shape[0]):
+            _nibble_tile(qs, d, m, xq[i], xs[i], t, out[i])
 
 
 @njit(**_opts)
 def mv_nibble_serial(qs, d, m, x, out):
     """As mv_nibble, on the calling thread."""
-    if out.strides[0] != 4:
-        raise ValueError("mv_nibble: out must have unit stride")
-    xq, xs = _quant_act(x, 32, 0, 8)
+    if out.strides[1] != 4:
+        raise ValueError("mv_nibble: out rows must have unit stride")
+    xq, xs = _quant_acts(x, 32, 0, 8)
     for t in range(qs.shape[0]):
-        _nibble_tile(qs, d, m, xq, xs, t, out)
+        for i in range(x.shape[0]):
+            _nibble_tile(qs, d, m, xq[i], xs[i], t, out[i])
 
 
 @njit(parallel=True, **_opts)
 def mv_int8(qs, d, m, has_m, x, out):
-    """qs u8 [T, nb, G, R, 4]; d, m [T, nb, R]; x f32 [nb*4G]; out f32 [rows]."""
-    if out.strides[0] != 4:
-        raise ValueError("mv_int8: out must have unit stride")
-    xq, xs = _quant_act(x, 4 * qs.shape[2], 128, 16 if has_m else 0)
+    """qs u8 [T, nb, G, R, 4]; d, m [T, nb, R]; x f32 [n, nb*4G]; out f32 [n, rows]."""
+    if out.strides[1] != 4:
+        raise ValueError("mv_int8: out rows must have unit stride")
+    xq, xs = _quant_acts(x, 4 * qs.shape[2], 128, 16 if has_m else 0)
     for t in prange(qs.shape[0]):
-        _int8_tile(qs, d, m, has_m, xq, xs, t, out)
+        for i in range(x.shape[0]):
+            _int8_tile(qs, d, m, has_m, xq[i], xs[i], t, out[i])
 
 
 @njit(**_opts)
 def mv_int8_serial(qs, d, m, has_m, x, out):
     """As mv_int8, on the calling thread."""
-    if out.strides[0] != 4:
-        raise ValueError("mv_int8: out must have unit stride")
-    xq, xs = _quant_act(x, 4 * qs.shape[2], 128, 16 if has_m else 0)
+    if out.strides[1] != 4:
+        raise ValueError("mv_int8: out rows must have unit stride")
+    xq, xs = _quant_acts(x, 4 * qs.shape[2], 128, 16 if has_m else 0)
     for t in range(qs.shape[0]):
-        _int8_tile(qs, d, m, has_m, xq, xs, t, out)
+        for i in range(x.shape[0]):
+            _int8_tile(qs, d, m, has_m, xq[i], xs[i], t, out[i])
 
 
 @njit(**_opts)
@@ -180,20 +193,23 @@ def _sc_impl(v):
 
 @njit(parallel=True, **_opts)
 def mv_float(w, kind, x, out):
-    """w [rows, cols] f32 (kind 0), uint16 f16 bits (kind 1) or uint16 bf16 bits (kind 2)."""
+    """w [rows, cols] f32 (kind 0), uint16 f16 bits (kind 1) or uint16 bf16 bits (kind 2);
+    x f32 [n, cols]; out f32 [n, rows]. Each weight row is dotted with every activation
+    while in L1, by the same code for every row of x (as mv_nibble)."""
     rows, cols = w.shape
     for r in prange(rows):
-        acc = np.float32(0)
-        if kind == 0:
-            for k in range(cols):
-                acc += np.float32(w[r, k]) * x[k]
-        elif kind == 1:
-            for k in range(cols):
-                acc += _f16_to_f32(w[r, k]) * x[k]
-        else:
-            for k in range(cols):
-                acc += np.uint32(np.uint32(w[r, k]) << np.uint32(16)).view(np.float32) * x[k]
-        out[r] = acc
+        for i in range(x.shape[0]):
+            acc = np.float32(0)
+            if kind == 0:
+                for k in range(cols):
+                    acc += np.float32(w[r, k]) * x[i, k]
+            elif kind == 1:
+                for k in range(cols):
+                    acc += _f16_to_f32(w[r, k]) * x[i, k]
+            else:
+                for k in range(cols):
+                    acc += np.uint32(np.uint32(w[r, k]) << np.uint32(16)).view(np.float32) * x[i, k]
+            out[i, r] = acc
 
 
 # -- dequantize selected rows (embedding, prefill tiles) ---------------------------------

