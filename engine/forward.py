@@ -20,7 +20,7 @@ from backends.kvformat import parse_kv_dtype
 
 from .errors import EngineError
 from .gguf import GgufFile, ModelConfig
-from .kv.paged import KvCache
+from .kv.paged import KvCache, PagePool, layer_pages
 from .snapkv import SnapKvConfig, SnapKvSelector
 
 
@@ -154,17 +154,28 @@ class ForwardPass:
         self.rope_factors = None if factors is None else np.asarray(factors, np.float32)   # [rot_dim/2]
         self._decode_scratch = Scratch(backend, cfg, 1)
         self._prefill_scratch: Scratch | None = None
+        self._batch_scratch: Scratch | None = None   # decode_batch, grown on demand
         self.window_capture: WindowCapture | None = None   # set during a SnapKV prefill
 
-    def new_cache(self, kv_dtype: str | None = None) -> KvCache:
-        """A cache for max_ctx positions; sliding-window layers get pages for their
-        window plus one prefill chunk only. `kv_dtype`: "bf16", "tq4", "q8_0/tq4" (keys/
-        values), ... (backends/kvformat.py); None = self.kv_dtype."""
+    def new_cache(self, kv_dtype: str | None = None, pool: PagePool | None = None,
+                  max_rows: int | None = None) -> KvCache:
+        """A cache for max_ctx positions (or `max_rows`); sliding-window layers get pages
+        for their window plus one prefill chunk only. `kv_dtype`: "bf16", "tq4", "q8_0/tq4"
+        (keys/values), ... (backends/kvformat.py); None = self.kv_dtype. `pool`: take
+        pages from a shared PagePool (see new_pool) instead of a pool of its own."""
         c = self.cfg
         k_dtype, v_dtype = parse_kv_dtype(kv_dtype or self.kv_dtype)
-        return KvCache(self.backend, c.n_layers, c.n_kv_heads, c.head_dim, self.max_ctx, self.page_size,
-                       windows=[c.window(i) for i in range(c.n_layers)], max_step=self.chunk,
-                       k_dtype=k_dtype, v_dtype=v_dtype)
+        return KvCache(self.backend, c.n_layers, c.n_kv_heads, c.head_dim, max_rows or self.max_ctx,
+                       self.page_size, windows=[c.window(i) for i in range(c.n_layers)], max_step=self.chunk,
+                       k_dtype=k_dtype, v_dtype=v_dtype, pool=pool)
+
+    def new_pool(self, tokens: int, kv_dtype: str | None = None) -> PagePool:
+        """A page pool for caches to share: as many pages as one cache of `tokens`
+        positions can hold."""
+        c = self.cfg
+        pages = sum(layer_pages(tokens, self.page_size, c.window(i), self.chunk) for i in range(c.n_layers))
+        return PagePool(self.backend, pages, c.n_kv_heads, self.page_size, c.head_dim,
+                        *parse_kv_dtype(kv_dtype or self.kv_dtype))
 
     # -- public steps -------------------------------------------------------------
     def prefill(self, ids, cache: KvCache, all_logits: bool = False, on_chunk=None,
@@ -178,31 +189,40 @@ class ForwardPass:
         cached keys, and those layers are compacted to their keep sets (sliding-window
         layers hold only their window already and are left as they are). A prompt
         continued from an existing cache is compacted only with `compact_continued`."""
+        steps = self.prefill_steps(ids, cache, all_logits, snapkv, compact_continued)
+        while True:
+            try:
+                done, total = next(steps)
+            except StopIteration as end:
+                return end.value
+            if on_chunk:
+                on_chunk(done, total)
+
+    def prefill_steps(self, ids, cache: KvCache, all_logits: bool = False,
+                      snapkv: SnapKvConfig | None = None, compact_continued: bool = False):
+        """`prefill` one chunk at a time: a generator that yields (done, total) prompt
+        tokens after each chunk and returns the logits (StopIteration.value). Other
+        caches may run forward steps between chunks (a server interleaves decode)."""
         ids = np.asarray(ids, dtype=np.int32)
         if self._prefill_scratch is None:
             self._prefill_scratch = Scratch(self.backend, self.cfg, self.chunk)
         rows_after = cache.length + len(ids)
         evict = (snapkv is not None and (cache.logical_length == 0 or compact_continued)
                  and len(ids) >= snapkv.window and snapkv.compacts(rows_after) and bool(cache.full_layers))
+        capture = self.window_capture        # set from outside (eval, tools) or None
         if evict:
-            self.window_capture = WindowCapture(self.cfg, snapkv.window,
-                                                cache.logical_length + len(ids) - snapkv.window)
+            capture = WindowCapture(self.cfg, snapkv.window, cache.logical_length + len(ids) - snapkv.window)
         out = []
         logits = None
-        try:
-            for start in range(0, len(ids), self.chunk):
-                part = ids[start:start + self.chunk]
-                s = self._prefill_scratch if len(part) > 1 else self._decode_scratch
-                self._forward(part, cache, s)
-                if all_logits:
-                    out.append(self._head(s, len(part), all_rows=True))
-                elif start + self.chunk >= len(ids):
-                    logits = self._head(s, len(part))
-                if on_chunk:
-                    on_chunk(min(start + self.chunk, len(ids)), len(ids))
-            capture = self.window_capture
-        finally:
-            self.window_capture = None
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start:start + self.chunk]
+            s = self._prefill_scratch if len(part) > 1 else self._decode_scratch
+            self._forward(part, [(cache, len(part))], s, capture)
+            if all_logits:
+                out.append(self._head(s, len(part), all_rows=True))
+            elif start + self.chunk >= len(ids):
+                logits = self._head(s, len(part))
+            yield min(start + self.chunk, len(ids)), len(ids)
         if evict:
             self.evict(cache, capture.q, snapkv)
         return np.concatenate(out) if all_logits else logits
@@ -236,26 +256,53 @@ class ForwardPass:
     def decode(self, token: int, cache: KvCache) -> np.ndarray:
         """One token at position cache.logical_length -> host f32 logits [vocab]."""
         s = self._decode_scratch
-        self._forward(np.array([token], dtype=np.int32), cache, s)
+        self._forward(np.array([token], dtype=np.int32), [(cache, 1)], s)
         return self._head(s, 1)
 
+    def decode_batch(self, tokens, caches: list[KvCache]) -> np.ndarray:
+        """One decode step of several sequences at once: token i at position
+        caches[i].logical_length -> host f32 logits [n, vocab]. The weights run once
+        over all n rows; attention runs over each cache's own pages (caches may differ
+        in length, compaction and row format)."""
+        n = len(caches)
+        if n != len(tokens) or n == 0:
+            raise ValueError(f"decode_batch: {len(tokens)} tokens for {n} caches")
+        if len({id(c) for c in caches}) != n:
+            raise ValueError("decode_batch: a cache appears twice")
+        if n == 1:
+            return self.decode(int(tokens[0]), caches[0])[None]
+        if self._batch_scratch is None or self._batch_scratch.n < n:
+            self._batch_scratch = Scratch(self.backend, self.cfg, max(n, 8))
+        s = self._batch_scratch
+        self._forward(np.asarray(tokens, dtype=np.int32), [(c, 1) for c in caches], s)
+        return self._head(s, n, all_rows=True)
+
     # -- the layer graph ------------------------------------------------------------
-    def _forward(self, ids: np.ndarray, cache: KvCache, s: Scratch) -> None:
+    def _forward(self, ids: np.ndarray, spans: list, s: Scratch, capture=None) -> None:
+        """ids int32 [n]; spans [(KvCache, rows)]: each cache takes the next `rows` of
+        the n tokens, at its own positions (a prefill chunk: one cache, n rows; a
+        batched decode step: n caches, one row each). Every weight runs once over the
+        n rows; RoPE, K/V writes and attention per cache. `capture`: a WindowCapture
+        fed with the full-attention layers' queries (prefill of one cache)."""
         b, c, w = self.backend, self.cfg, self.weights
         n = len(ids)
         x, h, qkv, attn = s.x[:n], s.h[:n], s.qkv[:n], s.attn[:n]
         proj, gate_up, act = s.proj[:n], s.gate_up[:n], s.act[:n]
         q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
-        positions = np.arange(cache.logical_length, cache.logical_length + n, dtype=np.int32)
-        dtypes = {"k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype}   # the pools' row formats
+        rows, lo = [], 0                     # (cache, first row, end row) in the n rows
+        for cache, m in spans:
+            rows.append((cache, lo, lo + m))
+            lo += m
+        positions = np.concatenate([np.arange(cache.logical_length, cache.logical_length + (hi - lo))
+                                    for cache, lo, hi in rows]).astype(np.int32)
+        for cache, lo, hi in rows:           # pages first: a full cache or pool fails before any write
+            for kv in cache.layers:
+                kv.reserve(hi - lo)
         b.embedding(w.token_embd, ids, x)
         if self.embed_scale is not None:
             b.scale(x, self.embed_scale, x)
-        for li, (lw, kv) in enumerate(zip(w.layers, cache.layers)):
+        for li, lw in enumerate(w.layers):
             window = c.window(li)            # 0: full attention; else the last `window` positions
-            kv.reserve(n)
-            start_row = kv.length
-            table = kv.page_table()
             # attention block
             b.rms_norm(x, lw.attn_norm, c.norm_eps, h)
             for wt, lo, hi in lw.qkv:
@@ -265,17 +312,8 @@ class ForwardPass:
                 b.rms_norm(qkv[:, q_end:k_end], lw.attn_k_norm, c.norm_eps, qkv[:, q_end:k_end])
             b.rope(qkv[:, :k_end], positions, c.n_heads + c.n_kv_heads, c.head_dim, c.rot_dim,
                    c.layer_rope_base(li), c.arch.rope_neox, self.rope_factors)
-            if self.window_capture is not None and not window:
-                self.window_capture(b, li, qkv[:, :q_end], int(positions[0]))
-            b.kv_write(cache.pool.k_pages, cache.pool.v_pages, table, qkv[:, q_end:k_end],
-                       qkv[:, k_end:], start_row, **dtypes)
-            if n == 1:
-                b.attention_decode(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
-                                   start_row + 1, c.n_heads, self.scale, attn, window=window, **dtypes)
-            else:
-                b.attention_prefill(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
-                                    start_row, c.n_heads, self.scale, attn, window=window, **dtypes)
-            kv.advance(n)                    # a sliding-window layer returns pages it no longer needs
+            for cache, lo, hi in rows:
+                self._attend(cache, li, window, qkv[lo:hi], attn[lo:hi], capture)
             b.matmul(lw.attn_output, attn, proj)
             if lw.post_attention_norm is not None:
                 b.rms_norm(proj, lw.post_attention_norm, c.norm_eps, proj)
@@ -289,6 +327,28 @@ class ForwardPass:
             if lw.post_ffw_norm is not None:
                 b.rms_norm(proj, lw.post_ffw_norm, c.norm_eps, proj)
             b.add(x, proj, x)
+
+    def _attend(self, cache: KvCache, li: int, window: int, qkv, attn, capture) -> None:
+        """One cache's rows of layer li: write their K/V, attend (queries see the
+        cache's earlier rows and their own), advance the layer."""
+        b, c = self.backend, self.cfg
+        q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
+        n = qkv.shape[0]
+        kv = cache.layers[li]
+        start_row = kv.length
+        table = kv.page_table()
+        dtypes = {"k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype}   # the pool's row formats
+        if capture is not None and not window:
+            capture(b, li, qkv[:, :q_end], kv.logical_length)
+        b.kv_write(cache.pool.k_pages, cache.pool.v_pages, table, qkv[:, q_end:k_end],
+                   qkv[:, k_end:], start_row, **dtypes)
+        if n == 1:
+            b.attention_decode(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
+                               start_row + 1, c.n_heads, self.scale, attn, window=window, **dtypes)
+        else:
+            b.attention_prefill(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
+                                start_row, c.n_heads, self.scale, attn, window=window, **dtypes)
+        kv.advance(n)                        # a sliding-window layer returns pages it no longer needs
 
     def _head(self, s: Scratch, n: int, all_rows: bool = False) -> np.ndarray:
         """Final norm + output projection: logits of the last row (or of all n rows)."""

@@ -172,12 +172,21 @@ class Model:
         return ids
 
     # -- forward ----------------------------------------------------------------------
-    def new_cache(self, kv_dtype: str | None = None) -> KvCache:
+    def new_cache(self, kv_dtype: str | None = None, pool=None) -> KvCache:
         """An empty cache for the whole context. `kv_dtype`: its row format ("tq4",
-        "q8_0/tq4", ...); None = the model's (settings' kv_dtype)."""
+        "q8_0/tq4", ...); None = the model's (settings' kv_dtype). `pool`: a shared
+        PagePool (`new_pool`) to take pages from; release the cache to return them."""
+        return self.forward.new_cache(self.kv_dtype_of(kv_dtype), pool=pool)
+
+    def new_pool(self, tokens: int, kv_dtype: str | None = None):
+        """A PagePool for caches to share: the pages of one cache of `tokens` positions."""
+        return self.forward.new_pool(tokens, self.kv_dtype_of(kv_dtype))
+
+    def kv_dtype_of(self, kv_dtype: str | None) -> str:
+        """The row format a cache of `kv_dtype` gets here ("tq4", "q8_0/tq4"; None = the model's)."""
         if kv_dtype is None:
-            return self.forward.new_cache()
-        return self.forward.new_cache(kv_dtype_name(*kv_dtypes_for(kv_dtype, self.backend, self.config)))
+            return self.forward.kv_dtype
+        return kv_dtype_name(*kv_dtypes_for(kv_dtype, self.backend, self.config))
 
     def _policy(self, snapkv) -> SnapKvConfig | None:
         """Per-call policy: None = the model's, False = off, a SnapKvConfig = that one."""

@@ -216,13 +216,19 @@ class KvCache:
 
     def __init__(self, backend, n_layers: int, n_kv_heads: int, head_dim: int, max_rows: int,
                  page_size: int = 64, windows=None, max_step: int | None = None,
-                 k_dtype: str = "bf16", v_dtype: str = "bf16"):
+                 k_dtype: str = "bf16", v_dtype: str = "bf16", pool: PagePool | None = None):
         self.windows = tuple(int(w) for w in windows) if windows is not None else (0,) * n_layers
         if len(self.windows) != n_layers:
             raise ValueError(f"KvCache: {len(self.windows)} windows for {n_layers} layers")
         self.max_step = max_step
-        n_pages = sum(layer_pages(max_rows, page_size, w, max_step) for w in self.windows)
-        self.pool = PagePool(backend, n_pages, n_kv_heads, page_size, head_dim, k_dtype, v_dtype)
+        self.max_pages = sum(layer_pages(max_rows, page_size, w, max_step) for w in self.windows)
+        if pool is None:             # a pool of its own, exactly what the cache can ever hold
+            pool = PagePool(backend, self.max_pages, n_kv_heads, page_size, head_dim, k_dtype, v_dtype)
+        elif (pool.n_kv_heads, pool.head_dim, pool.page_size, pool.k_dtype, pool.v_dtype) != (
+                n_kv_heads, head_dim, page_size, KvFormat.get(k_dtype, head_dim).name,
+                KvFormat.get(v_dtype, head_dim).name):
+            raise ValueError("KvCache: the shared pool's heads, head_dim, page size or row formats differ")
+        self.pool = pool
         self.layers = [PagedKvCache(self.pool, max_rows, w, max_step) for w in self.windows]
         self.max_rows = max_rows
         self.compactions: list[CompactReport] = []   # the last compaction, one report per layer
@@ -245,6 +251,45 @@ class KvCache:
             theirs.last_keep = mine.last_keep
         other.eviction = self.eviction
         return other
+
+    def pages_needed(self, more_rows: int) -> int:
+        """Pages the cache holds at most while `more_rows` rows are appended to what it
+        holds now (a sliding-window layer never more than its bound)."""
+        ps = self.pool.page_size
+        total = 0
+        for layer in self.layers:
+            rows = min(layer.length + more_rows, layer.max_rows)
+            total += min(-(-rows // ps) - layer.first_page, layer.max_pages)
+        return total
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions only (pages past them return to the pool), so the
+        cache can continue a prompt that shares those n tokens. Only an uncompacted cache
+        whose sliding-window layers still hold the rows position n would see; otherwise
+        KvCacheError and the cache is unchanged."""
+        if self.eviction is not None or any(l.length != l.logical_length for l in self.layers):
+            raise KvCacheError("a compacted cache cannot be truncated (its rows are not positions)")
+        if not 0 <= n <= self.logical_length:
+            raise KvCacheError(f"cannot truncate a cache of {self.logical_length} positions to {n}")
+        for layer in self.layers:
+            if layer.window and layer.first_row > max(0, n - layer.window + 1):
+                raise KvCacheError(f"a sliding-window layer no longer holds the rows position {n} sees")
+        ps = self.pool.page_size
+        for layer in self.layers:
+            layer.length = layer.logical_length = n
+            while layer.pages and layer.first_page + len(layer.pages) > -(-n // ps):
+                self.pool.give(layer.pages.pop())
+            layer._table_dev = None
+
+    def release(self) -> None:
+        """Return every page to the pool and leave the cache empty (idempotent): a
+        cache on a shared pool must be released, a private one may just be dropped."""
+        for layer in self.layers:
+            while layer.pages:
+                self.pool.give(layer.pages.pop())
+            layer.first_page = layer.length = layer.logical_length = 0
+            layer.last_keep, layer._table_dev = None, None
+        self.compactions, self.eviction = [], None
 
     @property
     def full_layers(self) -> list[int]:

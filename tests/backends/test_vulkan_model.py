@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from _backends import available_backends
-from _model_checks import check_decode_moves_only_the_logits, check_logits_and_tokens, check_snapkv
+from _model_checks import (check_decode_batch, check_decode_moves_only_the_logits, check_logits_and_tokens,
+                           check_snapkv)
 
 pytestmark = pytest.mark.skipif("vulkan" not in available_backends(), reason="no Vulkan device / kp")
 
@@ -46,3 +47,9 @@ def test_snapkv_keep_sets_tokens_and_device_cache(models):
     ids = cpu.tokenize(PROMPT * 8)[:200]
     assert len(ids) == 200
     check_snapkv(cpu, vk, ids, budget=96, window=16, n_tokens=16, layers=(0, 13, vk.config.n_layers - 1))
+
+
+def test_batched_decode_over_caches_of_different_lengths(models):
+    cpu, vk = models
+    ids = cpu.tokenize(PROMPT * 8)
+    check_decode_batch(cpu, vk, [ids[:120], ids[:17], ids[30:90]], tol=1e-4)

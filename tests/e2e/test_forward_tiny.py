@@ -156,3 +156,37 @@ def test_continued_prompt_not_compacted_again(models):
     assert cache.layers[0].length == 146 and cache.logical_length == 250
     m.prefill(PROMPT[:50], cache=cache, snapkv=policy(), compact_continued=True)
     assert cache.layers[0].length == 96 and cache.logical_length == 300
+
+
+@pytest.mark.parametrize("name", ["qwen2-q4_1", "gemma3-q8"])
+def test_decode_batch_equals_one_sequence_at_a_time(models, tmp_path, name):
+    """A batched decode step over caches of different lengths, eviction and row formats
+    gives each sequence exactly the logits of its own decode step (the server's
+    concurrent answers depend on it), also with sliding-window layers (gemma3)."""
+    if name == "gemma3-q8":
+        path = write_tiny_gguf(tmp_path / "gemma3-q8.gguf", arch="gemma3", dim=64, n_heads=4, n_kv_heads=1,
+                               head_dim=32, ffn_dim=128, ctx=1024, qtype=Q.Q8_0, seed=4)
+    else:
+        path = models[name]
+    m = engine.load(path, backend="cpu", prefill_chunk=32, snapkv_budget=0)
+    specs = [(PROMPT[:150], SnapKvConfig(budget=48, window=8, sinks=2, min_tokens=16), None),
+             (PROMPT[7:20], False, "tq4"), (PROMPT[40:110], False, None)]
+
+    def start():
+        out = []
+        for ids, snap, dt in specs:
+            cache, logits = m.prefill(ids, snapkv=snap, kv_dtype=dt)
+            out.append((cache, int(np.argmax(logits))))
+        return out
+
+    batched, alone = start(), start()
+    assert batched[0][0].eviction is not None
+    for _ in range(3):
+        got = m.forward.decode_batch([t for _, t in batched], [c for c, _ in batched])
+        want = np.stack([m.forward.decode(t, c) for c, t in alone])
+        np.testing.assert_array_equal(got, want)
+        batched = [(c, int(np.argmax(row))) for (c, _), row in zip(batched, got)]
+        alone = [(c, int(np.argmax(row))) for (c, _), row in zip(alone, want)]
+    assert [c.length for c, _ in batched] == [c.length for c, _ in alone]
+    with pytest.raises(ValueError, match="twice"):
+        m.forward.decode_batch([1, 2], [batched[0][0], batched[0][0]])
