@@ -340,16 +340,17 @@ def test_compacting_a_quantized_cache_equals_quantizing_the_kept_rows(case):
     report = cache.layers[0].compact(keep)
     keep2 = np.broadcast_to(keep, (H, keep.shape[-1]))
     heads = np.arange(H)[None, :]
-    kept_k, kept_v = k[keep2.T, heads], v[keep2.T, heads]                  # [n_keep, H, QD]
-    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.k_pages), cache.pool.k_format.quantize(kept_k))
-    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.v_pages), cache.pool.v_format.quantize(kept_v))
+    # rows quantized as written (all n at once: a tq rotation's last bits may depend on
+    # how many rows one BLAS call rotates), then the kept ones picked
+    qk, qv = cache.pool.k_format.quantize(k), cache.pool.v_format.quantize(v)
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.k_pages), qk[keep2.T, heads])
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.v_pages), qv[keep2.T, heads])
     assert report.bytes_after == len(cache.layers[0].pages) * cache.pool.page_bytes
     assert report.bytes_before == (-(-n // page_size)) * cache.pool.page_bytes
     np.testing.assert_array_equal(stored_rows(cache, 1, cache.pool.k_pages), cache.pool.k_format.quantize(k))
     # what attention reads: the dequantized kept rows
     got = read_rows(cache.pool.k_pages, cache.layers[0].page_table(), keep2.shape[1], cache.k_dtype, QD)
-    np.testing.assert_array_equal(got, cache.pool.k_format.dequantize(cache.pool.k_format.quantize(kept_k))
-                                  .transpose(1, 0, 2))
+    np.testing.assert_array_equal(got, cache.pool.k_format.dequantize(qk[keep2.T, heads]).transpose(1, 0, 2))
 
 
 @pytest.mark.parametrize("kv_dtype", ["q8_0", "tq4", "q4_0/tq3"])
@@ -374,3 +375,57 @@ def test_copy_branches_quantized_pages_independently(kv_dtype):
 def test_unsupported_kv_dtype_is_refused_by_the_pool():
     with pytest.raises(ConfigError, match="q8_0 needs a head_dim divisible by 32"):
         KvCache(ReferenceBackend(), 1, H, 16, max_rows=8, k_dtype="q8_0")
+
+
+def test_caches_on_a_shared_pool_take_pages_as_they_grow_and_release_them():
+    """Two caches on one pool: pages come as rows arrive, pages_needed bounds what a
+    cache can come to hold (full and sliding-window layers), release returns every page
+    and leaves an empty cache, and a pool of other rows or heads is refused."""
+    from engine.kv.paged import PagePool
+    b = ReferenceBackend()
+    rng = np.random.default_rng(0)
+    pool = PagePool(b, 40, H, 4, D)
+    a = KvCache(b, 2, H, D, max_rows=64, page_size=4, windows=(6, 0), max_step=8, pool=pool)
+    c = KvCache(b, 2, H, D, max_rows=64, page_size=4, pool=pool)
+    assert pool.free_pages == 40 and a.bytes == 0
+    bound = a.pages_needed(30)
+    held = []
+    for n in (8, 8, 8, 1, 1, 1, 1, 1, 1):
+        fill(a, n, rng)
+        held.append(sum(len(l.pages) for l in a.layers))
+    assert max(held) <= bound and a.pages_needed(0) == held[-1]
+    fill(c, 10, rng)
+    assert pool.free_pages == 40 - held[-1] - 2 * 3
+    a.release()
+    a.release()                                        # idempotent
+    assert pool.free_pages == 40 - 6 and a.bytes == 0 and a.length == 0 and a.logical_length == 0
+    K, _ = fill(a, 5, rng)                             # reusable, on other pages
+    np.testing.assert_array_equal(rows(a, 1, pool.k_pages).reshape(5, -1), K)
+    c.release()
+    a.release()
+    assert pool.free_pages == 40
+    with pytest.raises(ValueError, match="shared pool"):
+        KvCache(b, 1, H, D * 2, max_rows=64, page_size=4, pool=pool)
+
+
+def test_truncate_keeps_the_first_positions_and_refuses_what_it_cannot():
+    b = ReferenceBackend()
+    rng = np.random.default_rng(1)
+    cache = KvCache(b, 2, H, D, max_rows=64, page_size=4, windows=(6, 0), max_step=8)
+    K, _ = fill(cache, 8, rng)
+    fill(cache, 8, rng)
+    free = cache.pool.free_pages
+    cache.truncate(14)                               # the window layer still holds rows 9..13
+    assert (cache.length, cache.logical_length) == (14, 14) and cache.pool.free_pages == free
+    with pytest.raises(KvCacheError, match="sliding-window"):
+        cache.truncate(5)                            # rows 0..4 are gone from the window layer
+    assert cache.logical_length == 14
+    full = KvCache(b, 1, H, D, max_rows=64, page_size=4)
+    K, _ = fill(full, 10, rng)
+    full.truncate(5)
+    assert len(full.layers[0].pages) == 2 and full.pool.free_pages == full.pool.n_pages - 2
+    np.testing.assert_array_equal(rows(full, 0, full.pool.k_pages).reshape(5, -1), K[:5])
+    full.layers[0].compact(np.arange(3))
+    full.eviction = {"policy": "test"}
+    with pytest.raises(KvCacheError, match="compacted"):
+        full.truncate(2)
