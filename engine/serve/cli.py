@@ -1,5 +1,6 @@
-"""`engine serve [MODEL] --host --port --max-queue` and the engine's model and
-SnapKV flags, plus mlx-lm's spellings: `--kv-eviction none|snapkv`, `--kv-sink-tokens`."""
+"""`engine serve [MODEL] --host --port --parallel --kv-pool-tokens --prompt-cache --max-queue`,
+the engine's model and SnapKV flags, plus mlx-lm's spellings: `--kv-eviction none|snapkv`,
+`--kv-sink-tokens`."""
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
+    p.add_argument("--parallel", "-np", dest="parallel", type=int, default=4,
+                   help="requests decoded together in one batch (default 4)")
+    p.add_argument("--kv-pool-tokens", dest="kv_pool_tokens", type=int,
+                   help="positions of KV pages shared by all requests (default: --parallel whole contexts); "
+                        "a request waits until its prompt + max_tokens fit")
+    p.add_argument("--prompt-cache", dest="prompt_cache", type=int, default=4,
+                   help="caches of the last N finished requests kept in the pool, so a request that "
+                        "extends one (the next chat turn) runs only its new tokens (default 4; 0 = off)")
     p.add_argument("--max-queue", dest="max_queue", type=int, default=16,
-                   help="requests that may wait behind the running one; more get 503 (default 16)")
+                   help="requests that may wait behind the running ones; more get 503 (default 16)")
     p.add_argument("--model-id", dest="model_id", help="the id /v1/models lists (default: the file name)")
     _add_snapkv_args(p)
     g = p.add_argument_group("mlx-lm spellings")
@@ -37,6 +46,12 @@ def cmd_serve(args) -> int:
         raise EngineError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         raise EngineError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.parallel < 1:
+        raise EngineError(f"--parallel must be >= 1, got {args.parallel}")
+    if args.prompt_cache < 0:
+        raise EngineError(f"--prompt-cache must be >= 0, got {args.prompt_cache}")
+    if args.kv_pool_tokens is not None and args.kv_pool_tokens < 1:
+        raise EngineError(f"--kv-pool-tokens must be >= 1, got {args.kv_pool_tokens}")
     if args.kv_eviction == "none" and args.snapkv_budget not in (None, "0"):
         raise EngineError("--kv-eviction none contradicts --kv-budget: pass one of them")
     settings = _settings(args)
@@ -52,11 +67,13 @@ def cmd_serve(args) -> int:
         raise EngineError(f"engine serve needs fastapi and uvicorn ({e}): run `make setup`") from None
     sock = _listen(args.host, args.port)
     model = Model(model_path_or_default(args.model), settings)
-    app = build_app(model, max_queue=args.max_queue, model_id=args.model_id)
+    app = build_app(model, max_queue=args.max_queue, model_id=args.model_id, max_running=args.parallel,
+                    pool_tokens=args.kv_pool_tokens, prompt_cache=args.prompt_cache)
     host, port = sock.getsockname()[:2]
     policy = model.snapkv.summary() if model.snapkv else "SnapKV off (per request: kv_budget)"
-    print(f"engine serve: {app.state.scheduler.model.path} on {model.backend.name}, context {model.ctx}; "
-          f"{policy}", file=sys.stderr)
+    sched = app.state.scheduler
+    print(f"engine serve: {model.path} on {model.backend.name}, context {model.ctx}; {policy}; "
+          f"{sched.max_running} requests in a batch, KV pool of {sched.pool_tokens} positions", file=sys.stderr)
     print(f"engine serve: listening on http://{_url_host(host)}:{port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

@@ -4,15 +4,23 @@ The HTTP layer submits a `Job` with an `emit` callback and gets a `Handle`; the
 worker thread owns every model call, so the asyncio event loop never waits on
 compute. Each worker iteration is one *step*:
 
-  1. retire cancelled requests (their caches dropped at once) and admit waiting
-     ones, FIFO, while fewer than `max_running` run;
-  2. prefill a newly admitted request (cancellable between prefill chunks);
-  3. otherwise one decode step of every running request, round robin.
+  1. retire cancelled requests (their pages back to the pool at once) and admit
+     waiting ones, FIFO, while fewer than `max_running` run and their pages fit;
+  2. one prefill chunk of the oldest request still in its prompt (chunked prefill
+     interleaved with decode: a long prompt delays running streams by one chunk
+     per step, never by the whole prompt);
+  3. one decode step of every request past its prompt, batched: one forward pass
+     over all their tokens (`ForwardPass.decode_batch`: each weight runs once over
+     the batch, attention over each request's own pages, whatever its eviction
+     budget and row format).
 
-In this slice `max_running` is 1 by default, so requests run one after another.
-Batching is meant to replace step 3 only: collect `next_token()` of every running
-sequence, run one batched forward over their caches, `feed()` the logits back.
-Chunked prefill interleaved with decode replaces step 2 with one chunk per step.
+Memory: the caches of all requests take pages from one shared PagePool per KV row
+format (`pool_tokens` positions' worth of pages; by default `max_running` whole
+contexts). A request is admitted only when the most pages it can come to hold
+(prompt + max_tokens, see Sequence.pages_needed) fit beside what the running
+requests may still take, so no request ever finds the pool empty mid-decode;
+eviction shrinks a request's reservation as soon as its prompt is compacted. One
+that could never fit fails with 400; one that does not fit yet waits (FIFO).
 
 Admission: at most `max_running + max_queue` requests are held (running plus
 waiting); `submit` raises QueueFull beyond that (the HTTP layer answers 503).
@@ -22,11 +30,11 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-import weakref
 from collections import deque
 
 from ..errors import EngineError
-from .sequence import Cancelled, Failed, Job, Sequence
+from ..kv.paged import KvCacheError
+from .sequence import Failed, Job, Sequence
 
 
 class QueueFull(Exception):
@@ -45,16 +53,22 @@ class Handle:
 
 
 class Scheduler:
-    def __init__(self, model, max_queue: int = 16, max_running: int = 1):
+    def __init__(self, model, max_queue: int = 16, max_running: int = 4, pool_tokens: int | None = None,
+                 prompt_cache: int = 4):
         if max_queue < 0 or max_running < 1:
             raise ValueError(f"max_queue must be >= 0 and max_running >= 1, got {max_queue}, {max_running}")
         self.model = model
         self.max_queue, self.max_running = max_queue, max_running
+        self.pool_tokens = pool_tokens or max_running * model.ctx
+        if self.pool_tokens < 1:
+            raise ValueError(f"pool_tokens must be >= 1, got {pool_tokens}")
+        self._pools = {}                            # KV row format -> shared PagePool, made on first use
+        self.prompt_cache = prompt_cache            # finished requests' caches kept for reuse (0: none)
+        self._kept: list[tuple[list[int], object]] = []   # (token ids held, KvCache), oldest first
         self._cv = threading.Condition()
         self._waiting: deque[Handle] = deque()      # FIFO, not yet admitted
         self._running: list[Handle] = []            # admitted: prefill then decode
         self._ids = itertools.count(1)
-        self._caches = weakref.WeakSet()            # every KvCache a request made that is still alive
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
@@ -110,12 +124,18 @@ class Scheduler:
             running = [{"id": h.id, "state": h.sequence.state if h.sequence else "admitted",
                         "prompt_tokens": len(h.job.ids),
                         "completion_tokens": len(h.sequence.tokens) if h.sequence else 0,
+                        "pages_reserved": h.sequence.pages_needed() if h.sequence else 0,
                         "cancelled": h.cancelled} for h in self._running]
             waiting = len(self._waiting)
-        caches = list(self._caches)
-        return {"running": running, "waiting": waiting, "max_queue": self.max_queue,
-                "max_running": self.max_running, "caches_held": len(caches),
-                "kv_bytes_held": sum(c.bytes for c in caches), **self.counts}
+            pools = {name: {"pages": p.n_pages, "pages_used": p.n_pages - p.free_pages,
+                            "page_bytes": p.page_bytes} for name, p in self._pools.items()}
+            held = sum(h.sequence.cache.bytes for h in self._running
+                       if h.sequence is not None and h.sequence.cache is not None)
+            kept = {"caches": len(self._kept), "tokens": [len(ids) for ids, _ in self._kept],
+                    "kv_bytes": sum(c.bytes for _, c in self._kept)}
+            return {"running": running, "waiting": waiting, "max_queue": self.max_queue,
+                    "max_running": self.max_running, "pool_tokens": self.pool_tokens, "kv_pools": pools,
+                    "kv_bytes_held": held, "prompt_cache": kept, **self.counts}
 
     # -- the worker -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -127,43 +147,154 @@ class Scheduler:
                     self._drop_all()
                     return
                 self._retire_cancelled()
-                while self._waiting and len(self._running) < self.max_running:
-                    self._running.append(self._waiting.popleft())
+                admitted = self._admit()
                 running = list(self._running)
+            for h, message in admitted:         # could never fit: answered outside the lock
+                h.emit(Failed(400, message))
             try:
                 self._step(running)
             except Exception as e:   # a bug in the loop itself: fail the requests, keep serving
                 for h in running:
                     self._fail(h, e)
 
-    def _step(self, running: list[Handle]) -> None:
-        fresh = next((h for h in running if h.sequence is None and not h.cancelled), None)
-        if fresh is not None:
-            self._guarded(fresh, self._prefill)
+    def _pool(self, kv_dtype: str | None):
+        name = self.model.kv_dtype_of(kv_dtype)
+        if name not in self._pools:
+            self._pools[name] = self.model.new_pool(self.pool_tokens, name)
+        return self._pools[name]
+
+    def _admit(self) -> list:
+        """(lock held) Admit waiting requests in order while they fit: a running slot and
+        the pages they may come to hold, kept caches dropped oldest first to make room
+        (with nothing running, any request that can fit at all does). A request starts
+        from the kept cache sharing its longest prefix, if any. Returns [(handle,
+        message)] of requests that can never fit, taken off the queue, counted as failed."""
+        never = []
+        while self._waiting and len(self._running) < self.max_running:
+            h = self._waiting[0]
+            pool = self._pool(h.job.kv_dtype)
+            seq = Sequence(self.model, h.job, h.emit)
+            reused = self._reuse(seq, pool)
+            if seq.cache is None:
+                seq.allocate(pool)              # no pages yet: they come as rows arrive
+            need = seq.pages_needed()
+            if need > pool.n_pages:
+                seq.release()
+                self._waiting.popleft()
+                self.counts["failed"] += 1
+                never.append((h, f"this request may need {need} KV pages ({len(h.job.ids)} prompt tokens + "
+                                 f"max_tokens {h.job.params.max_tokens}) but the server's pool holds "
+                                 f"{pool.n_pages} (--kv-pool-tokens {self.pool_tokens}): lower max_tokens "
+                                 f"or raise --kv-pool-tokens"))
+                continue
+            held = sum(r.sequence.pages_needed() for r in self._running
+                       if r.sequence.cache is not None and r.sequence.cache.pool is pool)
+            while held + need + self._kept_pages(pool) > pool.n_pages and self._drop_kept(pool):
+                pass
+            if held + need + self._kept_pages(pool) > pool.n_pages:
+                if reused is not None:          # back on the shelf (truncated) for later
+                    self._kept.append((reused[:seq.cached_tokens], seq.cache))
+                    seq.cache = None
+                break                           # FIFO: the head waits for pages, nothing overtakes it
+            self._waiting.popleft()
+            h.sequence = seq
+            self._running.append(h)
+        return never
+
+    # -- prompt cache: finished requests' caches, reused by requests that extend them ----------
+    def _reuse(self, seq: Sequence, pool):
+        """Give `seq` the kept cache (of `pool`) sharing the longest prefix with its prompt,
+        taken off the shelf; returns that cache's token ids, or None. At least one prompt
+        token is left to run, and when the request's policy evicts the prompt, its whole
+        observation window, so eviction sees the prompt as a fresh prefill would."""
+        job, best, n_best = seq.job, None, 0
+        limit = len(job.ids) - 1
+        if job.snapkv is not None and len(job.ids) >= job.snapkv.window and job.snapkv.compacts(len(job.ids)):
+            limit = len(job.ids) - job.snapkv.window
+        for i, (ids, cache) in enumerate(self._kept):
+            if cache.pool is not pool:
+                continue
+            n = 0
+            for a, b in zip(ids, job.ids[:limit]):
+                if a != b:
+                    break
+                n += 1
+            if n > n_best:
+                best, n_best = i, n
+        if best is None:
+            return None
+        ids, cache = self._kept[best]
+        try:
+            seq.reuse(cache, n_best)
+        except KvCacheError:                    # a sliding-window layer moved past the prefix
+            return None
+        del self._kept[best]
+        return ids
+
+    def _keep(self, seq: Sequence) -> None:
+        """Shelve a finished sequence's cache for reuse when it holds positions (not
+        compacted), newest last, at most prompt_cache of them."""
+        cache = seq.cache
+        if self.prompt_cache <= 0 or cache is None or cache.eviction is not None or cache.logical_length == 0:
             return
-        for h in running:
-            if not h.cancelled and h.sequence is not None and h.sequence.state == "decode":
-                self._guarded(h, self._decode)
+        self._kept.append((seq.fed_ids(), cache))
+        seq.cache = None
+        while len(self._kept) > self.prompt_cache:
+            self._kept.pop(0)[1].release()
 
-    def _prefill(self, h: Handle) -> None:
-        seq = Sequence(self.model, h.job, h.emit)
-        h.sequence = seq
-        seq.allocate()
-        self._caches.add(seq.cache)
-        seq.prefill(should_stop=lambda: h.cancelled)
+    def _kept_pages(self, pool) -> int:
+        return sum(len(l.pages) for _, c in self._kept if c.pool is pool for l in c.layers)
 
-    def _decode(self, h: Handle) -> None:
-        seq = h.sequence
-        if not seq.decode_step():
-            self._retire(h, "completed")        # the cache is gone before the client hears
-            h.emit(seq.finished)
+    def _drop_kept(self, pool) -> bool:
+        """Release the oldest kept cache of `pool`; False when there is none."""
+        for i, (_, cache) in enumerate(self._kept):
+            if cache.pool is pool:
+                del self._kept[i]
+                cache.release()
+                return True
+        return False
+
+    def _step(self, running: list[Handle]) -> None:
+        prefilling = next((h for h in running if not h.cancelled and h.sequence.state == "new"), None)
+        if prefilling is not None:
+            self._guarded(prefilling, lambda h: h.sequence.prefill_step())
+        decoding = [h for h in running if not h.cancelled and h.sequence.state == "decode"]
+        if decoding:
+            self._decode(decoding)
+
+    def _decode(self, handles: list[Handle]) -> None:
+        """One token of every sequence in `handles`: sample (a sequence may finish here),
+        then one batched forward over those still going."""
+        live, tokens = [], []
+        for h in handles:
+            try:
+                token = h.sequence.next_token()
+            except Exception as e:
+                self._fail(h, e)
+                continue
+            if token is None:
+                with self._cv:
+                    self._keep(h.sequence)
+                self._retire(h, "completed")    # the pages are back before the client hears
+                h.emit(h.sequence.finished)
+            else:
+                live.append(h)
+                tokens.append(token)
+        if not live:
+            return
+        try:
+            logits = self.model.forward.decode_batch(tokens, [h.sequence.cache for h in live])
+        except Exception as e:
+            for h in live:
+                self._fail(h, e)
+            return
+        for h, row in zip(live, logits):
+            h.sequence.feed(row)
 
     def _guarded(self, h: Handle, step) -> None:
         """Run one step of one request; its failure fails it alone."""
         try:
             step(h)
-        except Cancelled:
-            self._retire(h, None)
         except Exception as e:
             self._fail(h, e)
 
@@ -195,6 +326,8 @@ class Scheduler:
             self.counts["cancelled"] += 1
 
     def _drop_all(self) -> None:
+        while self._kept:
+            self._kept.pop()[1].release()
         for h in self._running:
             if h.sequence is not None:
                 h.sequence.release()

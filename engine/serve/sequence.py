@@ -1,11 +1,11 @@
 """One request's generation as explicit steps: the unit the scheduler runs.
 
 A `Job` is what a request asks for, already validated. A `Sequence` runs it:
-`prefill()` once, then `next_token()` / `feed(logits)` per decode step. The model
-compute of a decode step (`model.forward.decode`) sits between the two calls and
-is done by the scheduler, so a later scheduler can batch the decode steps of many
-sequences into one forward pass without touching the per-request logic here
-(sampling, end-of-turn, stop strings, max_tokens, context).
+`prefill_step()` per prompt chunk, then `next_token()` / `feed(logits)` per decode
+step. The model compute of a decode step sits between the two calls and is done
+by the scheduler, which batches the decode steps of every running sequence into
+one forward pass (`ForwardPass.decode_batch`) without touching the per-request
+logic here (sampling, end-of-turn, stop strings, max_tokens, context).
 
 The token logic is the same as `engine.generate.generate_stream`, step for step,
 so greedy output equals `Model.generate` for the same prompt and policy.
@@ -46,10 +46,6 @@ class Failed:
     message: str
 
 
-class Cancelled(Exception):
-    """Raised inside prefill (between chunks) when the request was cancelled."""
-
-
 class Sequence:
     """A job's cache, sampler, stop matcher and incremental detokenizer.
 
@@ -71,34 +67,67 @@ class Sequence:
         self._stopper = StopMatcher(job.params.stop)
         self._decoder = model.tokenizer.stream()
         self._eot = model.tokenizer.eot_ids
+        self._steps = None                      # the prefill generator while the prompt runs
+        self._prefilled = 0                     # prompt tokens in the cache so far
+        self.cached_tokens = 0                  # of them, reused from an earlier request's cache
 
     # -- steps ------------------------------------------------------------------------------
-    def allocate(self) -> None:
-        """Make the request's cache (the whole context's pages, in its KV row format)."""
-        self.cache = self.model.new_cache(self.job.kv_dtype)
+    def allocate(self, pool=None) -> None:
+        """Make the request's cache in its KV row format: on `pool` (a shared PagePool,
+        pages taken as rows arrive) or on a pool of its own for the whole context."""
+        self.cache = self.model.new_cache(self.job.kv_dtype, pool=pool)
 
-    def prefill(self, should_stop=None) -> None:
-        """Run the prompt into the cache (allocated first if needed) and apply the
-        eviction policy. `should_stop()` is asked after every prefill chunk; True
-        raises Cancelled."""
-        def on_chunk(done, total):
-            if should_stop is not None and should_stop():
-                raise Cancelled()
+    def reuse(self, cache, n: int) -> None:
+        """Start from an earlier request's cache (same row format) whose first n positions
+        hold this prompt's first n tokens: it is truncated to them and only the rest of
+        the prompt runs. The prompt is then evicted as a whole, as if run from scratch."""
+        cache.truncate(n)
+        self.cache, self._prefilled, self.cached_tokens = cache, n, n
 
+    def fed_ids(self) -> list[int]:
+        """The token ids whose K/V the cache holds, in order (prompt, then generated
+        tokens that went through the model); only meaningful without eviction."""
+        return (list(self.job.ids) + self.tokens)[:self.cache.logical_length]
+
+    def pages_needed(self) -> int:
+        """The most pages this sequence can still come to hold: its cache now plus every
+        prompt row not yet run and every token it may still generate (the admission
+        reservation; it shrinks when eviction compacts the prompt)."""
+        if self.cache is None:
+            return 0
+        ahead = len(self.job.ids) - self._prefilled + self.job.params.max_tokens - len(self.tokens)
+        return self.cache.pages_needed(max(ahead, 0))
+
+    def prefill_step(self) -> bool:
+        """Run the next prompt chunk (allocating the cache first if needed); after the
+        last one, apply the eviction policy. True once the prompt is done."""
         if self.cache is None:
             self.allocate()
-        self.logits = self.model.forward.prefill(self.job.ids, self.cache, snapkv=self.job.snapkv,
-                                                 on_chunk=on_chunk)
+        if self._steps is None:
+            self._steps = self.model.forward.prefill_steps(self.job.ids[self._prefilled:], self.cache,
+                                                           snapkv=self.job.snapkv,
+                                                           compact_continued=self._prefilled > 0)
+        done, total = next(self._steps)
+        if done < total:
+            self._prefilled = self.cached_tokens + done
+            return False
+        try:                                    # the last chunk ran: eviction, then the logits
+            next(self._steps)
+        except StopIteration as end:
+            self.logits = end.value
+        self._steps = None
+        self._prefilled = len(self.job.ids)
         eviction = self.cache.eviction
         self.kv_bytes = self.cache.bytes
         self.kv_bytes_full = eviction["bytes_before"] if eviction else self.kv_bytes
         self.kv_policy = eviction["policy"] if eviction else None
         self.state = "decode"
+        return True
 
     def next_token(self) -> int | None:
         """Sample from the current logits and handle what the token means. Returns the
         token to run through the model next, or None when the sequence has finished
-        (then `finished` is set and the cache released)."""
+        (then `finished` is set; the cache stays until release())."""
         p = self.job.params
         token = self._sampler(self.logits)
         if not p.ignore_eos and token in self._eot:
@@ -117,14 +146,6 @@ class Sequence:
         """The model's logits f32 [vocab] after the token `next_token` returned."""
         self.logits = logits
 
-    def decode_step(self) -> bool:
-        """next_token + the model's decode, for one sequence alone. False when finished."""
-        token = self.next_token()
-        if token is None:
-            return False
-        self.feed(self.model.forward.decode(token, self.cache))
-        return True
-
     # -- end ----------------------------------------------------------------------------------
     def _finish(self, reason: str, flush: bool = True) -> None:
         if flush:
@@ -132,17 +153,23 @@ class Sequence:
             if rest:
                 self.emit(Delta(rest))
         self.finished = Finished(reason, self.usage())
-        self.release()
+        self.state = "done"                     # the scheduler keeps or releases the cache
         return None
 
     def usage(self) -> dict:
         """OpenAI's token counts plus ours: KV bytes of the prompt before and after eviction."""
         n_prompt, n_out = len(self.job.ids), len(self.tokens)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "kv_bytes_full": self.kv_bytes_full, "kv_bytes": self.kv_bytes,
                 "kv_policy": self.kv_policy}
 
     def release(self) -> None:
-        """Drop the cache (its pages go back with it) and the logits. Idempotent."""
+        """Return the cache's pages to their pool, drop the cache and the logits. Idempotent."""
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+        if self.cache is not None:
+            self.cache.release()
         self.cache, self.logits = None, None
         self.state = "done"

@@ -26,6 +26,7 @@ from engine.serve import build_app  # noqa: E402
 from engine.snapkv import SnapKvConfig  # noqa: E402
 
 CTX = 1024
+MAX_RUNNING = 2        # the served fixture decodes two requests per batch
 WAIT_S = 20.0          # longest any poll waits
 HOLD_S = 30.0          # longest a held worker stays held
 DOC = ("The archive of the harbour office lists every ship that arrived in the spring. "
@@ -71,13 +72,13 @@ class Served:
 
     def idle(self) -> bool:
         s = self.get("/state")
-        return not s["running"] and s["waiting"] == 0 and s["caches_held"] == 0
+        return not s["running"] and s["waiting"] == 0 and s["kv_bytes_held"] == 0
 
 
 @pytest.fixture(scope="module")
 def served(default_model_path):
     model = engine.load(default_model_path, ctx=CTX, snapkv_budget=0)
-    app = build_app(model, max_queue=1)
+    app = build_app(model, max_queue=1, max_running=MAX_RUNNING)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
@@ -124,18 +125,18 @@ def _idle_after(request):
 def held_worker(model):
     """Hold the worker before every decode step until the gate opens (HOLD_S at most)."""
     gate = threading.Event()
-    real = model.forward.decode
+    real = model.forward.decode_batch
 
-    def decode(token, cache):
+    def decode_batch(tokens, caches):
         gate.wait(HOLD_S)
-        return real(token, cache)
+        return real(tokens, caches)
 
-    model.forward.decode = decode
+    model.forward.decode_batch = decode_batch
     try:
         yield gate
     finally:
         gate.set()
-        del model.forward.decode
+        del model.forward.decode_batch
 
 
 def stream_text(stream, chat: bool):
@@ -201,6 +202,36 @@ def test_chat_matches_generate(served, reference):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]}]
     r = c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=parts, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == want.text
+
+
+def test_the_next_chat_turn_reuses_the_cache(served, reference):
+    """A chat request that extends a finished one runs only its new tokens (usage says how
+    many were reused) and answers as a fresh prefill does; with eviction on, the reused
+    prompt is still evicted as a whole."""
+    c = served.client()
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=10, temperature=0)
+    turn1 = [{"role": "user", "content": "What colour is the sky on a clear day?"}]
+    first = c.chat.completions.create(messages=turn1, **kw)
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And what colour is fresh grass?"}]
+    second = c.chat.completions.create(messages=turn2, **kw)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.choices[0].message.content == reference.generate(turn2, chat=True, max_tokens=10,
+                                                                   temperature=0.0).text
+    assert served.get("/state")["prompt_cache"]["caches"] >= 1
+    evicting = c.chat.completions.create(messages=turn2 + [{"role": "user", "content": "Thanks."}],
+                                         extra_body=KV, **kw)
+    u = evicting.usage.model_extra
+    assert evicting.usage.prompt_tokens_details.cached_tokens > 0 and u["kv_policy"] is None    # < min_tokens
+    long = [{"role": "user", "content": DOC}]
+    want = reference.generate(long, chat=True, max_tokens=10, temperature=0.0, snapkv=KV_POLICY).text
+    cached = []
+    for _ in range(2):      # 1st: from the chat's cache (the system prompt), evicted as a whole
+        r = c.chat.completions.create(messages=long, extra_body=KV, **kw)
+        assert r.usage.model_extra["kv_bytes"] < r.usage.model_extra["kv_bytes_full"]
+        assert r.choices[0].message.content == want
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] > 0 and cached[1] == 0          # 2nd: from scratch, a compacted cache is not kept
 
 
 def test_seeded_sampling_is_reproducible(served):
@@ -279,7 +310,7 @@ def test_disconnect_mid_stream_frees_the_cache(served):
                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it), next(it)
-    assert served.get("/state")["caches_held"] == 1
+    assert served.get("/state")["kv_bytes_held"] > 0
     stream.close()
     wait_until(served.idle, "the cancelled request's cache to be freed")
     s = served.get("/state")
@@ -307,68 +338,129 @@ def test_queue_full_gives_503_and_a_queued_client_can_leave(served):
         running = threading.Thread(target=lambda: results.update(a=c.completions.create(**kw)))
         running.start()
         wait_until(lambda: served.get("/state")["running"], "the first request to run")
-        waiting = c.completions.create(stream=True, **kw)               # queued behind it (max_queue 1)
-        assert served.get("/state")["waiting"] == 1
+        # the worker is held inside the first decode step, so later requests wait: the
+        # server holds max_running + max_queue (1) requests in all
+        waiting = [c.completions.create(stream=True, **kw) for _ in range(MAX_RUNNING)]
+        assert served.get("/state")["waiting"] == MAX_RUNNING
         t0 = time.monotonic()
         assert served.get("/health") == {"status": "ok"}                # the event loop is not blocked
         assert time.monotonic() - t0 < 5
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(**kw)
         assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
-        waiting.close()                                                  # leaves the queue at once
-        wait_until(lambda: served.get("/state")["waiting"] == 0, "the queued request to leave")
+        waiting.pop().close()                                            # leaves the queue at once
+        wait_until(lambda: served.get("/state")["waiting"] == MAX_RUNNING - 1, "the queued request to leave")
         queued = threading.Thread(target=lambda: results.update(b=c.completions.create(**kw)))
         queued.start()                                                   # room again
-        wait_until(lambda: served.get("/state")["waiting"] == 1, "the next request to queue")
+        wait_until(lambda: served.get("/state")["waiting"] == MAX_RUNNING, "the next request to queue")
         gate.set()
         running.join(60)
         queued.join(60)
+        rest = [stream_text(w, chat=False)[0] for w in waiting]
     assert results["a"].usage.completion_tokens == 3 and results["b"].choices[0].text == results["a"].choices[0].text
+    assert rest == [results["a"].choices[0].text] * len(rest)
     assert served.get("/state")["rejected"] >= 1
 
 
-def test_scheduler_interleaves_running_requests(tiny_llama):
-    """Round robin over running requests (max_running 2, not exposed yet: the next step
-    batches these decode steps): the steps alternate and each answer equals generate."""
+def test_scheduler_batches_running_requests(tiny_llama):
+    """Three requests with different prompts, eviction budgets and KV row formats run
+    together: prefill chunks interleave with decode steps, the decode steps are batched,
+    and each answer equals generate's for the same request alone."""
     from engine.generate import SamplingParams
     from engine.serve.scheduler import Scheduler
     from engine.serve.sequence import Delta, Finished, Job
 
     model = engine.load(tiny_llama, snapkv_budget=0)
-    prompts = [[5, 6, 7, 8], [40, 41, 42]]
-    want = [model.generate(p, max_tokens=6, ignore_eos=True).text for p in prompts]
-    sched = Scheduler(model, max_queue=0, max_running=2)
-    texts, order, finished = ["", ""], [], threading.Semaphore(0)
+    evict = SnapKvConfig(budget=24, window=8, sinks=2, min_tokens=16)
+    reqs = [(list(range(5, 70)), evict, None), ([40, 41, 42], None, "tq4"), (list(range(3, 40)), None, None)]
+    want = [model.generate(ids, max_tokens=6, ignore_eos=True, snapkv=snap or False, kv_dtype=dt).text
+            for ids, snap, dt in reqs]
+    batches = []
+    real = model.forward.decode_batch
+
+    def decode_batch(tokens, caches):
+        batches.append(len(caches))
+        return real(tokens, caches)
+
+    model.forward.decode_batch = decode_batch
+    sched = Scheduler(model, max_queue=0, max_running=3)
+    texts, finished = [""] * len(reqs), threading.Semaphore(0)
 
     def emit_for(i):
         def emit(event):
             if isinstance(event, Delta):
                 texts[i] += event.text
-                order.append(i)
             elif isinstance(event, Finished):
                 finished.release()
         return emit
 
-    for i, ids in enumerate(prompts):
-        sched.submit(Job(ids, SamplingParams(max_tokens=6, ignore_eos=True), None), emit_for(i))
+    for i, (ids, snap, dt) in enumerate(reqs):
+        sched.submit(Job(ids, SamplingParams(max_tokens=6, ignore_eos=True), snap, dt), emit_for(i))
     sched.start()
     try:
-        assert finished.acquire(timeout=WAIT_S) and finished.acquire(timeout=WAIT_S)
+        assert all(finished.acquire(timeout=WAIT_S) for _ in reqs)
     finally:
         sched.stop()
     assert texts == want
-    assert order[:4] in ([0, 1, 0, 1], [1, 0, 1, 0])
-    assert sched.state()["caches_held"] == 0 and sched.state()["completed"] == 2
+    assert max(batches) == 3 and batches[0] < 3          # decode started before the last prompt ran
+    s = sched.state()
+    assert s["kv_bytes_held"] == 0 and s["completed"] == 3
+    assert set(s["kv_pools"]) == {"bf16", "tq4"} and all(p["pages_used"] == 0 for p in s["kv_pools"].values())
+
+
+def test_admission_waits_for_pages_and_refuses_what_never_fits(tiny_llama):
+    """A pool of 128 positions (two 64-row pages per layer): two requests that each may
+    need all of it run one after the other (the second waits, FIFO), and one that needs
+    more than the whole pool fails with 400 at once; pages never run out mid-decode."""
+    from engine.generate import SamplingParams
+    from engine.serve.scheduler import Scheduler
+    from engine.serve.sequence import Failed, Finished, Job
+
+    model = engine.load(tiny_llama, snapkv_budget=0)
+    sched = Scheduler(model, max_queue=4, max_running=4, pool_tokens=128)
+    pool_pages = model.new_pool(128).n_pages
+    events, done = {}, threading.Semaphore(0)
+    peak = []
+    real = model.forward.decode_batch
+
+    def decode_batch(tokens, caches):
+        s = sched.state()
+        peak.append((len(caches), s["kv_pools"]["bf16"]["pages_used"]))
+        return real(tokens, caches)
+
+    model.forward.decode_batch = decode_batch
+
+    def emit_for(name):
+        def emit(event):
+            if isinstance(event, (Finished, Failed)):
+                events[name] = event
+                done.release()
+        return emit
+
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    sched.submit(Job(list(range(3, 63)), p, None), emit_for("a"))            # 60 + 20 rows: 2 pages a layer
+    sched.submit(Job(list(range(5, 65)), p, None), emit_for("b"))            # does not fit beside a: waits
+    sched.submit(Job(list(range(3, 123)), p, None), emit_for("never"))       # 120 + 20 rows: 3 pages a layer
+    sched.start()
+    try:
+        assert all(done.acquire(timeout=WAIT_S) for _ in range(3))
+    finally:
+        sched.stop()
+    assert isinstance(events["a"], Finished) and isinstance(events["b"], Finished)
+    assert isinstance(events["never"], Failed) and events["never"].status == 400
+    assert "--kv-pool-tokens 128" in events["never"].message
+    assert max(n for n, _ in peak) == 1                    # a and b never decoded together
+    assert max(used for _, used in peak) <= pool_pages
 
 
 def test_an_engine_error_fails_one_request_not_the_server(served):
     c = served.client()
     kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hello", max_tokens=4, temperature=0)
 
-    def broken(token, cache):
+    def broken(tokens, caches):
         raise RuntimeError("injected failure")
 
-    served.model.forward.decode = broken
+    served.model.forward.decode_batch = broken
     try:
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(**kw)
@@ -376,7 +468,7 @@ def test_an_engine_error_fails_one_request_not_the_server(served):
         with pytest.raises(openai.APIError):
             stream_text(c.completions.create(stream=True, **kw), chat=False)
     finally:
-        del served.model.forward.decode
+        del served.model.forward.decode_batch
     assert c.completions.create(**kw).usage.completion_tokens >= 1
     assert served.get("/state")["failed"] >= 2
 
