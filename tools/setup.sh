@@ -3,7 +3,9 @@
 #
 #   1. system packages (apt-get; only what is missing)
 #   2. a virtual environment ($VENV, default <repo>/.venv; created only if missing)
-#   3. pip/setuptools/wheel upgrade, then `pip install -e .[test,eval]`
+#   3. pip/setuptools/wheel upgrade, then `pip install -e .[test,eval]` (the test
+#      extra has playwright, which drives the apt chromium: its own browser
+#      download is never run)
 #   4. the `cuda` extra: `pip install -e .[cuda]` (cupy-cuda12x and
 #      nvidia-cuda-nvrtc-cu12: the CUDA backend, and NVRTC compiling its kernels
 #      for sm_75..sm_90 without a GPU in tests/cuda); skipped when a cupy for
@@ -35,7 +37,8 @@ PYTHON="${PYTHON:-python3}"
 STAMPS="$VENV/.setup"
 KP_VERSION="0.9.0"
 APT_PACKAGES=(mesa-vulkan-drivers libvulkan-dev glslang-tools libfmt-dev pybind11-dev vulkan-tools cmake
-              vulkan-validationlayers)   # the last: synchronization validation in the tests
+              vulkan-validationlayers    # synchronization validation in the tests
+              chromium)                  # the browser tests/e2e/test_chat_page.py drives (playwright, test extra)
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_NO_INPUT=1

@@ -1,6 +1,7 @@
 """The HTTP layer: FastAPI routes over a Scheduler. Thin on purpose: a route
 validates (protocol.py), builds a Job in a thread (jobs.py), submits it, and
-turns the worker's events into a JSON response or server-sent events.
+turns the worker's events into a JSON response or server-sent events. `GET /` is
+the chat page (static/chat.html), a client of these same routes.
 
 Every error leaves as OpenAI's JSON shape through the handlers in `create_app`.
 A client that goes away cancels its request: a stream when Starlette notices the
@@ -15,7 +16,7 @@ import pathlib
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,6 +26,7 @@ from .scheduler import QueueFull, Scheduler
 from .sequence import Delta, Failed, Finished
 
 DISCONNECT_POLL_S = 0.25     # how often a waiting non-streaming request checks its client
+CHAT_PAGE = pathlib.Path(__file__).parent / "static" / "chat.html"     # GET /: the chat page
 
 
 class Submission:
@@ -112,6 +114,10 @@ def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
                             status_code=500)
 
     # -- routes --------------------------------------------------------------------------------
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return FileResponse(CHAT_PAGE, media_type="text/html")
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
