@@ -93,7 +93,8 @@ def check_decode_batch(cpu, dev, prompts, n_steps=3, tol=1e-5):
             out.append([cache, int(np.argmax(logits))])
         return out
 
-    got, alone, ref = start(dev), start(dev), start(cpu)
+    got, ref = start(dev), start(cpu)
+    alone = [[cache.copy(), token] for cache, token in got]       # branched on the device
     assert got[0][0].eviction is not None
     for _ in range(n_steps):
         rows = dev.forward.decode_batch([t for _, t in got], [c for c, _ in got])

@@ -52,4 +52,4 @@ def test_snapkv_keep_sets_tokens_and_device_cache(models):
 def test_batched_decode_over_caches_of_different_lengths(models):
     cpu, vk = models
     ids = cpu.tokenize(PROMPT * 8)
-    check_decode_batch(cpu, vk, [ids[:120], ids[:17], ids[30:90]], tol=1e-4)
+    check_decode_batch(cpu, vk, [ids[:40], ids[:9], ids[30:50]], n_steps=2, tol=1e-4)
