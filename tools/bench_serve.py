@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import threading
@@ -24,24 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine  # noqa: E402
 from engine.bench import bench_prompt  # noqa: E402
-from engine.serve import build_app  # noqa: E402
-
-
-def serve(model, parallel: int):
-    import uvicorn
-    app = build_app(model, max_queue=64, max_running=parallel)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the server did not start in 60 s")
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", server, thread
+from engine.serve import build_app, serve_in_thread  # noqa: E402
 
 
 def one_client(url: str, prompt: list[int], max_tokens: int, extra: dict, out: list) -> None:
@@ -96,13 +78,13 @@ def main() -> int:
           f"kv_budget {a.kv_budget or 'off'}")
     print(f"{'parallel':>8} | {'tok/s':>7} {'wall s':>7} {'TTFT med':>9} {'TTFT max':>9} {'TPOT med':>9}")
     for n in a.parallel:
-        url, server, thread = serve(model, n)
+        server = serve_in_thread(build_app(model, max_queue=64, max_running=n))
+        url = server.url + "/v1"
         try:
             run(model, url, 1, 32, 4, extra)                            # warm-up (numba, scratch)
             r = dict(parallel=n, **run(model, url, a.clients, a.prompt_tokens, a.max_tokens, extra))
         finally:
-            server.should_exit = True
-            thread.join(30)
+            server.stop(30)
         rows.append(r)
         print(f"{n:>8} | {r['tok_s']:>7.1f} {r['wall_s']:>7.1f} {r['ttft_median_s']:>8.2f}s "
               f"{r['ttft_max_s']:>8.2f}s {r['tpot_median_ms']:>7.0f}ms", flush=True)

@@ -12,6 +12,7 @@ Python use (tests start it this way too):
 
     from engine.serve import build_app
     app = build_app(engine.load("x.gguf"), max_queue=4)     # an ASGI app for uvicorn
+    server = serve_in_thread(app)                            # or served here: server.url, server.stop()
 """
 from __future__ import annotations
 
@@ -36,3 +37,39 @@ def default_model_id(path) -> str:
     """The id /v1/models lists: the GGUF file's name without `.gguf`."""
     import pathlib
     return pathlib.Path(str(path)).stem
+
+
+class ServerThread:
+    """An app served by uvicorn on a loopback port in a daemon thread (see serve_in_thread)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", timeout: float = 60.0):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind((host, 0))
+        sock.listen(64)
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                self.stop()
+                raise RuntimeError(f"the server did not start within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Shut down (the app's lifespan stops its scheduler) and wait for the thread."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+
+def serve_in_thread(app, host: str = "127.0.0.1") -> ServerThread:
+    """Serve `app` on a free port of `host` from a background thread; `.url` is
+    "http://host:port" once it accepts connections, `.stop()` shuts it down."""
+    return ServerThread(app, host)

@@ -8,7 +8,6 @@ call has a timeout, and a held worker is released after HOLD_S seconds at most.
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 import engine  # noqa: E402
-from engine.serve import build_app  # noqa: E402
+from engine.serve import build_app, serve_in_thread  # noqa: E402
 from engine.snapkv import SnapKvConfig  # noqa: E402
 
 CTX = 1024
@@ -79,16 +78,9 @@ class Served:
 def served(default_model_path):
     model = engine.load(default_model_path, ctx=CTX, snapkv_budget=0)
     app = build_app(model, max_queue=1, max_running=MAX_RUNNING)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, "the server to start")
-    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", app, model)
-    server.should_exit = True
-    thread.join(10)
+    server = serve_in_thread(app)
+    yield Served(server.url, app, model)
+    server.stop()
 
 
 class Reference:
