@@ -149,8 +149,8 @@ class Scheduler:
                 self._retire_cancelled()
                 admitted = self._admit()
                 running = list(self._running)
-            for h, message in admitted:         # could never fit: answered outside the lock
-                h.emit(Failed(400, message))
+            for h, failure in admitted:         # could never be admitted: answered outside the lock
+                h.emit(failure)
             try:
                 self._step(running)
             except Exception as e:   # a bug in the loop itself: fail the requests, keep serving
@@ -167,25 +167,31 @@ class Scheduler:
         """(lock held) Admit waiting requests in order while they fit: a running slot and
         the pages they may come to hold, kept caches dropped oldest first to make room
         (with nothing running, any request that can fit at all does). A request starts
-        from the kept cache sharing its longest prefix, if any. Returns [(handle,
-        message)] of requests that can never fit, taken off the queue, counted as failed."""
+        from the kept cache sharing its longest prefix, if any. Returns [(handle, Failed)]
+        of requests that cannot be admitted, taken off the queue, counted as failed."""
         never = []
         while self._waiting and len(self._running) < self.max_running:
             h = self._waiting[0]
-            pool = self._pool(h.job.kv_dtype)
-            seq = Sequence(self.model, h.job, h.emit)
-            reused = self._reuse(seq, pool)
-            if seq.cache is None:
-                seq.allocate(pool)              # no pages yet: they come as rows arrive
-            need = seq.pages_needed()
+            try:
+                pool = self._pool(h.job.kv_dtype)   # made on first use: may fail (memory)
+                seq = Sequence(self.model, h.job, h.emit)
+                reused = self._reuse(seq, pool)
+                if seq.cache is None:
+                    seq.allocate(pool)          # no pages yet: they come as rows arrive
+                need = seq.pages_needed()
+            except Exception as e:
+                self._waiting.popleft()
+                self.counts["failed"] += 1
+                never.append((h, _failure(e)))
+                continue
             if need > pool.n_pages:
                 seq.release()
                 self._waiting.popleft()
                 self.counts["failed"] += 1
-                never.append((h, f"this request may need {need} KV pages ({len(h.job.ids)} prompt tokens + "
-                                 f"max_tokens {h.job.params.max_tokens}) but the server's pool holds "
-                                 f"{pool.n_pages} (--kv-pool-tokens {self.pool_tokens}): lower max_tokens "
-                                 f"or raise --kv-pool-tokens"))
+                never.append((h, Failed(400, f"this request may need {need} KV pages ({len(h.job.ids)} prompt "
+                                             f"tokens + max_tokens {h.job.params.max_tokens}) but the server's "
+                                             f"pool holds {pool.n_pages} (--kv-pool-tokens {self.pool_tokens}): "
+                                             f"lower max_tokens or raise --kv-pool-tokens")))
                 continue
             held = sum(r.sequence.pages_needed() for r in self._running
                        if r.sequence.cache is not None and r.sequence.cache.pool is pool)
@@ -299,15 +305,11 @@ class Scheduler:
             self._fail(h, e)
 
     def _fail(self, h: Handle, e: BaseException) -> None:
-        if isinstance(e, EngineError):
-            status, message = 400, str(e)
-        else:
-            status, message = 500, f"internal error: {type(e).__name__}: {e}"
         if h.sequence is not None:
             h.sequence.release()
         self._retire(h, "failed")
         if not h.cancelled:
-            h.emit(Failed(status, message))
+            h.emit(_failure(e))
 
     def _retire(self, h: Handle, outcome: str | None) -> None:
         with self._cv:
@@ -333,3 +335,10 @@ class Scheduler:
                 h.sequence.release()
         self._running.clear()
         self._waiting.clear()
+
+
+def _failure(e: BaseException) -> Failed:
+    """400 for an engine error the request caused, else 500."""
+    if isinstance(e, EngineError):
+        return Failed(400, str(e))
+    return Failed(500, f"internal error: {type(e).__name__}: {e}")
