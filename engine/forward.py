@@ -155,18 +155,17 @@ class ForwardPass:
         self._decode_scratch = Scratch(backend, cfg, 1)
         self._prefill_scratch: Scratch | None = None
         self._batch_scratch: Scratch | None = None   # decode_batch, grown on demand
-        self.window_capture: WindowCapture | None = None   # set during a SnapKV prefill
+        self.window_capture: WindowCapture | None = None   # set by a caller (eval, tools): fed by prefill
 
-    def new_cache(self, kv_dtype: str | None = None, pool: PagePool | None = None,
-                  max_rows: int | None = None) -> KvCache:
-        """A cache for max_ctx positions (or `max_rows`); sliding-window layers get pages
-        for their window plus one prefill chunk only. `kv_dtype`: "bf16", "tq4", "q8_0/tq4"
+    def new_cache(self, kv_dtype: str | None = None, pool: PagePool | None = None) -> KvCache:
+        """A cache for max_ctx positions; sliding-window layers get pages for their
+        window plus one prefill chunk only. `kv_dtype`: "bf16", "tq4", "q8_0/tq4"
         (keys/values), ... (backends/kvformat.py); None = self.kv_dtype. `pool`: take
         pages from a shared PagePool (see new_pool) instead of a pool of its own."""
         c = self.cfg
         k_dtype, v_dtype = parse_kv_dtype(kv_dtype or self.kv_dtype)
-        return KvCache(self.backend, c.n_layers, c.n_kv_heads, c.head_dim, max_rows or self.max_ctx,
-                       self.page_size, windows=[c.window(i) for i in range(c.n_layers)], max_step=self.chunk,
+        return KvCache(self.backend, c.n_layers, c.n_kv_heads, c.head_dim, self.max_ctx, self.page_size,
+                       windows=[c.window(i) for i in range(c.n_layers)], max_step=self.chunk,
                        k_dtype=k_dtype, v_dtype=v_dtype, pool=pool)
 
     def new_pool(self, tokens: int, kv_dtype: str | None = None) -> PagePool:
