@@ -20,7 +20,7 @@ from backends.kvformat import parse_kv_dtype
 
 from .errors import EngineError
 from .gguf import GgufFile, ModelConfig
-from .kv.paged import KvCache, PagePool, layer_pages
+from .kv.paged import KvCache, PagePool, cache_pages
 from .snapkv import SnapKvConfig, SnapKvSelector
 
 
@@ -100,9 +100,10 @@ def load_weights(g: GgufFile, cfg: ModelConfig, backend) -> ModelWeights:
 
 
 class Scratch:
-    """Activation buffers for up to `n` tokens (backend f32 arrays)."""
+    """Activation buffers for up to `n` tokens (backend f32 arrays), logits for
+    `logits_rows` of them (the last row of a prefill chunk; every row of a batch)."""
 
-    def __init__(self, backend, cfg: ModelConfig, n: int):
+    def __init__(self, backend, cfg: ModelConfig, n: int, logits_rows: int = 1):
         a = backend.alloc
         qkv_cols = cfg.q_dim + 2 * cfg.kv_dim
         self.n = n
@@ -113,7 +114,7 @@ class Scratch:
         self.proj = a((n, cfg.dim))           # sublayer output before the residual add
         self.gate_up = a((n, 2 * cfg.ffn_dim))
         self.act = a((n, cfg.ffn_dim))        # act(gate) * up
-        self.logits = a((1, cfg.vocab_size))
+        self.logits = a((logits_rows, cfg.vocab_size))
 
 
 class WindowCapture:
@@ -172,7 +173,7 @@ class ForwardPass:
         """A page pool for caches to share: as many pages as one cache of `tokens`
         positions can hold."""
         c = self.cfg
-        pages = sum(layer_pages(tokens, self.page_size, c.window(i), self.chunk) for i in range(c.n_layers))
+        pages = cache_pages(tokens, self.page_size, [c.window(i) for i in range(c.n_layers)], self.chunk)
         return PagePool(self.backend, pages, c.n_kv_heads, self.page_size, c.head_dim,
                         *parse_kv_dtype(kv_dtype or self.kv_dtype))
 
@@ -271,7 +272,7 @@ class ForwardPass:
         if n == 1:
             return self.decode(int(tokens[0]), caches[0])[None]
         if self._batch_scratch is None or self._batch_scratch.n < n:
-            self._batch_scratch = Scratch(self.backend, self.cfg, max(n, 8))
+            self._batch_scratch = Scratch(self.backend, self.cfg, max(n, 8), logits_rows=max(n, 8))
         s = self._batch_scratch
         self._forward(np.asarray(tokens, dtype=np.int32), [(c, 1) for c in caches], s)
         return self._head(s, n, all_rows=True)
@@ -350,18 +351,17 @@ class ForwardPass:
         kv.advance(n)                        # a sliding-window layer returns pages it no longer needs
 
     def _head(self, s: Scratch, n: int, all_rows: bool = False) -> np.ndarray:
-        """Final norm + output projection: logits of the last row (or of all n rows)."""
+        """Final norm + output projection: logits of the last row (or of all n rows),
+        into the scratch's logits when they have room."""
         b, w = self.backend, self.weights
-        if all_rows:
-            h = s.h[:n]
-            b.rms_norm(s.x[:n], w.output_norm, self.cfg.norm_eps, h)
-            logits = b.alloc((n, self.cfg.vocab_size))
-            b.matmul(w.output, h, logits)
-            return _finite(b.download(logits))
-        h = s.h[n - 1:n]
-        b.rms_norm(s.x[n - 1:n], w.output_norm, self.cfg.norm_eps, h)
-        b.matmul(w.output, h, s.logits)
-        return _finite(b.download(s.logits)[0])
+        first = 0 if all_rows else n - 1
+        h = s.h[first:n]
+        b.rms_norm(s.x[first:n], w.output_norm, self.cfg.norm_eps, h)
+        rows = n - first
+        logits = s.logits[:rows] if s.logits.shape[0] >= rows else b.alloc((rows, self.cfg.vocab_size))
+        b.matmul(w.output, h, logits)
+        out = _finite(b.download(logits))
+        return out if all_rows else out[0]
 
 
 def _finite(logits: np.ndarray) -> np.ndarray:

@@ -86,6 +86,12 @@ def layer_pages(max_rows: int, page_size: int, window: int = 0, max_step: int | 
     return min(full, -(-(window - 1 + step) // page_size) + 1)
 
 
+def cache_pages(max_rows: int, page_size: int, windows, max_step: int | None = None) -> int:
+    """Pages a cache of `max_rows` positions can ever hold: layer_pages summed over its
+    layers' windows (0: full attention)."""
+    return sum(layer_pages(max_rows, page_size, w, max_step) for w in windows)
+
+
 @dataclass(frozen=True)
 class CompactReport:
     rows_before: int
@@ -149,6 +155,29 @@ class PagedKvCache:
             self.pool.give(self.pages.pop(0))
             self.first_page += 1
 
+    def _release_from(self, row: int) -> None:
+        """Return every page whose rows all lie at or past `row` (0: every page)."""
+        end = -(-row // self.pool.page_size)              # table index of the first such page
+        while self.pages and self.first_page + len(self.pages) > end:
+            self.pool.give(self.pages.pop())
+        self._table_dev = None
+
+    def pages_needed(self, more_rows: int) -> int:
+        """Pages held at most while `more_rows` rows are appended (never past max_pages)."""
+        rows = min(self.length + more_rows, self.max_rows)
+        return min(-(-rows // self.pool.page_size) - self.first_page, self.max_pages)
+
+    def truncate(self, n: int) -> None:
+        """Rows (= positions: never compacted) n.. are dropped, their pages returned."""
+        self.length = self.logical_length = n
+        self._release_from(n)
+
+    def release(self) -> None:
+        """Every page back to the pool; the layer is empty."""
+        self._release_from(0)
+        self.first_page = self.length = self.logical_length = 0
+        self.last_keep = None
+
     def page_table(self):
         """Backend int32 [max_pages] page table (uploaded when it changed)."""
         if self._table_dev is None:
@@ -175,10 +204,7 @@ class PagedKvCache:
             return before
         self.pool.backend.kv_gather(self.pool.k_pages, self.pool.v_pages, self.page_table(), keep)
         self.length = n_keep
-        need_pages = -(-n_keep // self.pool.page_size)
-        while len(self.pages) > need_pages:
-            self.pool.give(self.pages.pop())
-        self._table_dev = None
+        self._release_from(n_keep)
         self.last_keep = keep
         return CompactReport(before.rows_before, n_keep, before.bytes_before, self.bytes)
 
@@ -221,7 +247,7 @@ class KvCache:
         if len(self.windows) != n_layers:
             raise ValueError(f"KvCache: {len(self.windows)} windows for {n_layers} layers")
         self.max_step = max_step
-        self.max_pages = sum(layer_pages(max_rows, page_size, w, max_step) for w in self.windows)
+        self.max_pages = cache_pages(max_rows, page_size, self.windows, max_step)
         if pool is None:             # a pool of its own, exactly what the cache can ever hold
             pool = PagePool(backend, self.max_pages, n_kv_heads, page_size, head_dim, k_dtype, v_dtype)
         elif (pool.n_kv_heads, pool.head_dim, pool.page_size, pool.k_dtype, pool.v_dtype) != (
@@ -252,15 +278,14 @@ class KvCache:
         other.eviction = self.eviction
         return other
 
+    @property
+    def pages_held(self) -> int:
+        return sum(len(layer.pages) for layer in self.layers)
+
     def pages_needed(self, more_rows: int) -> int:
         """Pages the cache holds at most while `more_rows` rows are appended to what it
         holds now (a sliding-window layer never more than its bound)."""
-        ps = self.pool.page_size
-        total = 0
-        for layer in self.layers:
-            rows = min(layer.length + more_rows, layer.max_rows)
-            total += min(-(-rows // ps) - layer.first_page, layer.max_pages)
-        return total
+        return sum(layer.pages_needed(more_rows) for layer in self.layers)
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions only (pages past them return to the pool), so the
@@ -274,21 +299,14 @@ class KvCache:
         for layer in self.layers:
             if layer.window and layer.first_row > max(0, n - layer.window + 1):
                 raise KvCacheError(f"a sliding-window layer no longer holds the rows position {n} sees")
-        ps = self.pool.page_size
         for layer in self.layers:
-            layer.length = layer.logical_length = n
-            while layer.pages and layer.first_page + len(layer.pages) > -(-n // ps):
-                self.pool.give(layer.pages.pop())
-            layer._table_dev = None
+            layer.truncate(n)
 
     def release(self) -> None:
         """Return every page to the pool and leave the cache empty (idempotent): a
         cache on a shared pool must be released, a private one may just be dropped."""
         for layer in self.layers:
-            while layer.pages:
-                self.pool.give(layer.pages.pop())
-            layer.first_page = layer.length = layer.logical_length = 0
-            layer.last_keep, layer._table_dev = None, None
+            layer.release()
         self.compactions, self.eviction = [], None
 
     @property
