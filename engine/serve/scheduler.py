@@ -172,14 +172,15 @@ class Scheduler:
         never = []
         while self._waiting and len(self._running) < self.max_running:
             h = self._waiting[0]
+            seq = Sequence(self.model, h.job, h.emit)
             try:
                 pool = self._pool(h.job.kv_dtype)   # made on first use: may fail (memory)
-                seq = Sequence(self.model, h.job, h.emit)
                 reused = self._reuse(seq, pool)
                 if seq.cache is None:
                     seq.allocate(pool)          # no pages yet: they come as rows arrive
                 need = seq.pages_needed()
             except Exception as e:
+                seq.release()                   # a reused cache's pages go back
                 self._waiting.popleft()
                 self.counts["failed"] += 1
                 never.append((h, _failure(e)))
@@ -249,7 +250,7 @@ class Scheduler:
             self._kept.pop(0)[1].release()
 
     def _kept_pages(self, pool) -> int:
-        return sum(len(l.pages) for _, c in self._kept if c.pool is pool for l in c.layers)
+        return sum(c.pages_held for _, c in self._kept if c.pool is pool)
 
     def _drop_kept(self, pool) -> bool:
         """Release the oldest kept cache of `pool`; False when there is none."""

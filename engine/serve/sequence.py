@@ -68,8 +68,7 @@ class Sequence:
         self._decoder = model.tokenizer.stream()
         self._eot = model.tokenizer.eot_ids
         self._steps = None                      # the prefill generator while the prompt runs
-        self._prefilled = 0                     # prompt tokens in the cache so far
-        self.cached_tokens = 0                  # of them, reused from an earlier request's cache
+        self.cached_tokens = 0                  # prompt tokens reused from an earlier request's cache
 
     # -- steps ------------------------------------------------------------------------------
     def allocate(self, pool=None) -> None:
@@ -82,7 +81,7 @@ class Sequence:
         hold this prompt's first n tokens: it is truncated to them and only the rest of
         the prompt runs. The prompt is then evicted as a whole, as if run from scratch."""
         cache.truncate(n)
-        self.cache, self._prefilled, self.cached_tokens = cache, n, n
+        self.cache, self.cached_tokens = cache, n
 
     def fed_ids(self) -> list[int]:
         """The token ids whose K/V the cache holds, in order (prompt, then generated
@@ -95,7 +94,8 @@ class Sequence:
         reservation; it shrinks when eviction compacts the prompt)."""
         if self.cache is None:
             return 0
-        ahead = len(self.job.ids) - self._prefilled + self.job.params.max_tokens - len(self.tokens)
+        prompt_left = len(self.job.ids) - self.cache.logical_length if self.state == "new" else 0
+        ahead = prompt_left + self.job.params.max_tokens - len(self.tokens)
         return self.cache.pages_needed(max(ahead, 0))
 
     def prefill_step(self) -> bool:
@@ -103,20 +103,18 @@ class Sequence:
         last one, apply the eviction policy. True once the prompt is done."""
         if self.cache is None:
             self.allocate()
-        if self._steps is None:
-            self._steps = self.model.forward.prefill_steps(self.job.ids[self._prefilled:], self.cache,
+        if self._steps is None:                 # the prompt past what a reused cache holds
+            self._steps = self.model.forward.prefill_steps(self.job.ids[self.cached_tokens:], self.cache,
                                                            snapkv=self.job.snapkv,
-                                                           compact_continued=self._prefilled > 0)
+                                                           compact_continued=self.cached_tokens > 0)
         done, total = next(self._steps)
         if done < total:
-            self._prefilled = self.cached_tokens + done
             return False
         try:                                    # the last chunk ran: eviction, then the logits
             next(self._steps)
         except StopIteration as end:
             self.logits = end.value
         self._steps = None
-        self._prefilled = len(self.job.ids)
         eviction = self.cache.eviction
         self.kv_bytes = self.cache.bytes
         self.kv_bytes_full = eviction["bytes_before"] if eviction else self.kv_bytes
