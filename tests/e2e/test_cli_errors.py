@@ -119,3 +119,14 @@ def test_empty_prompt(tiny_llama):
 
 def test_no_prompt(tiny_llama):
     assert_one_line_error(run_cli("run", str(tiny_llama)), "no prompt")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--port", "70000"], "--port must be in 0..65535"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--parallel", "0"], "--parallel must be >= 1"),
+    (["--kv-pool-tokens", "0"], "--kv-pool-tokens must be >= 1"),
+    (["--prompt-cache", "-1"], "--prompt-cache must be >= 0"),
+])
+def test_serve_flags_out_of_range(tiny_llama, flags, needle):
+    assert_one_line_error(run_cli("serve", str(tiny_llama), *flags), needle)
