@@ -223,6 +223,7 @@ class ForwardPass:
             elif start + self.chunk >= len(ids):
                 logits = self._head(s, len(part))
             yield min(start + self.chunk, len(ids)), len(ids)
+        cache.fold()                         # sliding-window layers back to their ring of pages
         if evict:
             self.evict(cache, capture.q, snapkv)
         return np.concatenate(out) if all_logits else logits

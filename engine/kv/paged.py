@@ -14,8 +14,14 @@ Sliding-window layers (Gemma 3's local layers) attend only to the last `window`
 positions. They are never compacted, so their rows are positions and the page
 table keeps absolute row numbering; once a step's rows are attended, every page
 whose rows all lie below the next query's first visible row goes back to the
-pool. Such a layer holds at most window - 1 + one step's rows (+ a page of
-rounding), whatever the context.
+pool. Decoding, such a layer is a ring of `ring` = ceil(window / page_size)
+pages: table entry j + ring points at the same page as entry j, so row r
+overwrites row r - ring * page_size, which no query from r on can see. A
+multi-row step (a prefill chunk) writes all its rows before its queries attend,
+so it writes to pages of its own (a shared page is copied first) and the layer
+holds at most window - 1 + the step's rows (+ a page of rounding); `fold` then
+brings it back to `ring` pages by copying the newest page's rows into the
+oldest page's unseen slots.
 """
 from __future__ import annotations
 
@@ -113,15 +119,36 @@ class PagedKvCache:
         self.length = 0               # physical rows in use (sliding-window layer: rows written)
         self.logical_length = 0       # tokens processed: the next RoPE position
         self.first_page = 0           # table index of pages[0]; > 0 once a window layer returned pages
-        self.pages: list[int] = []    # page ids held, in row order, for table indices first_page..
+        self.pages: list[int] = []    # page ids by table index first_page.. (a window layer's entry
+                                      # i + ring may repeat entry i: one page, see `ring`)
+        self.ring = -(-window // pool.page_size) if window else 0   # pages a decoding window layer cycles
+        self.intact_from = 0          # rows below this were overwritten by rows sharing their slots
         self._table = np.zeros(-(-max_rows // pool.page_size), dtype=np.int32)   # [max_pages_in_context]
         self._table_dev = None        # backend copy, refreshed when pages change
         self.last_keep: np.ndarray | None = None   # int64 [n_kv_heads, n_keep] of the last compaction
 
     @property
     def first_row(self) -> int:
-        """Lowest row still held (0 unless a sliding-window layer returned pages)."""
-        return self.first_page * self.pool.page_size
+        """Lowest row still held (0 unless a sliding-window layer returned or reused pages)."""
+        return max(self.first_page * self.pool.page_size, self.intact_from)
+
+    @property
+    def n_pages(self) -> int:
+        """Distinct pages held."""
+        return len(set(self.pages)) if self.ring else len(self.pages)
+
+    def _shared(self, j: int) -> bool:
+        """Whether table index j uses the same page as index j - ring (both held)."""
+        i = j - self.first_page
+        return self.ring > 0 and i - self.ring >= 0 and i < len(self.pages) \
+            and self.pages[i] == self.pages[i - self.ring]
+
+    def _move_rows(self, dst: int, src: int, n: int) -> None:
+        """Rows 0..n-1 of page `src` -> the same slots of page `dst` (whole rows, scales included)."""
+        ps = self.pool.page_size
+        table = self.pool.backend.upload(np.array([dst, src], dtype=np.int32))
+        keep = np.broadcast_to(np.arange(ps, ps + n, dtype=np.int64), (self.pool.n_kv_heads, n))
+        self.pool.backend.kv_gather(self.pool.k_pages, self.pool.v_pages, table, np.ascontiguousarray(keep))
 
     # -- capacity ---------------------------------------------------------------
     def reserve(self, n_new: int) -> None:
@@ -134,11 +161,25 @@ class PagedKvCache:
             raise KvCacheError(f"a step of {n_new} rows does not fit a sliding-window layer "
                                f"(window {self.window}, {self.max_pages} pages): steps must be "
                                f"no longer than the prefill chunk the cache was made for")
-        while self.first_page + len(self.pages) < need_pages:
+        ps = self.pool.page_size
+        j = self.length // ps
+        if n_new > 1 and self._shared(j):    # the step's queries still see the rows its writes would hit
             page = self.pool.take()
-            self._table[self.first_page + len(self.pages)] = page
+            self._move_rows(page, self.pages[j - self.first_page], ps)
+            self._set(j, page)
+        while self.first_page + len(self.pages) < need_pages:
+            j = self.first_page + len(self.pages)
+            if n_new == 1 and self.ring and j - self.ring >= self.first_page:
+                page = self.pages[j - self.ring - self.first_page]    # row j * ps overwrites an unseen row
+            else:
+                page = self.pool.take()
             self.pages.append(page)
-            self._table_dev = None
+            self._set(j, page)
+
+    def _set(self, j: int, page: int) -> None:
+        self.pages[j - self.first_page] = page
+        self._table[j] = page
+        self._table_dev = None
 
     def advance(self, n: int) -> None:
         """n rows at positions logical_length.. were written at rows length.. and attended.
@@ -146,20 +187,45 @@ class PagedKvCache:
         self.length += n
         self.logical_length += n
         if self.window:
+            last = self.length - 1
+            if self._shared(last // self.pool.page_size):
+                self.intact_from = max(self.intact_from, last - self.ring * self.pool.page_size + 1)
             self._release_below(self.length - self.window + 1)
 
+    def fold(self) -> None:
+        """A window layer spanning ring + 1 pages (after a multi-row step) goes back to
+        `ring` pages: the newest page's rows move into the same slots of the oldest
+        page, whose rows there lie below every later query's window, and the newest
+        page's table entry then points at the oldest page."""
+        if not self.ring or not self.length:
+            return
+        ps = self.pool.page_size
+        j = (self.length - 1) // ps
+        if j - self.ring < self.first_page or self._shared(j):
+            return
+        old, new = self.pages[j - self.ring - self.first_page], self.pages[j - self.first_page]
+        self._move_rows(old, new, self.length - j * ps)
+        self._set(j, old)
+        self.pool.give(new)
+        self.intact_from = max(self.intact_from, self.length - self.ring * ps)
+
     def _release_below(self, row: int) -> None:
-        """Return every page whose rows all lie below `row` (table entries stay, unread)."""
+        """Return every page whose rows all lie below `row` (table entries stay, unread);
+        a page a later table entry still uses stays."""
         below = max(row, 0) // self.pool.page_size       # pages 0 .. below-1 are wholly below
         while self.first_page < below and self.pages:
-            self.pool.give(self.pages.pop(0))
+            page = self.pages.pop(0)
             self.first_page += 1
+            if page not in self.pages:
+                self.pool.give(page)
 
     def _release_from(self, row: int) -> None:
         """Return every page whose rows all lie at or past `row` (0: every page)."""
         end = -(-row // self.pool.page_size)              # table index of the first such page
         while self.pages and self.first_page + len(self.pages) > end:
-            self.pool.give(self.pages.pop())
+            page = self.pages.pop()
+            if page not in self.pages:
+                self.pool.give(page)
         self._table_dev = None
 
     def pages_needed(self, more_rows: int) -> int:
@@ -175,7 +241,7 @@ class PagedKvCache:
     def release(self) -> None:
         """Every page back to the pool; the layer is empty."""
         self._release_from(0)
-        self.first_page = self.length = self.logical_length = 0
+        self.first_page = self.length = self.logical_length = self.intact_from = 0
         self.last_keep = None
 
     def page_table(self):
@@ -186,7 +252,7 @@ class PagedKvCache:
 
     @property
     def bytes(self) -> int:
-        return len(self.pages) * self.pool.page_bytes
+        return self.n_pages * self.pool.page_bytes
 
     # -- compaction -------------------------------------------------------------
     def compact(self, keep: np.ndarray, window: int = 0) -> CompactReport:
@@ -266,12 +332,12 @@ class KvCache:
         p = self.pool
         other = KvCache(p.backend, len(self.layers), p.n_kv_heads, p.head_dim, self.max_rows, p.page_size,
                         self.windows, self.max_step, p.k_dtype, p.v_dtype)
-        used = np.array(sorted(pg for layer in self.layers for pg in layer.pages), dtype=np.int32)
+        used = np.array(sorted({pg for layer in self.layers for pg in layer.pages}), dtype=np.int32)
         if used.size:
             p.backend.kv_copy_pages(p.k_pages, p.v_pages, other.pool.k_pages, other.pool.v_pages, used)
         other.pool._free = list(p._free)
         for mine, theirs in zip(self.layers, other.layers):
-            theirs.pages, theirs.first_page = list(mine.pages), mine.first_page
+            theirs.pages, theirs.first_page, theirs.intact_from = list(mine.pages), mine.first_page, mine.intact_from
             theirs._table[:] = mine._table
             theirs.length, theirs.logical_length = mine.length, mine.logical_length
             theirs.last_keep = mine.last_keep
@@ -280,7 +346,7 @@ class KvCache:
 
     @property
     def pages_held(self) -> int:
-        return sum(len(layer.pages) for layer in self.layers)
+        return sum(layer.n_pages for layer in self.layers)
 
     def pages_needed(self, more_rows: int) -> int:
         """Pages the cache holds at most while `more_rows` rows are appended to what it
@@ -301,6 +367,11 @@ class KvCache:
                 raise KvCacheError(f"a sliding-window layer no longer holds the rows position {n} sees")
         for layer in self.layers:
             layer.truncate(n)
+
+    def fold(self) -> None:
+        """Bring every sliding-window layer back to its ring of pages (after a prefill)."""
+        for layer in self.layers:
+            layer.fold()
 
     def release(self) -> None:
         """Return every page to the pool and leave the cache empty (idempotent): a
@@ -351,7 +422,7 @@ class KvCache:
             "page_size": self.pool.page_size,
             "kv_dtype": self.kv_dtype, "k_dtype": self.k_dtype, "v_dtype": self.v_dtype,
             "eviction": self.eviction,
-            "layers": [{"length": l.length, "logical_length": l.logical_length, "pages": len(l.pages),
+            "layers": [{"length": l.length, "logical_length": l.logical_length, "pages": l.n_pages,
                         "bytes": l.bytes, "keep": l.last_keep, "window": l.window,
                         "first_row": l.first_row} for l in self.layers],
         }

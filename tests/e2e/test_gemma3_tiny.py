@@ -17,7 +17,7 @@ from backends.bf16 import bf16_to_f32, f32_to_bf16
 from engine.gguf import GgufFile
 from engine.kv.paged import layer_pages
 from engine.snapkv import SnapKvConfig
-from _backends import nmse
+from _backends import available_backends, nmse
 from tiny_gguf import GEMMA3_SLIDING_WINDOW as WINDOW, write_tiny_gguf
 
 GLOBAL = 5                                      # (il + 1) % 6 == 0
@@ -161,8 +161,8 @@ def test_snapkv_compacts_global_layers_only(models, granularity):
             assert (layer["keep"][:, -8:] == np.arange(192, 200)).all()
         else:                                   # local layers keep their window, untouched
             assert layer["window"] == WINDOW and layer["keep"] is None and layer["length"] == 200
-            assert layer["first_row"] == (200 - WINDOW + 1) // 16 * 16
-            assert layer["pages"] == -(-200 // 16) - (200 - WINDOW + 1) // 16
+            # folded after the prefill: one page of 16 rows, the window's exactly (rows 184..199)
+            assert layer["first_row"] == 200 - WINDOW and layer["pages"] == 1
     page_bytes = 2 * 1 * 16 * 32 * 2
     local_bytes = 5 * st["layers"][0]["pages"] * page_bytes
     assert ev["bytes_before"] == local_bytes + 13 * page_bytes          # ceil(200 / 16) global pages
@@ -189,7 +189,8 @@ def test_decode_after_compaction_equals_masked_full_attention(models):
 def test_local_layer_memory_is_bounded_at_a_long_prompt(models):
     """A 900-token prompt in chunks of 32 (ctx 1024, pages of 16): each local layer never
     holds more than its planned ceil((16 - 1 + 32) / 16) + 1 = 4 pages, the pool is sized
-    for exactly that, and what a local layer holds does not grow with the prompt."""
+    for exactly that, what a local layer holds does not grow with the prompt, and
+    decoding it holds one page: its window of 16 rows."""
     m = engine.load(models["q8"], backend="cpu", prefill_chunk=32, snapkv=False)
     m.forward.page_size = 16
     cache = m.new_cache()
@@ -203,10 +204,45 @@ def test_local_layer_memory_is_bounded_at_a_long_prompt(models):
     assert cache.layers[GLOBAL].bytes == -(-900 // 16) * page
     for _ in range(40):
         m.forward.decode(7, cache)
-        assert max(len(l.pages) for l in cache.layers[:GLOBAL]) <= 4
-    local_pages = -(-940 // 16) - (940 - WINDOW + 1) // 16            # rows 925..939: pages 57, 58
-    assert all(len(l.pages) == local_pages == 2 for l in cache.layers[:GLOBAL])
-    assert cache.bytes == (-(-940 // 16) + 5 * local_pages) * page
+        assert max(l.n_pages for l in cache.layers[:GLOBAL]) == 1     # a ring of one page: the window
+    # rows 924..939 span table entries 57 and 58, one page shared
+    assert all(len(l.pages) == 2 and l.n_pages == 1 and l.first_row == 940 - WINDOW for l in cache.layers[:GLOBAL])
+    assert cache.bytes == (-(-940 // 16) + 5) * page
+
+
+RING_BACKENDS = ["reference", "cpu"] + [b for b in ("vulkan", "cuda-harness") if b in available_backends()]
+
+
+@pytest.mark.parametrize("backend", RING_BACKENDS)
+def test_local_layers_cycle_a_ring_of_pages(models, backend, monkeypatch):
+    """Pages of 8 rows, window 16: a chunked prefill leaves each local layer spanning 3
+    pages, folded to its ring of 2 (16 rows, the window exactly); decode steps write
+    into the ring; a prompt continued from the folded cache (multi-row steps) first
+    copies the page it writes. The logits of every step equal the float64 oracle's."""
+    if backend == "cuda-harness":
+        monkeypatch.setenv("SHARPI_CUDA_EXECUTOR", "cpu-harness")
+    m = engine.load(models["f32"], backend=backend.split("-")[0], prefill_chunk=12, snapkv=False)
+    m.forward.page_size = 8
+    ids = PROMPT[:80]
+    want = oracle_logits(models["f32"], ids)                   # causal: row i is the logits after ids[:i+1]
+    local = [l for l in m.new_cache().layers if l.window]
+    assert local and all(l.ring == 2 for l in local)
+    cache, got = m.prefill(ids[:61])                           # rows 45..60 visible next: table entries 5..7
+    local = [l for l in cache.layers if l.window]
+    assert all(l.n_pages == 2 and len(l.pages) == 3 and l.first_row == 61 - WINDOW for l in local)
+    outs = [got]
+    for t in ids[61:65]:                                       # decode: the ring takes each row
+        outs.append(m.forward.decode(t, cache))
+        assert all(l.n_pages == 2 for l in local)
+    assert all(l.pages[-1] == l.pages[-3] for l in local)      # entry 8 shares entry 6's page
+    outs.append(m.forward.prefill(ids[65:77], cache))          # one 12-row step on the ring, folded after
+    assert all(l.n_pages == 2 and l.first_row == 77 - WINDOW for l in local)
+    for t in ids[77:80]:
+        outs.append(m.forward.decode(t, cache))
+    rows = [60, 61, 62, 63, 64, 76, 77, 78, 79]
+    assert nmse(np.stack(outs), want[rows]) < 1e-6
+    free = cache.pool.free_pages
+    assert free == cache.pool.n_pages - sum(l.n_pages for l in cache.layers)
 
 
 def test_auto_policy_counts_what_is_held(models):

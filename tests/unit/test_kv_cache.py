@@ -1,7 +1,7 @@
 """PagedKvCache against a plain Python model of the cache (hypothesis)."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from backends.bf16 import bf16_to_f32, f32_to_bf16
 from backends.kvformat import parse_kv_dtype
@@ -177,19 +177,24 @@ def window_case(draw):
 
 
 @settings(max_examples=80, deadline=None)
-@given(window_case())
-def test_window_layer_returns_pages_exactly_when_they_fall_out(case):
+@given(window_case(), st.booleans())
+@example((4, 8, 7, [7, 2, 1, 1, 3, 1, 1, 1, 1, 1, 7, 1], np.random.default_rng(0)), False)   # ring + 1 pages
+@example((4, 8, 7, [7, 2, 1, 1, 3, 1, 1, 1, 1, 1, 7, 1], np.random.default_rng(0)), True)    # folded
+def test_window_layer_returns_pages_exactly_when_they_fall_out(case, fold):
     """A sliding-window layer next to a full layer in one pool, stepped like prefill
-    chunks and decode: after every step it holds exactly the pages with a row the next
-    query can see, every row a step's queries need is held (attention over the layer,
-    with returned pages poisoned, equals plain attention over all rows), the pool
-    never runs dry at its planned size, and bytes count what is held."""
-    page_size, window, max_step, steps, rng = case
+    chunks and decode (folded after each multi-row step, or not): every row a step's
+    queries need is held (attention over the layer, with returned pages poisoned,
+    equals plain attention over all rows), it holds exactly the pages with a row the
+    next query can see, a decode step or a fold reuses the page `ring` entries back
+    instead of taking one, the pool never runs dry at its planned size, and bytes
+    count the distinct pages held."""
+    (page_size, window, max_step, steps, rng), fold_after = case, fold
     max_rows = sum(steps)
     b = ReferenceBackend()
     cache = KvCache(b, 2, H, D, max_rows=max_rows, page_size=page_size, windows=(window, 0), max_step=max_step)
     local, full = cache.layers
     assert cache.pool.n_pages == layer_pages(max_rows, page_size, window, max_step) + -(-max_rows // page_size)
+    assert local.ring == -(-window // page_size)
     K = np.zeros((0, H * D), np.float32)
     V = np.zeros((0, H * D), np.float32)
     for n in steps:
@@ -210,18 +215,26 @@ def test_window_layer_returns_pages_exactly_when_they_fall_out(case):
         np.testing.assert_allclose(out, windowed_attention(q, K, V, start, window), rtol=1e-5, atol=1e-5)
         for layer in cache.layers:
             layer.advance(n)
-        # the model: pages 0 .. first-1 lie wholly below the next query's first visible row
+        if fold_after and n > 1:
+            cache.fold()
+        # table entries first .. of the pages with a row the next query can see
         first = max(0, local.length - window + 1) // page_size
-        assert local.first_page == first and local.first_row == first * page_size
+        assert local.first_page == first and local.first_row <= max(0, local.length - window + 1)
         assert len(local.pages) == -(-local.length // page_size) - first
-        assert local.bytes == len(local.pages) * cache.pool.page_bytes
+        assert local.n_pages == len(set(local.pages)) <= len(local.pages)
+        if fold_after:                  # a ring: entry i + ring shares entry i's page
+            assert local.n_pages == min(len(local.pages), local.ring)
+        else:                           # decode steps share; a multi-row step may leave one more
+            assert local.n_pages <= local.ring + 1
+        assert local.bytes == local.n_pages * cache.pool.page_bytes
         assert cache.bytes == local.bytes + full.bytes
-        assert cache.pool.free_pages == cache.pool.n_pages - len(local.pages) - len(full.pages)
+        assert cache.pool.free_pages == cache.pool.n_pages - local.n_pages - len(full.pages)
         assert (local.length, local.logical_length) == (len(K), len(K))
         poison_free_pages(cache)
-    # the full layer kept every row; the window layer's held rows are intact
+    # the full layer kept every row; the window layer's intact rows are the last ones written
     np.testing.assert_array_equal(rows(cache, 1, cache.pool.k_pages).reshape(len(K), -1), K)
     ps = page_size
+    assert local.first_row <= max(0, local.length - window + 1)
     for r in range(local.first_row, local.length):
         got = bf16_to_f32(cache.pool.k_pages[local.pages[r // ps - local.first_page], :, r % ps, :])
         np.testing.assert_array_equal(got.reshape(-1), K[r])
@@ -230,18 +243,26 @@ def test_window_layer_returns_pages_exactly_when_they_fall_out(case):
 
 def test_window_layer_holds_a_bounded_number_of_pages():
     """Prefill 2000 rows in chunks of 64, then decode 300: a window-of-32 layer never
-    holds more than ceil((32 - 1 + 64) / 16) + 1 pages, and the pool sized for it suffices."""
+    holds more than ceil((32 - 1 + 64) / 16) + 1 pages, and the pool sized for it
+    suffices; folded after the prefill and while decoding it holds its ring of 2 pages
+    (32 rows, the window exactly)."""
     cache = KvCache(ReferenceBackend(), 1, H, D, max_rows=2400, page_size=16, windows=(32,), max_step=64)
     layer = cache.layers[0]
-    assert layer.max_pages == 7 and cache.pool.n_pages == 7
+    assert layer.max_pages == 7 and cache.pool.n_pages == 7 and layer.ring == 2
     most = 0
-    for n in [64] * 31 + [16] + [1] * 300:
+    for n in [64] * 31 + [16]:
         layer.reserve(n)
-        most = max(most, len(layer.pages))
+        most = max(most, layer.n_pages)
         layer.advance(n)
-        most = max(most, len(layer.pages))
-    assert layer.length == 2300 and most <= 7
-    assert layer.first_row == (2300 - 32 + 1) // 16 * 16
+        most = max(most, layer.n_pages)
+    cache.fold()
+    assert layer.n_pages == 2 and layer.first_row == 2000 - 32
+    for _ in range(300):
+        layer.reserve(1)
+        assert layer.n_pages == 2
+        layer.advance(1)
+    assert layer.length == 2300 and most <= 7 and layer.n_pages == 2
+    assert layer.first_row == 2300 - 32 and cache.pool.free_pages == 5
 
 
 def test_window_layer_refuses_compaction_and_oversized_steps():
