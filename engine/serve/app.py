@@ -199,8 +199,9 @@ def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
                         yield _event(protocol.usage_chunk(rid, model_id, t, obj, event.usage))
                     yield "data: [DONE]\n\n"
                     return
-                elif isinstance(event, Failed):
+                elif isinstance(event, Failed):       # the error object, then the end as usual
                     yield _event(ApiError(event.status, event.message).body())
+                    yield "data: [DONE]\n\n"
                     return
         finally:
             sub.close()          # a client that went away cancels its request here

@@ -459,6 +459,14 @@ def test_an_engine_error_fails_one_request_not_the_server(served):
         assert "injected failure" in e.value.body["message"]
         with pytest.raises(openai.APIError):
             stream_text(c.completions.create(stream=True, **kw), chat=False)
+        # on the wire: the first token's chunk, the error object, then [DONE] as always
+        req = urllib.request.Request(served.url + "/v1/completions", data=json.dumps({**kw, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            events = [line[len("data: "):] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) >= 3
+        assert "injected failure" in json.loads(events[-2])["error"]["message"]
+        assert json.loads(events[0])["choices"][0]["text"]
     finally:
         del served.model.forward.decode_batch
     assert c.completions.create(**kw).usage.completion_tokens >= 1
