@@ -1,18 +1,23 @@
-"""Serving benchmark: C concurrent clients stream completions from `engine serve`
-(started here in-process on a loopback port, once per --parallel value) through the
-official openai client. Reports aggregate generated tok/s, time to first token and
-time per output token, so batched decode (--parallel N) can be compared with one
-request at a time (--parallel 1) on the same machine in one run.
+"""Serving benchmark: C concurrent clients stream completions through the official
+openai client from `engine serve` (started here in-process on a loopback port, once
+per --parallel value and KV budget) and, with --llama-cpp, from llama.cpp's own
+server (`python -m llama_cpp.server`, llama-cpp-python[server], a subprocess on the
+same model and threads). Reports aggregate generated tok/s, time to first token and
+time per output token for every client count, all measured in one run.
 
-    .venv/bin/python tools/bench_serve.py [--model smollm2] [--clients 4]
-        [--parallel 1 4] [--prompt-tokens 512] [--max-tokens 64] [--kv-budget 0]
+    .venv/bin/python tools/bench_serve.py [--model smollm2] [--clients 1 2 4 8]
+        [--parallel 4] [--prompt-tokens 2048] [--max-tokens 64] [--kv-budget 0 512]
+        [--llama-cpp] [--threads N] [--json FILE]
 
-Not a test: numbers go to stdout (and --json FILE).
+Every client sends a different prompt (the same text to both servers); the end of
+text is suppressed (our `ignore_eos`, llama.cpp's logit bias) so every answer has
+--max-tokens tokens. Not a test: numbers go to stdout (and --json FILE).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -26,13 +31,13 @@ from engine.bench import bench_prompt  # noqa: E402
 from engine.serve import build_app, serve_in_thread  # noqa: E402
 
 
-def one_client(url: str, prompt: list[int], max_tokens: int, extra: dict, out: list) -> None:
+def one_client(url: str, prompt: str, max_tokens: int, extra: dict, out: list) -> None:
     import openai
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
     t0 = time.perf_counter()
     stamps = []
     stream = client.completions.create(model=None, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True, **extra})
+                                       stream=True, extra_body=extra)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             stamps.append(time.perf_counter())
@@ -40,9 +45,22 @@ def one_client(url: str, prompt: list[int], max_tokens: int, extra: dict, out: l
                 "pieces": len(stamps)})
 
 
-def run(model, url: str, clients: int, prompt_tokens: int, max_tokens: int, extra: dict) -> dict:
-    base = bench_prompt(model.tokenizer, prompt_tokens + clients)
-    prompts = [base[i:i + prompt_tokens] for i in range(clients)]      # a different prompt per client
+class Prompts:
+    """Prompt texts of prompt_tokens tokens of filler, each starting at a token no
+    earlier prompt started at, so no server answers one from its prompt cache."""
+
+    def __init__(self, model, prompt_tokens: int):
+        self.model, self.n, self.used = model, prompt_tokens, 0
+        self.base = bench_prompt(model.tokenizer, prompt_tokens + 4096)
+
+    def take(self, clients: int) -> list[str]:
+        first, self.used = self.used, self.used + clients
+        if self.used > 4096:
+            raise RuntimeError("bench_serve: out of distinct prompts")
+        return [self.model.tokenizer.decode(self.base[i:i + self.n]) for i in range(first, first + clients)]
+
+
+def run(url: str, prompts: list[str], max_tokens: int, extra: dict) -> dict:
     out: list = []
     threads = [threading.Thread(target=one_client, args=(url, p, max_tokens, extra, out)) for p in prompts]
     t0 = time.perf_counter()
@@ -51,47 +69,106 @@ def run(model, url: str, clients: int, prompt_tokens: int, max_tokens: int, extr
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    if len(out) != clients:
-        raise RuntimeError(f"{clients - len(out)} clients failed")
+    if len(out) != len(prompts) or any(r["first"] is None for r in out):
+        raise RuntimeError(f"{len(prompts) - len(out)} of {len(prompts)} clients failed or got no text")
     ttft = [r["first"] - r["start"] for r in out]
     tpot = [(r["end"] - r["first"]) / max(max_tokens - 1, 1) for r in out]
-    return {"wall_s": wall, "tok_s": clients * max_tokens / wall,
+    return {"clients": len(prompts), "wall_s": wall, "tok_s": len(prompts) * max_tokens / wall,
             "ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft),
-            "tpot_median_ms": 1e3 * statistics.median(tpot)}
+            "tpot_median_ms": 1e3 * statistics.median(tpot),
+            "pieces_min": min(r["pieces"] for r in out)}
+
+
+class LlamaCppServer:
+    """llama.cpp's server (llama-cpp-python) on a free loopback port, as a subprocess."""
+
+    def __init__(self, path: str, ctx: int, threads: int):
+        import socket
+        import subprocess
+        import urllib.request
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1",
+               "--port", str(port), "--n_ctx", str(ctx), "--n_threads", str(threads),
+               "--n_threads_batch", str(threads), "--n_batch", "512"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("llama.cpp server exited: " + self.proc.stderr.read()[-2000:])
+            try:
+                urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("llama.cpp server did not come up in 180 s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except Exception:
+            self.proc.kill()
+
+
+def show(row: dict) -> None:
+    print(f"{row['server']:>10} {row['parallel']:>8} {row['kv_budget']:>9} {row['clients']:>7} | "
+          f"{row['tok_s']:>7.1f} {row['wall_s']:>7.1f} {row['ttft_median_s']:>8.2f}s {row['ttft_max_s']:>8.2f}s "
+          f"{row['tpot_median_ms']:>7.0f}ms", flush=True)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--parallel", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--parallel", type=int, nargs="+", default=[4])
+    p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--kv-budget", type=int, default=0, help="per-request kv_budget (0: full cache)")
+    p.add_argument("--kv-budget", type=int, nargs="+", default=[0], help="per-request kv_budget (0: full cache)")
+    p.add_argument("--llama-cpp", dest="llama_cpp", action="store_true", help="also llama.cpp's own server")
     p.add_argument("--threads", type=int)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    model = engine.load(a.model, threads=a.threads, ctx=a.prompt_tokens + a.max_tokens + 64, snapkv_budget=0)
-    extra = {"kv_budget": a.kv_budget} if a.kv_budget else {}
+    ctx = a.prompt_tokens + a.max_tokens + 64
+    model = engine.load(a.model, threads=a.threads, ctx=ctx, snapkv_budget=0)
+    threads = model.settings.threads or os.cpu_count()
+    prompts = Prompts(model, a.prompt_tokens)
     rows = []
-    print(f"{a.clients} clients, {a.prompt_tokens}-token prompts, {a.max_tokens} tokens each, "
-          f"kv_budget {a.kv_budget or 'off'}")
-    print(f"{'parallel':>8} | {'tok/s':>7} {'wall s':>7} {'TTFT med':>9} {'TTFT max':>9} {'TPOT med':>9}")
+    print(f"clients {a.clients}, {a.prompt_tokens}-token prompts, {a.max_tokens} tokens each, "
+          f"{threads} threads")
+    print(f"{'server':>10} {'parallel':>8} {'kv_budget':>9} {'clients':>7} | {'tok/s':>7} {'wall s':>7} "
+          f"{'TTFT med':>9} {'TTFT max':>9} {'TPOT med':>9}")
     for n in a.parallel:
         server = serve_in_thread(build_app(model, max_queue=64, max_running=n))
         url = server.url + "/v1"
         try:
-            run(model, url, 1, 32, 4, extra)                            # warm-up (numba, scratch)
-            r = dict(parallel=n, **run(model, url, a.clients, a.prompt_tokens, a.max_tokens, extra))
+            run(url, prompts.take(1), 4, {"ignore_eos": True})      # warm-up (numba, scratch)
+            for budget in a.kv_budget:
+                extra = {"ignore_eos": True, **({"kv_budget": budget} if budget else {})}
+                for c in a.clients:
+                    rows.append(dict(server="ours", parallel=n, kv_budget=budget,
+                                     **run(url, prompts.take(c), a.max_tokens, extra)))
+                    show(rows[-1])
         finally:
             server.stop(30)
-        rows.append(r)
-        print(f"{n:>8} | {r['tok_s']:>7.1f} {r['wall_s']:>7.1f} {r['ttft_median_s']:>8.2f}s "
-              f"{r['ttft_max_s']:>8.2f}s {r['tpot_median_ms']:>7.0f}ms", flush=True)
+    if a.llama_cpp:
+        server = LlamaCppServer(model.path, ctx, threads)
+        url = server.url + "/v1"
+        extra = {"logit_bias": {str(i): -100.0 for i in model.tokenizer.eot_ids}}
+        try:
+            run(url, prompts.take(1), 4, extra)
+            for c in a.clients:
+                rows.append(dict(server="llama.cpp", parallel=1, kv_budget=0,
+                                 **run(url, prompts.take(c), a.max_tokens, extra)))
+                show(rows[-1])
+        finally:
+            server.stop()
     if a.json:
-        a.json.write_text(json.dumps({"clients": a.clients, "prompt_tokens": a.prompt_tokens,
-                                      "max_tokens": a.max_tokens, "kv_budget": a.kv_budget, "rows": rows},
-                                     indent=1))
+        a.json.write_text(json.dumps({"prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
+                                      "threads": threads, "rows": rows}, indent=1))
     return 0
 
 
