@@ -11,7 +11,8 @@ time per output token for every client count, all measured in one run.
 
 Every client sends a different prompt (the same text to both servers); the end of
 text is suppressed (our `ignore_eos`, llama.cpp's logit bias) so every answer has
---max-tokens tokens. Not a test: numbers go to stdout (and --json FILE).
+--max-tokens tokens; tok/s counts the text chunks the clients received (one per
+token) and `pieces_min` in the JSON is the shortest answer. Not a test: numbers go to stdout (and --json FILE).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def run(url: str, prompts: list[str], max_tokens: int, extra: dict) -> dict:
         raise RuntimeError(f"{len(prompts) - len(out)} of {len(prompts)} clients failed or got no text")
     ttft = [r["first"] - r["start"] for r in out]
     tpot = [(r["end"] - r["first"]) / max(max_tokens - 1, 1) for r in out]
-    return {"clients": len(prompts), "wall_s": wall, "tok_s": len(prompts) * max_tokens / wall,
+    return {"clients": len(prompts), "wall_s": wall, "tok_s": sum(r["pieces"] for r in out) / wall,
             "ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft),
             "tpot_median_ms": 1e3 * statistics.median(tpot),
             "pieces_min": min(r["pieces"] for r in out)}
@@ -85,6 +86,7 @@ class LlamaCppServer:
     def __init__(self, path: str, ctx: int, threads: int):
         import socket
         import subprocess
+        import tempfile
         import urllib.request
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -92,12 +94,15 @@ class LlamaCppServer:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", str(ctx), "--n_threads", str(threads),
-               "--n_threads_batch", str(threads), "--n_batch", "512"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               "--n_threads_batch", str(threads), "--n_batch", "512",
+               "--interrupt_requests", "False"]      # its default cuts a stream off when the next request comes
+        self.log = tempfile.TemporaryFile("w+")           # its load log is long: a pipe would fill and block it
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("llama.cpp server exited: " + self.proc.stderr.read()[-2000:])
+                self.log.seek(0)
+                raise RuntimeError("llama.cpp server exited: " + self.log.read()[-2000:])
             try:
                 urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
                 return
