@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine                                          # noqa: E402
+from backends.reference import read_rows               # noqa: E402
 from engine.eval.policies import parse_policy          # noqa: E402
 from engine.eval.runner import EvalPlan, Runner        # noqa: E402
 from engine.snapkv import SnapKvConfig, SnapKvSelector  # noqa: E402
@@ -34,15 +35,11 @@ NEEDLE_ROWS = 30
 
 def last_query_mass(cache, capture, li: int, keep: np.ndarray, scale: float, n_rows: int) -> list[float]:
     """Per query head: attention mass of the last prompt query on the kept rows."""
-    from backends.cpu.attention_blas import _gather_f32
-    if not isinstance(cache.pool.k_pages, np.ndarray) or cache.k_dtype != "bf16":
-        return []
-    layer = cache.layers[li]
-    n_kv, hd = cache.pool.n_kv_heads, cache.pool.head_dim
-    k = np.empty((n_kv, n_rows, hd), np.float32)
-    _gather_f32(cache.pool.k_pages, layer._table, 0, n_rows, k)
+    pool = cache.pool
+    k = read_rows(pool.backend.download(pool.k_pages), cache.layers[li]._table, n_rows, cache.k_dtype,
+                  pool.head_dim)                                   # f64 [n_kv, n_rows, head_dim]
     q = capture.q[li, :, -1]                                       # [n_heads, head_dim]
-    group = q.shape[0] // n_kv
+    group = q.shape[0] // pool.n_kv_heads
     out = []
     for h in range(q.shape[0]):
         s = (k[h // group] @ q[h]) * scale
