@@ -214,19 +214,20 @@ class PagedKvCache:
         a page a later table entry still uses stays."""
         below = max(row, 0) // self.pool.page_size       # pages 0 .. below-1 are wholly below
         while self.first_page < below and self.pages:
-            page = self.pages.pop(0)
             self.first_page += 1
-            if page not in self.pages:
-                self.pool.give(page)
+            self._give(self.pages.pop(0))
 
     def _release_from(self, row: int) -> None:
         """Return every page whose rows all lie at or past `row` (0: every page)."""
         end = -(-row // self.pool.page_size)              # table index of the first such page
         while self.pages and self.first_page + len(self.pages) > end:
-            page = self.pages.pop()
-            if page not in self.pages:
-                self.pool.give(page)
+            self._give(self.pages.pop())
         self._table_dev = None
+
+    def _give(self, page: int) -> None:
+        """A page no longer at a table entry goes back to the pool, unless a ring entry still uses it."""
+        if page not in self.pages:
+            self.pool.give(page)
 
     def pages_needed(self, more_rows: int) -> int:
         """Pages held at most while `more_rows` rows are appended (never past max_pages)."""
