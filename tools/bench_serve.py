@@ -12,7 +12,8 @@ time per output token for every client count, all measured in one run.
 Every client sends a different prompt (the same text to both servers); the end of
 text is suppressed (our `ignore_eos`, llama.cpp's logit bias) so every answer has
 --max-tokens tokens; tok/s counts the text chunks the clients received (one per
-token) and `pieces_min` in the JSON is the shortest answer. Not a test: numbers go to stdout (and --json FILE).
+token) and `pieces_min` in the JSON is the shortest answer. Not a test: numbers go
+to stdout (and --json FILE).
 """
 from __future__ import annotations
 
@@ -49,14 +50,15 @@ def one_client(url: str, prompt: str, max_tokens: int, extra: dict, out: list) -
 class Prompts:
     """Prompt texts of prompt_tokens tokens of filler, each starting at a token no
     earlier prompt started at, so no server answers one from its prompt cache."""
+    STARTS = 4096                       # distinct prompts one run can take
 
     def __init__(self, model, prompt_tokens: int):
         self.model, self.n, self.used = model, prompt_tokens, 0
-        self.base = bench_prompt(model.tokenizer, prompt_tokens + 4096)
+        self.base = bench_prompt(model.tokenizer, prompt_tokens + self.STARTS)
 
     def take(self, clients: int) -> list[str]:
         first, self.used = self.used, self.used + clients
-        if self.used > 4096:
+        if self.used > self.STARTS:
             raise RuntimeError("bench_serve: out of distinct prompts")
         return [self.model.tokenizer.decode(self.base[i:i + self.n]) for i in range(first, first + clients)]
 
@@ -73,7 +75,7 @@ def run(url: str, prompts: list[str], max_tokens: int, extra: dict) -> dict:
     if len(out) != len(prompts) or any(r["first"] is None for r in out):
         raise RuntimeError(f"{len(prompts) - len(out)} of {len(prompts)} clients failed or got no text")
     ttft = [r["first"] - r["start"] for r in out]
-    tpot = [(r["end"] - r["first"]) / max(max_tokens - 1, 1) for r in out]
+    tpot = [(r["end"] - r["first"]) / max(r["pieces"] - 1, 1) for r in out]
     return {"clients": len(prompts), "wall_s": wall, "tok_s": sum(r["pieces"] for r in out) / wall,
             "ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft),
             "tpot_median_ms": 1e3 * statistics.median(tpot),
@@ -117,6 +119,7 @@ class LlamaCppServer:
             self.proc.wait(30)
         except Exception:
             self.proc.kill()
+        self.log.close()
 
 
 def show(row: dict) -> None:

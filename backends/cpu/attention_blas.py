@@ -30,10 +30,10 @@ from .kvquant import RowFormat
 
 BLAS_MIN_QUERIES = 32
 WINDOW_BLOCK_MIN = 128     # with a window: at least this many queries per sgemm block
-SCORES_BYTES = 32 << 20     # without a window: queries per sgemm block so that one block's
-                            # scores stay below this (a 512-query chunk at 32K rows would
-                            # otherwise hold 256 MiB of scores for Gemma 3's 4 query heads)
-FULL_BLOCK_MIN = 16
+SCORES_BYTES = 32 << 20    # without a window: queries per sgemm block so that one block's
+                           # scores stay below this (a 512-query chunk at 32K rows would
+                           # otherwise hold 256 MiB of scores for Gemma 3's 4 query heads)
+FULL_BLOCK_MIN = 16        # fewer queries than this make the sgemms too thin
 QUANT_TILE_ROWS = 512      # rows per dequantized tile (quantized KV)
 
 
@@ -130,7 +130,7 @@ def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sca
     if window > 0:
         block = window_block(window)
     else:                                # causal: a block also skips the rows after its last query
-        block = max(FULL_BLOCK_MIN, min(n, SCORES_BYTES // (4 * group * max(n_rows, 1))))
+        block = max(FULL_BLOCK_MIN, min(n, SCORES_BYTES // (4 * group * n_rows)))
     scale = np.float32(scale)
     for b0 in range(0, n, block):
         nb = min(block, n - b0)

@@ -4,9 +4,10 @@ tied embedding/head, F32 norms) against the CPU backend.
 Tolerances (checks in _model_checks.py): last-token logits NMSE < 1e-4 against
 CPU (f32 accumulation in a different order through 30 layers; measured ~4e-6),
 the same argmax, and 8 identical greedy tokens. With SnapKV (budget 48, window
-16) on an 80-token prompt (lavapipe prefills ~5 tokens/s): per layer and KV head >= 95% of the keep set equal to
-CPU's (near-ties in votes may swap), 4 identical greedy tokens after compaction,
-and the device cache holding exactly the kept rows of the full cache, bit for bit.
+16) on an 80-token prompt (lavapipe prefills ~5 tokens/s): per layer and KV head
+>= 95% of the keep set equal to CPU's (near-ties in votes may swap), 4 identical
+greedy tokens after compaction, and the device cache holding exactly the kept rows
+of the full cache, bit for bit.
 """
 from __future__ import annotations
 
