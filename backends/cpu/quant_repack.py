@@ -63,9 +63,43 @@ def _fivebit(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
     return lo | (hbit << 4)
 
 
+CHUNK_BYTES = 16 << 20        # GGUF bytes repacked at a time (the temporaries are a few times this)
+
+
 def repack(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict:
-    """raw uint8 [rows, row_bytes] -> dict(kind='nibble'|'int8', qs, d, m, has_m)."""
+    """raw uint8 [rows, row_bytes] -> dict(kind='nibble'|'int8', qs, d, m, has_m).
+    Large tensors go CHUNK_BYTES of rows at a time into the final arrays, so loading
+    a 262144-row embedding does not hold several full-size temporaries at once."""
     raw = np.asarray(raw, np.uint8).reshape(rows, -1)
+    step = max(R, CHUNK_BYTES // raw.shape[1] // R * R)
+    if rows <= step:
+        return _repack(raw, qtype, rows, cols)
+    out = None
+    for r0 in range(0, rows, step):
+        p = _repack(raw[r0:r0 + step], qtype, min(step, rows - r0), cols)
+        if out is None:
+            tiles = -(-rows // R)
+            out = dict(p, **{k: np.empty((tiles,) + p[k].shape[1:], p[k].dtype) for k in _TILED[p["has_m"]]})
+        t0 = r0 // R
+        for k in _TILED[p["has_m"]]:
+            part = p[k]
+            if part.dtype != out[k].dtype:              # f16 bits in one chunk, f32 in another: f32
+                out[k] = _f32(out[k])
+                part = _f32(part)
+            out[k][t0:t0 + part.shape[0]] = part
+    return out
+
+
+_TILED = {True: ("qs", "d", "m"), False: ("qs", "d")}
+
+
+def _f32(scales: np.ndarray) -> np.ndarray:
+    """Tiled scales as f32 (from f16 bits if that is what `_scales` chose)."""
+    return scales.view(np.float16).astype(np.float32) if scales.dtype == np.uint16 else scales
+
+
+def _repack(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict:
+    """`repack` of one piece: raw uint8 [rows, row_bytes]."""
     if qtype in (Q.Q4_0, Q.Q4_1):
         bs = 18 if qtype == Q.Q4_0 else 20
         blk = raw.reshape(rows, cols // 32, bs)

@@ -7,6 +7,7 @@ vocabulary and merges; this parser takes ~0.1 s. tests/unit/test_gguf_reader.py
 checks it against GGUFReader, field by field and tensor by tensor."""
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -109,9 +110,10 @@ class GgufFile:
         try:
             with open(path, "rb") as f:
                 magic = f.read(4)
-            if magic != GGUF_MAGIC:
-                raise ModelFileError(f"not a GGUF file (bad magic {magic!r}): {path}")
-            mm = np.memmap(path, dtype=np.uint8, mode="r")
+                if magic != GGUF_MAGIC:
+                    raise ModelFileError(f"not a GGUF file (bad magic {magic!r}): {path}")
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mm = np.frombuffer(self._map, dtype=np.uint8)
         except OSError as e:
             raise ModelFileError(f"cannot read model file {path}: {e.strerror or e}") from None
         self.path = path
@@ -157,6 +159,13 @@ class GgufFile:
             if start < end:                          # e.g. a quantized tensor relabelled F32
                 raise ModelFileError(f"tensors {a} and {b} overlap in the file (a wrong type or shape "
                                      f"in the header): malformed GGUF {path}")
+
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the file (once the backend holds its own
+        copy of every tensor): arrays viewing the file stay valid and read their pages
+        back from the OS page cache when next touched. A no-op where madvise is missing."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def _parse(self, buf: memoryview) -> tuple[dict, list[tuple[str, Q, list[int], int]], int, int]:
         """(metadata, tensor infos as (name, type, ne, offset in the data section),

@@ -126,3 +126,29 @@ def test_real_model_tensors(model, name):
         return
     for n in (1, 7):
         check_matmul(w, W, rng.standard_normal((n, cols)).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", [q for q in ALL if q not in (Q.F32, Q.F16, Q.BF16)], ids=lambda q: q.name)
+def test_repack_in_row_chunks_equals_one_piece(qtype, monkeypatch):
+    """A large tensor is repacked a chunk of rows at a time into the final arrays (bounded
+    load-time memory); the result is the one-piece repack's, scales' dtype included, also when
+    one chunk's scales are exact in f16 and another's are not (then all are f32)."""
+    from backends.cpu import quant_repack
+    rows, cols = 70, 512                              # 5 tiles; the last one padded
+    raw = make_raw(qtype, rows, cols, seed=3)
+    if qtype == Q.Q4_K:                               # rows < 48: d = 1, dmin = 0, so d * sc is
+        raw = raw.copy()                              # exact in f16 there (and not in later rows)
+        blocks = raw[:48].reshape(48, -1, 144)
+        blocks[..., 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+        blocks[..., 2:4] = 0
+        if quant_repack.F16_SCALES:
+            assert quant_repack.repack(raw[:48], qtype, 48, cols)["d"].dtype == np.uint16
+    whole = quant_repack.repack(raw, qtype, rows, cols)
+    monkeypatch.setattr(quant_repack, "CHUNK_BYTES", 2 * raw.shape[1])   # 16 rows (one tile) per chunk
+    chunked = quant_repack.repack(raw, qtype, rows, cols)
+    assert chunked.keys() == whole.keys()
+    for k, v in whole.items():
+        if isinstance(v, np.ndarray):
+            assert chunked[k].dtype == v.dtype and np.array_equal(chunked[k], v), k
+        else:
+            assert chunked[k] == v, k

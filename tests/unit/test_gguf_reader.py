@@ -1,6 +1,7 @@
 """Our GGUF header parser against the `gguf` package's GGUFReader: the same
 metadata values and the same tensor bytes, on the default model and on small
 models of every supported tensor type; malformed headers are one-line errors."""
+import os
 import struct
 
 import numpy as np
@@ -47,6 +48,24 @@ def assert_same_as_gguf_reader(path):
 
 def test_default_model_matches_gguf_reader(default_model_path):
     assert_same_as_gguf_reader(str(default_model_path))
+
+
+def _rss_file_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssFile from Linux /proc")
+def test_release_pages_drops_the_file_from_rss_and_keeps_tensors_readable(default_model_path):
+    """What Model does once the backend holds its weights: the file's pages leave this
+    process's RSS, and arrays viewing the file read the same bytes afterwards."""
+    g = GgufFile(str(default_model_path))
+    size = sum(t.raw.nbytes for t in g.tensors.values()) / 2**20
+    sums = {n: int(t.raw.sum(dtype=np.uint64)) for n, t in g.tensors.items()}      # touches every page
+    before = _rss_file_mib()
+    g.release_pages()
+    assert before - _rss_file_mib() > 0.8 * size
+    assert {n: int(t.raw.sum(dtype=np.uint64)) for n, t in g.tensors.items()} == sums
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(qtype=Q.Q8_0), dict(arch="qwen2", qtype=Q.Q4_1),
