@@ -371,6 +371,21 @@ def _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
                 _value_rows(rows, r0, nj, scores, j0, acc, group, head_dim)
 
 
+@njit(**_JIT)
+def _decode_range(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
+                  scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb):
+    """_decode_task, compiled once per KV format pair and shared by the serial and the
+    parallel kernel (not inlined: four inlined copies of the loop nest made a pair's
+    first decode compile for about a minute; a call per task costs nothing measurable)."""
+    head_dim = qs.shape[1]
+    if head_dim == 64:   # constant trip counts: fully unrolled vector code
+        _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
+                     scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, 64)
+    else:
+        _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
+                     scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, head_dim)
+
+
 @njit(inline="always", **_JIT)
 def _load_query(q, t, h, head_dim, scale, kfmt, krot, dst):
     """dst f32 [head_dim] = scale * head h of query t of q; for tq keys rotated into
@@ -426,12 +441,8 @@ def _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, s
     kt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
     vt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
     for kv in range(n_kv_heads):
-        if head_dim == 64:   # constant trip counts: fully unrolled zmm code
-            _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, n_rows,
-                         scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, 64)
-        else:
-            _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, n_rows,
-                         scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, head_dim)
+        _decode_range(qs, k_pages, v_pages, page_table, kv, group, row_lo, n_rows,
+                      scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb)
         for g in range(group):
             _store_head(acc[g], np.float32(1.0) / l[g], vfmt, vrot_t, out, 0, kv * group + g,
                         head_dim)
@@ -463,14 +474,8 @@ def _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads,
         vt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
         lo = max(row_lo, chunk * chunk_rows)
         hi = min(n_rows, (chunk + 1) * chunk_rows)
-        if head_dim == 64:
-            _decode_task(qs, k_pages, v_pages, page_table, kv, group, lo, hi, scores,
-                         part_acc[task], part_max[task], part_sum[task], kt, vt,
-                         ktag, kcb, vtag, vcb, 64)
-        else:
-            _decode_task(qs, k_pages, v_pages, page_table, kv, group, lo, hi, scores,
-                         part_acc[task], part_max[task], part_sum[task], kt, vt,
-                         ktag, kcb, vtag, vcb, head_dim)
+        _decode_range(qs, k_pages, v_pages, page_table, kv, group, lo, hi, scores,
+                      part_acc[task], part_max[task], part_sum[task], kt, vt, ktag, kcb, vtag, vcb)
     o = np.empty(head_dim, dtype=np.float32)
     for h in range(n_q_heads):
         kv = h // group
