@@ -531,84 +531,92 @@ _PREFILL_TILE = 64
 @njit(parallel=True, **_JIT)
 def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
                        window, ktag, krot, kcb, vtag, vrot_t, vcb):
+    n_kv_heads = k_pages.shape[1]
+    n_blocks = (q.shape[0] + _PREFILL_QB - 1) // _PREFILL_QB
+    for task in prange(n_kv_heads * n_blocks):
+        _prefill_block(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
+                       task // n_blocks, task % n_blocks * _PREFILL_QB, ktag, krot, kcb, vtag, vrot_t, vcb)
+
+
+@njit(**_JIT)
+def _prefill_block(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
+                   kv, t0, ktag, krot, kcb, vtag, vrot_t, vcb):
+    """The queries t0 .. t0+_PREFILL_QB-1 of kv head `kv`'s group (one task of
+    _attention_prefill; a call, not the prange body itself, so numba's parallel
+    lowering handles a small loop and the loop nest compiles once)."""
     n = q.shape[0]
-    n_kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
+    page_size = k_pages.shape[2]
     head_dim = q.shape[1] // n_q_heads
-    group = n_q_heads // n_kv_heads
+    group = n_q_heads // k_pages.shape[1]
     kfmt = kvquant.fmt_of_tag(ktag)
     vfmt = kvquant.fmt_of_tag(vtag)
-    n_blocks = (n + _PREFILL_QB - 1) // _PREFILL_QB
-    for task in prange(n_kv_heads * n_blocks):
-        kv = task // n_blocks
-        blk = task % n_blocks
-        t0 = blk * _PREFILL_QB
-        nq = min(_PREFILL_QB, n - t0)
-        nv = group * nq                       # query vectors: index a = g * nq + t
-        qs = np.empty((nv, head_dim), dtype=np.float32)
-        last = np.empty(nv, dtype=np.int64)   # last visible row of each query vector
-        for g in range(group):
-            for t in range(nq):
-                a = g * nq + t
-                last[a] = start_row + t0 + t
-                _load_query(q, t0 + t, kv * group + g, head_dim, scale, kfmt, krot, qs[a])
-        kt = np.empty((head_dim, _PREFILL_TILE), dtype=np.float32)   # K tile, transposed
-        vt = np.empty((_PREFILL_TILE, head_dim), dtype=np.float32)
-        row_scratch = np.empty((1, head_dim), dtype=np.float32)     # one dequantized row
-        s = np.empty((nv, _PREFILL_TILE), dtype=np.float32)
-        acc = np.zeros((nv, head_dim), dtype=np.float32)
-        m = np.full(nv, _NEG_INF, dtype=np.float32)
-        l = np.zeros(nv, dtype=np.float32)
-        rows_end = start_row + t0 + nq        # rows visible to the block's last query
-        rows_lo = 0                           # first row visible to the block's first query
-        if window > 0:
-            rows_lo = max(0, start_row + t0 - window + 1)
-        for r0 in range(rows_lo, rows_end, _PREFILL_TILE):
-            tn = min(_PREFILL_TILE, rows_end - r0)
+    nq = min(_PREFILL_QB, n - t0)
+    nv = group * nq                       # query vectors: index a = g * nq + t
+    qs = np.empty((nv, head_dim), dtype=np.float32)
+    last = np.empty(nv, dtype=np.int64)   # last visible row of each query vector
+    for g in range(group):
+        for t in range(nq):
+            a = g * nq + t
+            last[a] = start_row + t0 + t
+            _load_query(q, t0 + t, kv * group + g, head_dim, scale, kfmt, krot, qs[a])
+    kt = np.empty((head_dim, _PREFILL_TILE), dtype=np.float32)   # K tile, transposed
+    vt = np.empty((_PREFILL_TILE, head_dim), dtype=np.float32)
+    row_scratch = np.empty((1, head_dim), dtype=np.float32)     # one dequantized row
+    s = np.empty((nv, _PREFILL_TILE), dtype=np.float32)
+    acc = np.zeros((nv, head_dim), dtype=np.float32)
+    m = np.full(nv, _NEG_INF, dtype=np.float32)
+    l = np.zeros(nv, dtype=np.float32)
+    rows_end = start_row + t0 + nq        # rows visible to the block's last query
+    rows_lo = 0                           # first row visible to the block's first query
+    if window > 0:
+        rows_lo = max(0, start_row + t0 - window + 1)
+    for r0 in range(rows_lo, rows_end, _PREFILL_TILE):
+        tn = min(_PREFILL_TILE, rows_end - r0)
+        for j in range(tn):
+            r = r0 + j
+            page = page_table[r // page_size]
+            off = r % page_size
+            krows, ki = _tile_rows(k_pages[page, kv], off, 1, ktag, kcb, head_dim, row_scratch)
+            for i in range(head_dim):
+                kt[i, j] = _as_f32(krows[ki, i])
+            vrows, vi = _tile_rows(v_pages[page, kv], off, 1, vtag, vcb, head_dim, row_scratch)
+            for i in range(head_dim):
+                vt[j, i] = _as_f32(vrows[vi, i])
+        for a in range(nv):
+            visible = min(tn, last[a] - r0 + 1)
+            j0 = 0                        # first visible column of the tile
+            if window > 0:
+                j0 = max(0, last[a] - window + 1 - r0)
+            if visible <= j0:             # tile wholly masked for this query
+                continue
             for j in range(tn):
-                r = r0 + j
-                page = page_table[r // page_size]
-                off = r % page_size
-                krows, ki = _tile_rows(k_pages[page, kv], off, 1, ktag, kcb, head_dim, row_scratch)
-                for i in range(head_dim):
-                    kt[i, j] = _as_f32(krows[ki, i])
-                vrows, vi = _tile_rows(v_pages[page, kv], off, 1, vtag, vcb, head_dim, row_scratch)
-                for i in range(head_dim):
-                    vt[j, i] = _as_f32(vrows[vi, i])
-            for a in range(nv):
-                visible = min(tn, last[a] - r0 + 1)
-                j0 = 0                        # first visible column of the tile
-                if window > 0:
-                    j0 = max(0, last[a] - window + 1 - r0)
-                if visible <= j0:             # tile wholly masked for this query
-                    continue
+                s[a, j] = 0.0
+            for i in range(head_dim):
+                qi = qs[a, i]
                 for j in range(tn):
-                    s[a, j] = 0.0
+                    s[a, j] += qi * kt[i, j]
+            bm = m[a]
+            for j in range(j0, visible):
+                bm = max(bm, s[a, j])
+            alpha = _exp_f32(m[a] - bm)
+            m[a] = bm
+            l[a] *= alpha
+            for i in range(head_dim):
+                acc[a, i] *= alpha
+            la = l[a]
+            aa = acc[a]
+            for j in range(j0, visible):
+                p = _exp_f32(s[a, j] - bm)
+                la += p
+                vj = vt[j]
                 for i in range(head_dim):
-                    qi = qs[a, i]
-                    for j in range(tn):
-                        s[a, j] += qi * kt[i, j]
-                bm = m[a]
-                for j in range(j0, visible):
-                    bm = max(bm, s[a, j])
-                alpha = _exp_f32(m[a] - bm)
-                m[a] = bm
-                l[a] *= alpha
-                for i in range(head_dim):
-                    acc[a, i] *= alpha
-                la = l[a]
-                aa = acc[a]
-                for j in range(j0, visible):
-                    p = _exp_f32(s[a, j] - bm)
-                    la += p
-                    vj = vt[j]
-                    for i in range(head_dim):
-                        aa[i] += p * vj[i]
-                l[a] = la
-        for g in range(group):
-            for t in range(nq):
-                a = g * nq + t
-                _store_head(acc[a], np.float32(1.0) / l[a], vfmt, vrot_t, out, t0 + t,
-                            kv * group + g, head_dim)
+                    aa[i] += p * vj[i]
+            l[a] = la
+    for g in range(group):
+        for t in range(nq):
+            a = g * nq + t
+            _store_head(acc[a], np.float32(1.0) / l[a], vfmt, vrot_t, out, t0 + t,
+                        kv * group + g, head_dim)
 
 
 def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
