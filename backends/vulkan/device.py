@@ -3,11 +3,15 @@
 Enumeration calls the Vulkan loader directly through ctypes (vkEnumeratePhysicalDevices
 + vkGetPhysicalDeviceProperties), which gives the device type and vendor that kp
 does not report; the order is the loader's, the same indices kp.Manager(i) takes.
+Where the loader has VK_KHR_portability_enumeration (macOS: MoltenVK is a
+"portability" driver the loader lists only when asked), the instance asks for it, as
+the kp that tools/setup.sh builds does (tools/kp-0.9.0.patch).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import platform
 
 from engine.errors import BackendUnavailable
 
@@ -15,6 +19,9 @@ _TYPES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 _VENDORS = {0x1002: "AMD", 0x1010: "ImgTec", 0x10DE: "NVIDIA", 0x13B5: "ARM", 0x5143: "Qualcomm",
             0x8086: "Intel", 0x106B: "Apple", 0x10005: "Mesa"}
 _PREFERENCE = {"discrete": 0, "integrated": 1, "virtual": 2, "other": 3, "cpu": 4}
+PORTABILITY_EXT = b"VK_KHR_portability_enumeration"
+_ENUMERATE_PORTABILITY = 0x1        # VK_INSTANCE_CREATE_ENUMERATE_PORTABILITY_BIT_KHR
+PORTABILITY_SUBSET = "VK_KHR_portability_subset"   # a device with it must enable it
 
 
 class _AppInfo(ctypes.Structure):
@@ -36,11 +43,45 @@ def _vendor(vendor_id: int, name: str) -> str:
     return _VENDORS.get(vendor_id, f"0x{vendor_id:04x}")
 
 
+def _instance_extensions(vk) -> set[bytes]:
+    """Names of the instance extensions the loader offers (vkEnumerateInstanceExtensionProperties)."""
+    count = ctypes.c_uint32(0)
+    if vk.vkEnumerateInstanceExtensionProperties(None, ctypes.byref(count), None) != 0:
+        return set()
+    props = (ctypes.c_uint8 * (260 * count.value))()   # VkExtensionProperties: char[256] + uint32
+    if vk.vkEnumerateInstanceExtensionProperties(None, ctypes.byref(count), props) not in (0, 5):
+        return set()                                   # 5: VK_INCOMPLETE (the list grew)
+    return {bytes(props[260 * i:260 * i + 256]).split(b"\0")[0] for i in range(count.value)}
+
+
+def instance_request(available: set[bytes]) -> tuple[int, list[bytes]]:
+    """(VkInstanceCreateInfo flags, extensions to enable) for an instance that also lists
+    portability drivers (MoltenVK) when the loader can."""
+    if PORTABILITY_EXT in available:
+        return _ENUMERATE_PORTABILITY, [PORTABILITY_EXT]
+    return 0, []
+
+
+def _loader(system: str):
+    """The Vulkan loader library (macOS: Homebrew's is not on dyld's default path)."""
+    names = {"Darwin": ["libvulkan.1.dylib", "/opt/homebrew/lib/libvulkan.1.dylib",
+                        "/usr/local/lib/libvulkan.1.dylib"],
+             "Windows": ["vulkan-1.dll"]}.get(system, ["libvulkan.so.1"])
+    for name in filter(None, [ctypes.util.find_library("vulkan")] + names):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("no Vulkan loader library")
+
+
 def _enumerate_ctypes() -> list[dict]:
-    lib = ctypes.util.find_library("vulkan") or "libvulkan.so.1"
-    vk = ctypes.CDLL(lib)
+    vk = _loader(platform.system())
     app = _AppInfo(0, None, b"snapkv-engine", 1, b"snapkv-engine", 1, (1 << 22) | (1 << 12))
-    info = _InstanceInfo(1, None, 0, ctypes.pointer(app), 0, None, 0, None)
+    flags, exts = instance_request(_instance_extensions(vk))
+    names = (ctypes.c_char_p * max(1, len(exts)))(*exts)
+    info = _InstanceInfo(1, None, flags, ctypes.pointer(app), 0, None, len(exts),
+                         ctypes.cast(names, ctypes.c_void_p))
     inst = ctypes.c_void_p()
     if vk.vkCreateInstance(ctypes.byref(info), None, ctypes.byref(inst)) != 0:
         raise OSError("vkCreateInstance failed")
@@ -95,6 +136,16 @@ def list_devices() -> list[dict]:
         return []
 
 
+def no_device_hint(system: str) -> str:
+    """What to install when the loader lists no device, for platform.system()."""
+    if system == "Darwin":
+        return ("Vulkan on macOS runs through MoltenVK: install the LunarG Vulkan SDK, or "
+                "`brew install molten-vk vulkan-loader`, then rerun `make setup`")
+    if system == "Windows":
+        return "install or update the GPU vendor's driver, which provides Vulkan"
+    return "install a Vulkan driver; mesa-vulkan-drivers provides the lavapipe CPU device"
+
+
 def pick_device(devices: list[dict], allow_cpu: bool = True) -> dict:
     """Discrete GPU first, then integrated, ..., a CPU implementation (lavapipe) last."""
     usable = [d for d in devices if allow_cpu or d["type"] != "cpu"]
@@ -102,8 +153,7 @@ def pick_device(devices: list[dict], allow_cpu: bool = True) -> dict:
         if devices:
             raise BackendUnavailable("backend 'vulkan': only a CPU Vulkan device (" + devices[0]["name"]
                                      + ") is present and a GPU was required")
-        raise BackendUnavailable("backend 'vulkan': no Vulkan device found (install a Vulkan driver; "
-                                 "mesa-vulkan-drivers provides the lavapipe CPU device)")
+        raise BackendUnavailable(f"backend 'vulkan': no Vulkan device found ({no_device_hint(platform.system())})")
     return min(usable, key=lambda d: (_PREFERENCE.get(d["type"], 9), d["index"]))
 
 
@@ -115,7 +165,7 @@ def manager(index: int):
     if index not in _MANAGERS:
         import kp
         try:
-            _MANAGERS[index] = kp.Manager(index)
+            _MANAGERS[index] = kp.Manager(index, [], [PORTABILITY_SUBSET])   # kp enables it only if offered
         except Exception as e:
             raise BackendUnavailable(f"backend 'vulkan': cannot open Vulkan device {index}: "
                                      f"{type(e).__name__}: {e}") from None

@@ -33,6 +33,25 @@ def make_raw(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+# byte offsets of the f16 scales (d, and m / dmin) in a block of each scaled type
+SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+                 Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def with_subnormal_scales(raw: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
+    """raw (make_raw) with every f16 scale replaced by a random f16 subnormal
+    (bits 0x0001..0x03ff, either sign), the smallest and largest among them."""
+    rng = np.random.default_rng(seed)
+    _, bs = GGML_QUANT_SIZES[qtype]
+    out = raw.copy().reshape(raw.shape[0], -1, bs)
+    for off in SCALE_OFFSETS[qtype]:
+        bits = rng.integers(1, 0x400, out.shape[:2]).astype(np.uint16)
+        bits.flat[:2] = (0x0001, 0x03FF)
+        bits |= rng.integers(0, 2, out.shape[:2]).astype(np.uint16) << 15
+        out[..., off:off + 2] = bits.view(np.uint8).reshape(out.shape[:2] + (2,))
+    return out.reshape(raw.shape)
+
+
 def nan_output(n: int, rows: int) -> np.ndarray:
     """f32 [n, rows + 5] of NaN: a matmul writes the view [:, 2:2 + rows], so a write
     outside it shows up (check_matmul_output)."""

@@ -5,8 +5,8 @@ starts, so they need a process of their own).
 
 Runs the model on Vulkan with device-local buffers, as on a GPU, with the given
 inter-dispatch sync and KV row format (default bf16; e.g. tq4/tq3): prefill, SnapKV
-compaction, a cache branch, decode. Prints one JSON line with the greedy tokens and
-the last logits."""
+compaction, a cache branch, decode. Prints one JSON line with the greedy tokens, the
+last logits, and whether the Khronos validation layer's library is loaded."""
 import json
 import sys
 
@@ -49,7 +49,9 @@ def main() -> None:
     model = engine.load(path, backend="vulkan", snapkv_budget=24, snapkv_window=8, snapkv_min_tokens=16,
                         kv_dtype=kv_dtype)
     assert model.backend._sync == (None if mode == "none" else mode), model.backend._sync
-    print(json.dumps(run_sequence(model)))
+    with open("/proc/self/maps") as f:
+        layer = "libVkLayer_khronos_validation" in f.read()
+    print(json.dumps(dict(run_sequence(model), validation_layer=layer)))
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,10 @@
 """Vulkan-specific checks the shared op table does not cover: device-array views
-(the slices the forward pass takes), device listing, and the one-line errors.
+(the slices the forward pass takes), device listing, the sync mode, the instances'
+portability enumeration (MoltenVK), and the one-line errors.
 Tolerance for f32 ops against the f64 reference: NMSE < 1e-10 (as in test_ops)."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from backends.reference import ReferenceBackend
 
 pytestmark = pytest.mark.skipif("vulkan" not in available_backends(), reason="no Vulkan device / kp")
 REF = ReferenceBackend()
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +82,42 @@ def test_missing_kp_is_one_line(monkeypatch):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("who", ["kp", "ctypes"])
+def test_instances_enumerate_portability_drivers(who):
+    """MoltenVK is a portability driver: the loader lists it only to an instance created
+    with VK_KHR_portability_enumeration and its flag. Both instances (kp's, patched by
+    tools/kp-0.9.0.patch, and device.py's) ask for them when the loader offers them;
+    the loader's debug log says when it honours the flag."""
+    import platform
+    import subprocess
+    import sys
+    from backends.vulkan import device
+    if device.PORTABILITY_EXT not in device._instance_extensions(device._loader(platform.system())):
+        pytest.skip("this Vulkan loader has no VK_KHR_portability_enumeration")
+    code = {"kp": "import kp; kp.Manager().destroy()",
+            "ctypes": "from backends.vulkan.device import list_devices; assert list_devices()"}[who]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, VK_LOADER_DEBUG="all"), cwd=os.path.dirname(os.path.dirname(HERE)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Portability enumeration bit was set" in r.stdout + r.stderr
+
+
+def test_failed_allocation_is_one_line(monkeypatch):
+    """kp (built with tools/kp-0.9.0.patch) raises when vkAllocateMemory fails; the
+    backend turns it into one line naming the size and the device."""
+    from backends.vulkan import backend as mod
+    from engine.errors import BackendUnavailable
+    b = mod.VulkanBackend()
+
+    class OutOfMemory:
+        def tensor_t(self, *args):
+            raise RuntimeError("Kompute: vkAllocateMemory failed: ErrorOutOfDeviceMemory")
+    monkeypatch.setattr(b, "mgr", OutOfMemory())
+    with pytest.raises(BackendUnavailable, match=r"cannot allocate 4\.0 MiB on .*ErrorOutOfDeviceMemory") as e:
+        b.upload(np.zeros((1024, 1024), np.float32))
+    assert "\n" not in str(e.value)
+
+
 def test_gpu_required_but_only_cpu_device():
     from backends.vulkan.device import pick_device
     from engine.errors import BackendUnavailable
@@ -85,6 +125,23 @@ def test_gpu_required_but_only_cpu_device():
         pick_device([{"index": 0, "name": "llvmpipe", "type": "cpu", "vendor": "Mesa"}], allow_cpu=False)
     with pytest.raises(BackendUnavailable, match="no Vulkan device found"):
         pick_device([])
+
+
+@pytest.mark.parametrize("device_type,device_local,synced", [("cpu", False, False), ("cpu", True, True),
+                                                             ("integrated", False, True), ("discrete", True, True)])
+def test_sync_follows_the_device_type_not_the_memory_type(monkeypatch, device_type, device_local, synced):
+    """Host-visible buffers on a GPU still get barriers between dispatches: lavapipe,
+    reported as a GPU, with either memory type."""
+    from backends.vulkan import backend as mod
+    real = mod.list_devices()
+    monkeypatch.setattr(mod, "list_devices", lambda: [dict(d, type=device_type) for d in real])
+    b = mod.VulkanBackend(device=real[0]["index"], device_local=device_local)
+    assert (b._sync is not None) == synced and b._sync in (None, "barrier", "submit")
+    assert (b._ttype == mod.kp.TensorTypes.device) == device_local
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out = b.alloc((3, 4))
+    b.add(b.upload(x), b.upload(x), out)
+    np.testing.assert_array_equal(b.download(out), 2 * x)
 
 
 # -- Gemma 3 ops: grouped rms_norm, scale, gelu_gate, sliding-window attention --------

@@ -4,7 +4,9 @@ gets): prefill, SnapKV compaction, a cache branch and decode record no hazard wi
 the global barrier (and with one submission per dispatch), also with quantized KV
 pages (tq4 keys / tq3 values: the rotations before and after attention, rows that
 share words), the validator does flag the race when the barrier is left out, and the
-results match the CPU backend."""
+results match the CPU backend. The child turns the layer on itself (VK_INSTANCE_LAYERS,
+settings in tests/fixtures/vk_layer_settings.txt): kp is built without its debug layers,
+and the child reports whether the layer's library is loaded."""
 from __future__ import annotations
 
 import json
@@ -66,6 +68,7 @@ def test_no_hazards_and_cpu_results(tiny_llama, cpu_reference, mode, kv_dtype, t
     hazards = [line for line in out.splitlines() if "SYNC-HAZARD" in line or "Validation Error" in line]
     assert not hazards, "\n".join(hazards[:5])
     assert got is not None, out[-2000:]
+    assert got["validation_layer"], "the validation layer did not load in the child"
     ref = cpu_reference(kv_dtype)
     assert got["tokens"] == ref["tokens"] and got["rows"] == ref["rows"]
     np.testing.assert_allclose(got["logits"], ref["logits"], rtol=tol, atol=tol)

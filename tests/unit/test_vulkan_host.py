@@ -1,0 +1,83 @@
+"""Vulkan decisions that need no device: the sync mode between dispatches, the
+instance a MoltenVK loader needs (portability enumeration), the platform's hint
+when no device is found, and f16 decoding in the shaders."""
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+
+from backends.vulkan import device
+from backends.vulkan.backend import sync_mode
+from engine.errors import BackendUnavailable
+
+SHADERS = Path(__file__).resolve().parents[2] / "shaders"
+
+
+@pytest.mark.parametrize("device_type", ["discrete", "integrated", "virtual", "other"])
+@pytest.mark.parametrize("device_local", [True, False])
+def test_gpus_order_dispatches_whatever_the_memory_type(device_type, device_local):
+    assert sync_mode(device_type, device_local, have_barrier=True) == "barrier"
+    assert sync_mode(device_type, device_local, have_barrier=False) == "submit"
+
+
+def test_cpu_device_runs_in_order_unless_imitating_a_gpu():
+    assert sync_mode("cpu", False, True) is None
+    assert sync_mode("cpu", True, True) == "barrier"       # test_vulkan_sync's GPU imitation
+    assert sync_mode("cpu", True, False) == "submit"
+
+
+def test_instance_asks_for_portability_enumeration_when_offered():
+    assert device.instance_request({b"VK_KHR_surface"}) == (0, [])
+    flags, exts = device.instance_request({b"VK_KHR_surface", b"VK_KHR_portability_enumeration"})
+    assert flags == 0x1 and exts == [b"VK_KHR_portability_enumeration"]
+
+
+class _FakeLoader:
+    """A libvulkan that offers `extensions` and records vkCreateInstance's request."""
+
+    def __init__(self, extensions: list[bytes]):
+        self.extensions, self.request = extensions, None
+
+    def vkEnumerateInstanceExtensionProperties(self, layer, count, props):
+        count._obj.value = len(self.extensions)
+        if props is not None:
+            for i, name in enumerate(self.extensions):
+                ctypes.memmove(ctypes.addressof(props) + 260 * i, name, len(name))
+        return 0
+
+    def vkCreateInstance(self, info, alloc, inst):
+        ci = info._obj
+        names = ctypes.cast(ci.ppEnabledExtensionNames, ctypes.POINTER(ctypes.c_char_p))
+        self.request = (ci.flags, [names[i] for i in range(ci.enabledExtensionCount)])
+        return -9                                           # VK_ERROR_INCOMPATIBLE_DRIVER
+
+
+@pytest.mark.parametrize("offered", [True, False])
+def test_enumeration_enables_portability_when_the_loader_has_it(monkeypatch, offered):
+    exts = [b"VK_KHR_surface"] + ([b"VK_KHR_portability_enumeration"] if offered else [])
+    fake = _FakeLoader(exts)
+    monkeypatch.setattr(device.ctypes, "CDLL", lambda name: fake)
+    with pytest.raises(OSError):
+        device._enumerate_ctypes()
+    assert fake.request == ((1, [b"VK_KHR_portability_enumeration"]) if offered else (0, []))
+
+
+@pytest.mark.parametrize("system,wanted,unwanted", [("Darwin", "MoltenVK", "mesa"),
+                                                    ("Linux", "mesa-vulkan-drivers", "MoltenVK"),
+                                                    ("Windows", "driver", "mesa")])
+def test_no_device_hint_fits_the_platform(monkeypatch, system, wanted, unwanted):
+    monkeypatch.setattr(device.platform, "system", lambda: system)
+    with pytest.raises(BackendUnavailable, match="no Vulkan device found") as e:
+        device.pick_device([])
+    msg = str(e.value)
+    assert wanted in msg and unwanted.lower() not in msg.lower() and "\n" not in msg
+
+
+def test_shaders_decode_f16_without_unpack_half():
+    """unpackHalf2x16 may flush f16 subnormals (Vulkan allows it): every shader decodes
+    f16 with common.glsl's f16_to_f32 (checked on a device by test_vulkan_quant)."""
+    users = [p.name for p in sorted(SHADERS.glob("*.*")) if re.search(r"unpackHalf2x16\s*\(", p.read_text())]
+    assert users == []
