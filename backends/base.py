@@ -78,6 +78,13 @@ class Backend(Protocol):
         """(k_pages, v_pages), zero-filled, each `KvFormat.get(dtype, head_dim).storage`
         [n_pages, n_kv_heads, page_size, row_width] of its dtype. ConfigError for a dtype
         not in `kv_dtypes`."""
+    def update(self, arr: Any, host: np.ndarray) -> None:
+        """Overwrite a whole uploaded array in place with host data of its shape and
+        dtype, after the work already issued (the KV cache's page tables: the device
+        buffer, and what binds it, stays)."""
+    def submit(self) -> None:
+        """Start the work issued so far without waiting for it (a no-op where ops run
+        as they are called); download and synchronize wait."""
     def synchronize(self) -> None: ...
 
     # -- ops ------------------------------------------------------------------

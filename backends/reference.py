@@ -75,6 +75,12 @@ class ReferenceBackend:
         return tuple(np.zeros(f.page_shape(n_pages, n_kv_heads, page_size), dtype=f.storage)
                      for f in (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)))
 
+    def update(self, arr: np.ndarray, host: np.ndarray) -> None:
+        arr[...] = host
+
+    def submit(self) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 

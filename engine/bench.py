@@ -27,8 +27,8 @@ def bench_prompt(tokenizer, n: int) -> list[int]:
 
 def _engine_case(model, ids, n_decode: int, snapkv=None, kv_dtype: str | None = None) -> dict:
     """snapkv: None = the model's policy, False = full cache; kv_dtype: None = the model's.
-    peak_rss_mib: the process's peak so far (cases run in ascending length, so the peak
-    of the longest yet)."""
+    peak_rss_mib: the process's peak so far (cases run in ascending length, at each length
+    the evicting one first, so the peak of the longest yet)."""
     from .model import peak_rss_mib
     cache = model.new_cache(kv_dtype=kv_dtype)
     t0 = time.perf_counter()
@@ -154,13 +154,15 @@ def run_bench(args, settings) -> int:
           + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
           + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else ""))
     for i, (n, ids), dtype in ((i, c, t) for i, c in enumerate(zip(lengths, prompts)) for t in dtypes):
+        # the evicting case first: its peak RSS is then its own, not the full cache's
+        k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype) if evicting else None
         row = {"prompt_tokens": n, "kv_dtype": dtype,
                "engine": _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype)}
         e = row["engine"]
         line = (f"{n:>7} {dtype:>5} | {e['prefill_tok_s']:>10.1f} t/s {e['decode_tok_s']:>6.1f} t/s "
                 f"{e['kv_bytes'] / 2**20:>7.1f} |")
         if evicting:
-            row["engine_snapkv"] = k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype)
+            row["engine_snapkv"] = k
             row["snapkv_decode_speedup"] = k["decode_tok_s"] / e["decode_tok_s"]
             row["snapkv_kv_ratio"] = e["kv_bytes"] / k["kv_bytes"]
             if k["snapkv"]:

@@ -222,6 +222,7 @@ class ForwardPass:
                 out.append(self._head(s, len(part), all_rows=True))
             elif start + self.chunk >= len(ids):
                 logits = self._head(s, len(part))
+            self.backend.submit()            # one submission per chunk, none runs for a whole prompt
             yield min(start + self.chunk, len(ids)), len(ids)
         cache.fold()                         # sliding-window layers back to their ring of pages
         if evict:

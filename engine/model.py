@@ -221,6 +221,7 @@ class Model:
         if cache.logical_length + len(ids) > cache.max_rows:
             raise EngineError(f"prompt of {len(ids)} tokens does not fit: the cache holds "
                               f"{cache.logical_length} of {cache.max_rows} positions")
+        self.last_cache = None        # an earlier prompt's cache is not held through this one
         logits = self.forward.prefill(ids, cache, snapkv=policy, on_chunk=progress,
                                       compact_continued=compact_continued)
         self.last_cache = cache

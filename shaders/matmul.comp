@@ -1,12 +1,32 @@
 #version 450
 // out[t, r] = sum_c x[t, c] * W[r, c] (+ bias[r]); W dequantized from raw GGUF blocks.
-// Variants: one QTYPE_* (see quant.glsl) and TN = tokens per invocation (1: mat-vec,
-// >1: mat-mat). Register blocking: each invocation computes TR rows x TN tokens and
-// walks the 32-element sub-blocks in step with its workgroup, so each activation
-// value it loads serves TR rows and each dequantized block serves TN tokens.
-// Grid: (ceil(rows / (32 * TR)), ceil(n / TN), 1).
+// Variants: one QTYPE_* (see quant.glsl), TN = tokens per workgroup (1: mat-vec,
+// >1: mat-mat), and the layout (launch geometry: shaders.matmul_geometry):
+//
+// GPUs (default): a workgroup of WG invocations holds WG / LPR row slots of LPR lanes
+// each (LPR = 1 << pc.lpr_log2, chosen per matrix). The LPR lanes of a row walk its
+// 32-element sub-blocks together (lane l: sub-blocks l, l + LPR, ...), so
+// neighbouring invocations read neighbouring blocks of the same row; each dequantized
+// sub-block serves TN tokens. Partial sums meet in shared memory (a tree over the LPR
+// lanes): no subgroup size is assumed. Grid: (ceil(rows / (WG / LPR)), ceil(n / TN), 1).
+//
+// ROW_PER_LANE (CPU Vulkan devices such as lavapipe, which run a workgroup's
+// invocations as SIMD lanes of one CPU thread and load memory lane by lane): a
+// workgroup of LX invocations, each computing TR rows x TN tokens, walks the
+// sub-blocks in step, so each activation value it loads serves TR rows and each
+// dequantized block serves TN tokens. Grid: (ceil(rows / (LX * TR)), ceil(n / TN), 1).
 #extension GL_GOOGLE_include_directive : require
-layout(local_size_x = 32) in;
+#ifndef TN
+#define TN 1u
+#endif
+#define WG 64u
+#define LX 8u
+#define TR 32u
+#if defined(ROW_PER_LANE)
+layout(local_size_x = 8) in;
+#else
+layout(local_size_x = 64) in;
+#endif
 layout(set = 0, binding = 0) readonly buffer WB { uint Wq[]; };
 layout(set = 0, binding = 1) readonly buffer XB { float X[]; };
 layout(set = 0, binding = 2) buffer OB { float O[]; };
@@ -14,18 +34,13 @@ layout(set = 0, binding = 3) readonly buffer BB { float B[]; };
 layout(push_constant) uniform P {
     uint rows, cols, n, row_bytes;
     uint x_off, x_stride, o_off, o_stride;
-    uint b_off, has_bias;
+    uint b_off, has_bias, lpr_log2;
 } pc;
 #include "quant.glsl"
-#ifndef TN
-#define TN 1u
-#endif
-#ifndef TR
-#define TR 8u
-#endif
 
+#if defined(ROW_PER_LANE)
 void main() {
-    uint row0 = (gl_WorkGroupID.x * TR) * 32u + gl_LocalInvocationID.x;   // rows row0 + 32*r
+    uint row0 = gl_WorkGroupID.x * (LX * TR) + gl_LocalInvocationID.x;   // rows row0 + LX*r
     uint tok0 = gl_WorkGroupID.y * TN;
     uint ntok = min(TN, pc.n - tok0);
     if (row0 >= pc.rows) return;
@@ -47,7 +62,7 @@ void main() {
             }
         }
         for (uint r = 0u; r < TR; r++) {
-            uint row = min(row0 + 32u * r, pc.rows - 1u);
+            uint row = min(row0 + LX * r, pc.rows - 1u);
             dequant32(row * pc.row_bytes, sub, pc.cols, w);
             for (uint t = 0u; t < TN; t++) {
                 float s = 0.0;
@@ -57,9 +72,53 @@ void main() {
         }
     }
     for (uint r = 0u; r < TR; r++) {
-        uint row = row0 + 32u * r;
+        uint row = row0 + LX * r;
         if (row >= pc.rows) break;
         float bias = pc.has_bias != 0u ? B[pc.b_off + row] : 0.0;
         for (uint t = 0u; t < ntok; t++) O[pc.o_off + (tok0 + t) * pc.o_stride + row] = acc[r * TN + t] + bias;
     }
 }
+#else
+shared float part[TN * WG];
+
+void main() {
+    uint lid = gl_LocalInvocationID.x;
+    uint lpr = 1u << pc.lpr_log2;
+    uint lane = lid & (lpr - 1u);
+    uint row = gl_WorkGroupID.x * (WG >> pc.lpr_log2) + (lid >> pc.lpr_log2);
+    uint tok0 = gl_WorkGroupID.y * TN;
+    uint ntok = min(TN, pc.n - tok0);
+    float acc[TN];
+    for (uint t = 0u; t < TN; t++) acc[t] = 0.0;
+    if (row < pc.rows) {                       // no early return: every lane meets the barriers
+        uint nsub = (pc.cols + 31u) / 32u;
+        float w[32];
+        for (uint sub = lane; sub < nsub; sub += lpr) {
+            dequant32(row * pc.row_bytes, sub, pc.cols, w);
+            uint c0 = sub * 32u;
+            for (uint t = 0u; t < TN; t++) {
+                uint xo = pc.x_off + (tok0 + min(t, ntok - 1u)) * pc.x_stride + c0;
+                float s = 0.0;
+#if defined(FLOAT_WEIGHTS)
+                for (uint i = 0u; i < 32u; i++) s += c0 + i < pc.cols ? w[i] * X[xo + i] : 0.0;
+#else
+                for (uint i = 0u; i < 32u; i++) s += w[i] * X[xo + i];
+#endif
+                acc[t] += s;
+            }
+        }
+    }
+    for (uint t = 0u; t < TN; t++) part[t * WG + lid] = acc[t];
+    barrier();
+    for (uint h = lpr >> 1; h > 0u; h >>= 1) {
+        if (lane < h) {
+            for (uint t = 0u; t < TN; t++) part[t * WG + lid] += part[t * WG + lid + h];
+        }
+        barrier();
+    }
+    if (lane == 0u && row < pc.rows) {
+        float bias = pc.has_bias != 0u ? B[pc.b_off + row] : 0.0;
+        for (uint t = 0u; t < ntok; t++) O[pc.o_off + (tok0 + t) * pc.o_stride + row] = part[t * WG + lid] + bias;
+    }
+}
+#endif

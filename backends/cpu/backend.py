@@ -48,6 +48,12 @@ class CpuBackend:
         return tuple(np.empty(f.page_shape(n_pages, n_kv_heads, page_size), dtype=f.storage)
                      for f in (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)))
 
+    def update(self, arr, host):
+        arr[...] = host
+
+    def submit(self):
+        pass
+
     def synchronize(self):
         pass
 

@@ -62,6 +62,14 @@ class CudaBackend:
         self.bytes_to_device += kvrows.upload_tables(self.ex, head_dim, k_dtype, v_dtype)   # tq: once
         return tuple(self.ex.zeros(f.page_shape(n_pages, n_kv_heads, page_size), f.storage) for f in fmts)
 
+    def update(self, arr, host: np.ndarray) -> None:
+        host = np.asarray(host, dtype=arr.dtype)
+        self.bytes_to_device += host.nbytes
+        arr[...] = self.ex.asarray(host)                  # stream-ordered after the work issued
+
+    def submit(self) -> None:
+        pass                                              # kernels start as they are launched
+
     def synchronize(self) -> None:
         self.ex.synchronize()
 

@@ -1,12 +1,16 @@
 """VulkanBackend: device-resident arrays and GLSL compute shaders driven through kp.
 
 Execution model: every op records its dispatch(es) into one pending kp.Sequence;
-the sequence is submitted only when the host needs a result (`download`,
-`synchronize`, `snapkv_votes`), so a whole decode token (all layers, the head)
-is one submission and nothing crosses host<->device per token except the token
-id (a push constant) and the logits. Pipelines (kp.Algorithm) are cached by
-(shader variant, bound buffers, grid); the forward pass reuses its scratch
-buffers, so after the first token every dispatch hits the cache.
+the sequence is submitted when the host needs a result (`download`, `synchronize`,
+`snapkv_votes`, `update`) and, without waiting, at the end of each prefill chunk
+(`submit`, so no submission runs for a whole prompt). A decode token (all layers, the
+head, and on device-local buffers the logits' copy back) is one submission, and
+nothing crosses host<->device per token except the token id (a push constant), the
+logits, and a page table's few ints when a layer adds a page. Pipelines (kp.Algorithm)
+are cached by (shader variant, bound buffers, grid); the forward pass reuses its
+scratch buffers and the KV cache updates its page tables in place (`update`), so after
+the first token every dispatch hits the cache. Counters: `submissions`,
+`pipelines_created`, `bytes_to_device`, `bytes_to_host` (tests/backends/test_vulkan_model.py).
 
 On GPUs consecutive dispatches are separated by a global compute/transfer
 memory barrier, `OpGlobalBarrier` from our small extension `_kp_barrier`
@@ -65,12 +69,23 @@ def _fbits(x: float) -> int:
     return int(np.float32(x).view(np.uint32))
 
 
+def sync_mode(device_type: str, device_local: bool, have_barrier: bool) -> str | None:
+    """How dependent dispatches are ordered: "barrier" (one sequence, a global barrier
+    between dispatches), "submit" (one submission each), or None. Only a CPU device
+    (lavapipe) runs dispatches in order, and needs none unless asked for device-local
+    buffers, which imitate a GPU (tests/backends/test_vulkan_sync.py). The memory type
+    never decides it: a GPU's host-visible buffers need the barriers too."""
+    if device_type == "cpu" and not device_local:
+        return None
+    return "barrier" if have_barrier else "submit"
+
+
 class VulkanBackend:
     """backend name "vulkan". `device`: Vulkan device index (default: discrete GPU,
     then integrated, ..., CPU/lavapipe last); `allow_cpu=False` refuses a CPU-only
     Vulkan implementation (for `--backend auto`). `device_local`: device-local buffers
-    with staging copies and barriers between dispatches (default: on GPUs, not on a
-    CPU device, where buffers are host-visible and dispatches run in order)."""
+    with staging copies (default: on GPUs, not on a CPU device, where buffers are
+    host-visible); barriers between dispatches: see sync_mode."""
 
     name = "vulkan"
     kv_dtypes = KV_DTYPES
@@ -98,24 +113,34 @@ class VulkanBackend:
         # host-visible buffers on a CPU device (no staging copy); device-local elsewhere
         self._ttype = kp.TensorTypes.device if device_local else kp.TensorTypes.host
         # between dependent dispatches: "barrier" (one sequence), "submit" (one sequence each), or none
-        self._sync = None if not device_local else "barrier" if OpGlobalBarrier is not None else "submit"
+        self._sync = sync_mode(info["type"], device_local, OpGlobalBarrier is not None)
         self._barrier = OpGlobalBarrier() if self._sync == "barrier" else None
+        self.submissions = 0                               # queue submissions (sequence evals)
+        self.pipelines_created = 0                         # kp.Algorithm objects made (pipeline cache misses)
         self._algos: OrderedDict = OrderedDict()           # key -> kp.Algorithm
         self._by_serial: dict[int, set] = {}               # buffer serial -> cache keys using it
         self._seq = None
         self._keepalive: list = []                         # transient buffers of the pending batch
+        self._pending_serials: set = set()                 # buffers the pending batch binds
+        self._in_flight: list = []                         # (sequence, transient buffers, serials) not awaited
         self._dummy = self._buffer(np.zeros(1, np.uint32))
         self._rope_tables: dict = {}                       # (rot_dim, inv_freq) -> (DeviceArray, max positions)
         self._rot_tables: dict = {}                        # head_dim -> f32 [2, hd, hd] (R^T, R) DeviceArray
         self._rot_scratch: dict = {}                       # "a" | "b" -> Buffer (f32 words, grown on demand)
+        self.matmul_cpu_layout = self._cpu_device          # matmul.comp's ROW_PER_LANE layout
         self.bytes_to_device = 0                           # host<->device traffic counters
         self.bytes_to_host = 0
 
     # -- buffers ----------------------------------------------------------------------
     def _buffer(self, words: np.ndarray) -> Buffer:
-        t = self.mgr.tensor_t(np.ascontiguousarray(words, dtype=np.uint32), self._ttype)
+        try:
+            t = self.mgr.tensor_t(np.ascontiguousarray(words, dtype=np.uint32), self._ttype)
+        except RuntimeError as e:          # kp (tools/kp-0.9.0.patch): vkAllocateMemory etc. failed
+            raise BackendUnavailable(f"backend 'vulkan': cannot allocate {words.nbytes / 2**20:.1f} MiB "
+                                     f"on {self.device['name']}: {e}") from None
         if self._ttype == kp.TensorTypes.device:
             self.mgr.sequence().eval(kp.OpTensorSyncDevice([t]))
+            self.submissions += 1
         buf = Buffer(t, words.size)
         weakref.finalize(buf, self._forget, buf.serial)
         return buf
@@ -148,13 +173,34 @@ class VulkanBackend:
         self.bytes_to_device += words.nbytes
         return DeviceArray(self._buffer(words), dt, host.shape)
 
+    def update(self, arr, host) -> None:
+        """Overwrite a whole uploaded array with host data of its shape and dtype, in
+        place: its buffer, and every cached pipeline that binds it, stay (the KV cache's
+        page tables). Waits for the work already issued, which may read the old
+        contents; on device-local buffers the copy joins the pending batch."""
+        host = np.asarray(host)
+        words, dt = to_words(host)
+        if dt != arr.dtype or host.shape != arr.shape or arr.offset != 0 or words.size > arr.buffer.n_words:
+            raise ValueError(f"vulkan update: {host.dtype} {host.shape} into {arr!r}")
+        serial = arr.buffer.serial
+        if serial in self._pending_serials:                # recorded work still to read the old contents
+            self.flush()
+        elif any(serial in serials for _, _, serials in self._in_flight):
+            self._await_in_flight()
+        t = arr.buffer.tensor
+        t.data()[:words.size] = words                      # host-visible memory (or the staging copy)
+        self.bytes_to_device += words.nbytes
+        if self._ttype == kp.TensorTypes.device:
+            self._record(kp.OpTensorSyncDevice([t]))
+            self._pending_serials.add(serial)
+
     def download(self, arr) -> np.ndarray:
         if isinstance(arr, np.ndarray):
             return np.array(arr, copy=True)
-        self.flush()
         t = arr.buffer.tensor
         if self._ttype == kp.TensorTypes.device:
-            self.mgr.sequence().eval(kp.OpTensorSyncLocal([t]))
+            self._record(kp.OpTensorSyncLocal([t]))     # the copy back rides with the compute
+        self.flush()
         out = arr.host_view(t.data())
         self.bytes_to_host += out.nbytes
         return out
@@ -183,6 +229,7 @@ class VulkanBackend:
         if algo is None:
             algo = self.mgr.algorithm([b.tensor for b in buffers], shaders.spirv(shader, defines),
                                       list(grid), _NO_SPEC, push)
+            self.pipelines_created += 1
             self._algos[key] = algo
             for b in buffers:
                 self._by_serial.setdefault(b.serial, set()).add(key)
@@ -192,21 +239,46 @@ class VulkanBackend:
                     self._by_serial.get(s, set()).discard(old)
         else:
             self._algos.move_to_end(key)
+        self._record(kp.OpAlgoDispatch(algo, push))
+        self._pending_serials.update(key[2])
+        if self._sync == "submit":
+            self.flush()
+
+    def _record(self, op) -> None:
+        """Append an operation to the pending batch, after a barrier in "barrier" mode
+        (also at the start of a batch that follows one still in flight: a pipeline
+        barrier's first scope covers everything submitted before it on the queue)."""
         if self._seq is None:
             self._seq = self.mgr.sequence()
+            if self._sync == "barrier" and self._in_flight:
+                self._seq.record(self._barrier)
         elif self._sync == "barrier":
             self._seq.record(self._barrier)
-        self._seq.record(kp.OpAlgoDispatch(algo, push))
-        if self._sync == "submit":
-            self._seq.eval()
-            self._seq = None
+        self._seq.record(op)
+
+    def submit(self) -> None:
+        """Start the pending batch without waiting for it (prefill submits each chunk, so
+        no single submission runs long enough for an OS GPU watchdog); flush waits."""
+        if self._seq is not None:
+            self._seq.eval_async()
+            self.submissions += 1
+            self._in_flight.append((self._seq, self._keepalive, self._pending_serials))
+            self._seq, self._keepalive, self._pending_serials = None, [], set()
 
     def flush(self) -> None:
-        """Submit the pending dispatches and wait for them."""
+        """Submit the pending batch and wait for it and for everything still in flight."""
         if self._seq is not None:
             self._seq.eval()
+            self.submissions += 1
             self._seq = None
+        self._await_in_flight()
+        self._pending_serials.clear()
         self._keepalive.clear()
+
+    def _await_in_flight(self) -> None:
+        for seq, _, _ in self._in_flight:                  # completed in submission order
+            seq.eval_await()
+        self._in_flight.clear()
 
     @staticmethod
     def _f32(a, what: str, ndim: int = 2) -> DeviceArray:
@@ -255,11 +327,10 @@ class VulkanBackend:
         else:
             bias = self._f32(bias, "matmul bias", 1)
             b_buf, b_off, has_b = bias.buffer, bias.offset, 1
-        tn = 1 if n == 1 else shaders.MATMUL_TN
+        defines, lpr_log2, grid = shaders.matmul_geometry(rows, cols, n, self.matmul_cpu_layout)
         push = _u32(rows, cols, n, w.row_bytes, x.offset, x.row_stride, out.offset, out.row_stride,
-                    b_off, has_b)
-        self._dispatch("matmul", (w.define, f"TN={tn}u"), [w.buffer, x.buffer, out.buffer, b_buf],
-                       (-(-rows // 256), -(-n // tn), 1), push)
+                    b_off, has_b, lpr_log2)
+        self._dispatch("matmul", (w.define,) + defines, [w.buffer, x.buffer, out.buffer, b_buf], grid, push)
 
     def _rope_table(self, base: float, rot_dim: int, max_pos: int, factors=None) -> DeviceArray:
         """(cos, sin) f32 [cap, rot_dim/2, 2], computed in float64; grown on demand."""

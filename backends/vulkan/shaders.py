@@ -27,7 +27,24 @@ SHADER_DIR = Path(__file__).resolve().parents[2] / "shaders"
 # qtype name -> #define used by quant.glsl (gguf.GGMLQuantizationType names)
 QTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
-MATMUL_TN = 2   # tokens per invocation of the mat-mat variant (best on lavapipe)
+MATMUL_TN = 4       # tokens per workgroup of the mat-mat variant, GPU layout (shaders/matmul.comp)
+MATMUL_TN_CPU = 2   # the same, ROW_PER_LANE layout (CPU devices; best on lavapipe)
+MATMUL_WG = 64      # invocations per workgroup, GPU layout (matmul.comp's WG)
+MATMUL_ROWS_CPU = 8 * 32   # rows per workgroup, ROW_PER_LANE layout (matmul.comp's LX * TR)
+
+
+def matmul_geometry(rows: int, cols: int, n: int, cpu_device: bool) -> tuple[tuple[str, ...], int, tuple]:
+    """(defines, log2 of lanes per row, grid) of a matmul dispatch (layouts: matmul.comp).
+    GPU layout: LPR lanes walk each row's 32-element sub-blocks together, LPR in 4..32
+    chosen to leave the fewest lanes idle on the last pass (ties: more lanes)."""
+    if cpu_device:
+        tn = 1 if n == 1 else MATMUL_TN_CPU
+        return ("ROW_PER_LANE", f"TN={tn}u"), 0, (-(-rows // MATMUL_ROWS_CPU), -(-n // tn), 1)
+    nsub = -(-cols // 32)
+    lpr = max((32, 16, 8, 4), key=lambda lanes: nsub / (-(-nsub // lanes) * lanes))
+    tn = 1 if n == 1 else MATMUL_TN
+    return (f"TN={tn}u",), lpr.bit_length() - 1, (-(-rows // (MATMUL_WG // lpr)), -(-n // tn), 1)
+
 
 # elementwise op -> its eltwise.comp variant
 ELTWISE_OPS = {"add": "OP_ADD", "silu_gate": "OP_SILU_GATE", "gelu_gate": "OP_GELU_GATE", "scale": "OP_SCALE"}
@@ -63,8 +80,10 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     out += [("eltwise", (define,)) for define in ELTWISE_OPS.values()]
     for q in QTYPES:
         out.append(("embedding", (f"QTYPE_{q}",)))
-        out.append(("matmul", (f"QTYPE_{q}", "TN=1u")))
-        out.append(("matmul", (f"QTYPE_{q}", f"TN={MATMUL_TN}u")))
+        for tn in (1, MATMUL_TN):
+            out.append(("matmul", (f"QTYPE_{q}", f"TN={tn}u")))
+        for tn in (1, MATMUL_TN_CPU):
+            out.append(("matmul", (f"QTYPE_{q}", "ROW_PER_LANE", f"TN={tn}u")))
     return out
 
 

@@ -124,7 +124,8 @@ class PagedKvCache:
         self.ring = -(-window // pool.page_size) if window else 0   # pages a decoding window layer cycles
         self.intact_from = 0          # rows below this were overwritten by rows sharing their slots
         self._table = np.zeros(-(-max_rows // pool.page_size), dtype=np.int32)   # [max_pages_in_context]
-        self._table_dev = None        # backend copy, refreshed when pages change
+        self._table_dev = None        # backend copy, updated in place when pages change
+        self._table_stale = False
         self.last_keep: np.ndarray | None = None   # int64 [n_kv_heads, n_keep] of the last compaction
 
     @property
@@ -179,7 +180,7 @@ class PagedKvCache:
     def _set(self, j: int, page: int) -> None:
         self.pages[j - self.first_page] = page
         self._table[j] = page
-        self._table_dev = None
+        self._table_stale = True
 
     def advance(self, n: int) -> None:
         """n rows at positions logical_length.. were written at rows length.. and attended.
@@ -222,7 +223,7 @@ class PagedKvCache:
         end = -(-row // self.pool.page_size)              # table index of the first such page
         while self.pages and self.first_page + len(self.pages) > end:
             self._give(self.pages.pop())
-        self._table_dev = None
+        self._table_stale = True
 
     def _give(self, page: int) -> None:
         """A page no longer at a table entry goes back to the pool, unless a ring entry still uses it."""
@@ -246,9 +247,14 @@ class PagedKvCache:
         self.last_keep = None
 
     def page_table(self):
-        """Backend int32 [max_pages] page table (uploaded when it changed)."""
+        """Backend int32 [max_pages_in_context] page table: uploaded once, then updated in
+        place when pages change (one device buffer for the cache's life, so the pipelines
+        that bind it stay cached)."""
         if self._table_dev is None:
             self._table_dev = self.pool.backend.upload(self._table)
+        elif self._table_stale:
+            self.pool.backend.update(self._table_dev, self._table)
+        self._table_stale = False
         return self._table_dev
 
     @property

@@ -11,6 +11,7 @@ of the full cache, bit for bit.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from _backends import available_backends
@@ -54,3 +55,43 @@ def test_batched_decode_over_caches_of_different_lengths(models):
     cpu, vk = models
     ids = cpu.tokenize(PROMPT * 8)
     check_decode_batch(cpu, vk, [ids[:40], ids[:9], ids[30:50]], n_steps=2, tol=1e-4)
+
+
+def test_decode_counters_per_token(models):
+    """72 decode tokens from a ~30-token prompt (crossing the page boundary at row 64):
+    one queue submission per token (the logits copy rides with the compute), no
+    pipeline created after the first token (page tables are updated in place, so the
+    pipelines that bind them stay cached), and host<->device traffic of the logits plus
+    the page tables' few ints when a page is added."""
+    vk = models[1]
+    b, cfg = vk.backend, vk.config
+    cache, logits = vk.prefill(vk.tokenize(PROMPT))
+    token = int(np.argmax(vk.forward.decode(int(np.argmax(logits)), cache)))     # warm-up
+    start_rows = cache.length
+    before = (b.submissions, b.pipelines_created, b.bytes_to_device, b.bytes_to_host)
+    n = 72
+    for _ in range(n):
+        token = int(np.argmax(vk.forward.decode(token, cache)))
+    assert start_rows < 64 < cache.length
+    assert b.submissions - before[0] == n
+    assert b.pipelines_created - before[1] == 0
+    table_bytes = 4 * -(-CTX // 64)                      # one layer's page table
+    assert b.bytes_to_device - before[2] == cfg.n_layers * table_bytes   # once, at row 64
+    assert b.bytes_to_host - before[3] == n * 4 * cfg.vocab_size
+
+
+def test_prefill_submits_every_chunk(models):
+    """A prompt of 3 chunks is at least 3 submissions (none runs for the whole prompt,
+    which an OS GPU watchdog would reset), with the logits of one chunk."""
+    vk = models[1]
+    ids = vk.tokenize(PROMPT * 2)[:40]
+    _, whole = vk.prefill(ids)
+    fwd, chunk = vk.forward, vk.forward.chunk
+    try:
+        fwd.chunk = 16
+        before = vk.backend.submissions
+        _, chunked = vk.prefill(ids)
+        assert vk.backend.submissions - before >= 3
+    finally:
+        fwd.chunk = chunk
+    np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)

@@ -15,7 +15,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from _backends import available_backends, make_backend
-from _quant_blocks import ALL, K_QUANTS, check_matmul_output, make_raw, nan_output
+from _quant_blocks import (ALL, K_QUANTS, SCALE_OFFSETS, check_matmul_output, make_raw, nan_output,
+                           with_subnormal_scales)
 
 pytestmark = pytest.mark.skipif("vulkan" not in available_backends(), reason="no Vulkan device / kp")
 
@@ -83,7 +84,57 @@ def test_f16_specials(vk):
     np.testing.assert_array_equal(vk.download(out)[0], vals.astype(np.float32))
 
 
+def test_f16_every_value(vk):
+    """All 65536 f16 bit patterns (subnormals 0x0001..0x03ff included, which
+    unpackHalf2x16 may flush to zero) decode to numpy's f32, bit for bit."""
+    vals = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    w = vk.load_weight(vals.view(np.uint8).reshape(1, -1), Q.F16, (1, vals.size))
+    out = vk.alloc((1, vals.size))
+    vk.embedding(w, np.array([0], np.int32), out)
+    np.testing.assert_array_equal(vk.download(out)[0].view(np.uint32), vals.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", list(SCALE_OFFSETS), ids=lambda q: q.name)
+def test_subnormal_scales(vk, qtype):
+    """Blocks whose f16 scales are subnormal dequantize as gguf does (not to zero)."""
+    rows, cols = 6, 512
+    raw = with_subnormal_scales(make_raw(qtype, rows, cols, seed=5), qtype, seed=6)
+    W = np.asarray(dequantize(raw, qtype), np.float32).reshape(rows, cols)
+    assert np.count_nonzero(W) > W.size // 2
+    w = vk.load_weight(raw, qtype, (rows, cols))
+    out = vk.alloc((rows, cols))
+    vk.embedding(w, np.arange(rows, dtype=np.int32), out)
+    np.testing.assert_allclose(vk.download(out), W, rtol=0, atol=1e-6 * np.abs(W).max())
+    x = np.random.default_rng(7).standard_normal((3, cols)).astype(np.float32)
+    check_matmul(vk, w, W, x[:1])
+    check_matmul(vk, w, W, x)
+
+
 def test_unsupported_type_is_named(vk):
     from engine.errors import UnsupportedError
     with pytest.raises(UnsupportedError, match="IQ2_XXS.*supported: F32"):
         vk.load_weight(np.zeros((1, 66), np.uint8), Q.IQ2_XXS, (1, 256))
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,cols", [(70, 576), (300, 1056)])
+def test_matmul_both_layouts(vk, qtype, rows, cols):
+    """matmul.comp's two layouts on this device whatever its type: the GPU one (lanes
+    along a row, a shared-memory reduction; 18 and 33 sub-blocks per row leave lanes
+    idle on the last pass) and ROW_PER_LANE (CPU devices): mat-vec, mat-mat with a
+    partial token tile, bias."""
+    if qtype in K_QUANTS and cols % 256:
+        cols = 1280
+    raw = make_raw(qtype, rows, cols, seed=rows + cols + 1)
+    W = np.asarray(dequantize(raw, qtype), np.float32).reshape(rows, cols)
+    w = vk.load_weight(raw, qtype, (rows, cols))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((7, cols)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    layout = vk.matmul_cpu_layout
+    try:
+        for vk.matmul_cpu_layout in (False, True):
+            check_matmul(vk, w, W, x[:1])
+            check_matmul(vk, w, W, x, bias)
+    finally:
+        vk.matmul_cpu_layout = layout
