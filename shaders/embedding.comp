@@ -1,6 +1,7 @@
 #version 450
 // out[i, :] = dequantized row ids[i] of the table (raw GGUF blocks).
-// ids come from the IDS buffer, or from the push constant id0 when n == 1.
+// ids come from the IDS buffer, or from the push constant id0 when n == 1; a table
+// split over several buffers (backends/vulkan/weights.py) is one dispatch per part.
 // Grid: (ceil(ceil(cols/32) / 64), n, 1); one thread per 32-element sub-block.
 #extension GL_GOOGLE_include_directive : require
 layout(local_size_x = 64) in;
@@ -9,6 +10,7 @@ layout(set = 0, binding = 1) readonly buffer IB { int IDS[]; };
 layout(set = 0, binding = 2) buffer OB { float O[]; };
 layout(push_constant) uniform P {
     uint n, cols, row_bytes, id0, use_ids, o_off, o_stride;
+    uint row0, part_rows;    // this buffer holds table rows row0 .. row0+part_rows-1
 } pc;
 #include "quant.glsl"
 
@@ -16,7 +18,8 @@ void main() {
     uint sub = gl_GlobalInvocationID.x;
     uint i = gl_WorkGroupID.y;
     if (sub * 32u >= pc.cols || i >= pc.n) return;
-    uint id = pc.use_ids != 0u ? uint(IDS[i]) : pc.id0;
+    uint id = (pc.use_ids != 0u ? uint(IDS[i]) : pc.id0) - pc.row0;
+    if (id >= pc.part_rows) return;                          // another part's row
     float w[32];
     dequant32(id * pc.row_bytes, sub, pc.cols, w);
     uint o = pc.o_off + i * pc.o_stride + sub * 32u;

@@ -42,7 +42,8 @@ from . import shaders
 from ..base import check_kv_dtypes, rope_inv_freq
 from ..kvformat import KV_DTYPES, TQ_BITS, KvFormat, rotation
 from .arrays import Buffer, DeviceArray, to_words
-from .device import list_devices, manager, pick_device
+from .device import (check_buffer, check_device, check_grid, list_devices, manager, max_buffer_bytes,
+                     pick_device)
 from .weights import VulkanWeight, load_weight
 
 try:
@@ -103,6 +104,7 @@ class VulkanBackend:
                 raise BackendUnavailable(f"backend 'vulkan': no Vulkan device {device} "
                                          f"({len(devices)} found)")
             info = match[0]
+        check_device(info)
         if not shaders.compiler_available() and not shaders.all_cached():
             shaders.spirv(*shaders.variants()[0])          # raises, naming glslangValidator
         self.device = info
@@ -128,11 +130,13 @@ class VulkanBackend:
         self._rot_tables: dict = {}                        # head_dim -> f32 [2, hd, hd] (R^T, R) DeviceArray
         self._rot_scratch: dict = {}                       # "a" | "b" -> Buffer (f32 words, grown on demand)
         self.matmul_cpu_layout = self._cpu_device          # matmul.comp's ROW_PER_LANE layout
+        self.max_buffer_bytes = max_buffer_bytes(info)     # larger weights are split by rows
         self.bytes_to_device = 0                           # host<->device traffic counters
         self.bytes_to_host = 0
 
     # -- buffers ----------------------------------------------------------------------
     def _buffer(self, words: np.ndarray) -> Buffer:
+        check_buffer(self.device, words.nbytes)
         try:
             t = self.mgr.tensor_t(np.ascontiguousarray(words, dtype=np.uint32), self._ttype)
         except RuntimeError as e:          # kp (tools/kp-0.9.0.patch): vkAllocateMemory etc. failed
@@ -227,6 +231,7 @@ class VulkanBackend:
         key = (shader, defines, tuple(b.serial for b in buffers), grid, push.size)
         algo = self._algos.get(key)
         if algo is None:
+            check_grid(self.device, shader, grid)
             algo = self.mgr.algorithm([b.tensor for b in buffers], shaders.spirv(shader, defines),
                                       list(grid), _NO_SPEC, push)
             self.pipelines_created += 1
@@ -299,10 +304,10 @@ class VulkanBackend:
             id_buf, id0, use = self._dummy, int(ids[0]), 0
         else:
             id_buf, id0, use = self._transient(ids).buffer, 0, 1
-        push = _u32(n, cols, table.row_bytes, id0, use, out.offset, out.row_stride)
         nsub = -(-cols // 32)
-        self._dispatch("embedding", (table.define,), [table.buffer, id_buf, out.buffer],
-                       (-(-nsub // 64), n, 1), push)
+        for r0, n_rows, buf in table.parts:                # each part writes the ids in its rows
+            push = _u32(n, cols, table.row_bytes, id0, use, out.offset, out.row_stride, r0, n_rows)
+            self._dispatch("embedding", (table.define,), [buf, id_buf, out.buffer], (-(-nsub // 64), n, 1), push)
 
     def rms_norm(self, x, weight, eps: float, out) -> None:
         x, out, weight = self._f32(x, "rms_norm"), self._f32(out, "rms_norm"), self._f32(weight, "rms_norm", 1)
@@ -327,10 +332,11 @@ class VulkanBackend:
         else:
             bias = self._f32(bias, "matmul bias", 1)
             b_buf, b_off, has_b = bias.buffer, bias.offset, 1
-        defines, lpr_log2, grid = shaders.matmul_geometry(rows, cols, n, self.matmul_cpu_layout)
-        push = _u32(rows, cols, n, w.row_bytes, x.offset, x.row_stride, out.offset, out.row_stride,
-                    b_off, has_b, lpr_log2)
-        self._dispatch("matmul", (w.define,) + defines, [w.buffer, x.buffer, out.buffer, b_buf], grid, push)
+        for r0, n_rows, buf in w.parts:                    # each part: its columns of out
+            defines, lpr_log2, grid = shaders.matmul_geometry(n_rows, cols, n, self.matmul_cpu_layout)
+            push = _u32(n_rows, cols, n, w.row_bytes, x.offset, x.row_stride, out.offset + r0, out.row_stride,
+                        b_off + r0, has_b, lpr_log2)
+            self._dispatch("matmul", (w.define,) + defines, [buf, x.buffer, out.buffer, b_buf], grid, push)
 
     def _rope_table(self, base: float, rot_dim: int, max_pos: int, factors=None) -> DeviceArray:
         """(cos, sin) f32 [cap, rot_dim/2, 2], computed in float64; grown on demand."""

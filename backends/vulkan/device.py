@@ -37,6 +37,53 @@ class _InstanceInfo(ctypes.Structure):
                 ("ppEnabledExtensionNames", ctypes.c_void_p)]
 
 
+class _Limits(ctypes.Structure):
+    """The head of VkPhysicalDeviceLimits, up to the compute limits (unread fields as padding)."""
+    _fields_ = [("_images", ctypes.c_uint32 * 7), ("maxStorageBufferRange", ctypes.c_uint32),
+                ("_push_alloc", ctypes.c_uint32 * 3), ("_granularity_sparse", ctypes.c_uint64 * 2),
+                ("_sets_samplers_uniform", ctypes.c_uint32 * 3),
+                ("maxPerStageDescriptorStorageBuffers", ctypes.c_uint32), ("_more", ctypes.c_uint32 * 34),
+                ("maxComputeSharedMemorySize", ctypes.c_uint32),
+                ("maxComputeWorkGroupCount", ctypes.c_uint32 * 3)]
+
+
+class _Properties(ctypes.Structure):
+    """VkPhysicalDeviceProperties up to the limits above (the buffer passed is larger)."""
+    _fields_ = [("apiVersion", ctypes.c_uint32), ("driverVersion", ctypes.c_uint32),
+                ("vendorID", ctypes.c_uint32), ("deviceID", ctypes.c_uint32), ("deviceType", ctypes.c_uint32),
+                ("deviceName", ctypes.c_char * 256), ("pipelineCacheUUID", ctypes.c_uint8 * 16),
+                ("limits", _Limits)]
+
+
+class _Maintenance3(ctypes.Structure):
+    """VkPhysicalDeviceMaintenance3Properties (Vulkan 1.1): maxMemoryAllocationSize."""
+    _fields_ = [("sType", ctypes.c_int), ("pNext", ctypes.c_void_p), ("maxPerSetDescriptors", ctypes.c_uint32),
+                ("maxMemoryAllocationSize", ctypes.c_uint64)]
+
+
+class _Properties2(ctypes.Structure):
+    _fields_ = [("sType", ctypes.c_int), ("pNext", ctypes.c_void_p), ("properties", ctypes.c_uint8 * 1024)]
+
+
+_PROPERTIES_2 = 1000059001          # VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2
+_MAINTENANCE_3 = 1000168000         # VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES
+
+
+def _limits(vk, handle, props: _Properties) -> dict:
+    """The limits the backend checks its buffers and dispatches against."""
+    lim = props.limits
+    out = {"max_storage_buffer_range": lim.maxStorageBufferRange,
+           "max_storage_buffers_per_stage": lim.maxPerStageDescriptorStorageBuffers,
+           "max_workgroup_count": tuple(lim.maxComputeWorkGroupCount),
+           "max_allocation_size": None}
+    if props.apiVersion >= (1 << 22) | (1 << 12) and hasattr(vk, "vkGetPhysicalDeviceProperties2"):
+        m3 = _Maintenance3(_MAINTENANCE_3, None, 0, 0)
+        p2 = _Properties2(_PROPERTIES_2, ctypes.cast(ctypes.pointer(m3), ctypes.c_void_p))
+        vk.vkGetPhysicalDeviceProperties2(handle, ctypes.byref(p2))
+        out["max_allocation_size"] = m3.maxMemoryAllocationSize or None
+    return out
+
+
 def _vendor(vendor_id: int, name: str) -> str:
     if "llvmpipe" in name.lower() or "lavapipe" in name.lower():
         return "Mesa"
@@ -92,14 +139,15 @@ def _enumerate_ctypes() -> list[dict]:
         vk.vkEnumeratePhysicalDevices(inst, ctypes.byref(count), handles)
         out = []
         for i, h in enumerate(handles[:count.value]):
-            props = (ctypes.c_uint8 * 4096)()          # VkPhysicalDeviceProperties (< 1 KiB)
-            vk.vkGetPhysicalDeviceProperties(ctypes.c_void_p(h), props)
-            head = (ctypes.c_uint32 * 5).from_buffer(props)   # api, driver, vendorID, deviceID, type
-            name = bytes(props[20:276]).split(b"\0")[0].decode(errors="replace")
-            api = head[0]
-            out.append({"index": i, "name": name, "type": _TYPES.get(head[4], "other"),
-                        "vendor": _vendor(head[2], name),
-                        "api_version": f"{api >> 22}.{(api >> 12) & 0x3FF}.{api & 0xFFF}"})
+            buf = (ctypes.c_uint8 * 4096)()            # VkPhysicalDeviceProperties (< 1 KiB)
+            vk.vkGetPhysicalDeviceProperties(ctypes.c_void_p(h), buf)
+            props = _Properties.from_buffer(buf)
+            name = props.deviceName.decode(errors="replace")
+            api = props.apiVersion
+            out.append({"index": i, "name": name, "type": _TYPES.get(props.deviceType, "other"),
+                        "vendor": _vendor(props.vendorID, name),
+                        "api_version": f"{api >> 22}.{(api >> 12) & 0x3FF}.{api & 0xFFF}",
+                        "limits": _limits(vk, ctypes.c_void_p(h), props)})
         return out
     finally:
         vk.vkDestroyInstance(inst, None)
@@ -125,7 +173,8 @@ def _enumerate_kp() -> list[dict]:
 
 def list_devices() -> list[dict]:
     """Vulkan physical devices: [{index, name, type (cpu|discrete|integrated|virtual|other),
-    vendor, api_version?}], in the order kp.Manager(index) uses. [] when there is no loader."""
+    vendor, api_version?, limits?}], in the order kp.Manager(index) uses (api_version and
+    limits come from the loader; `check_device` reads them). [] when there is no loader."""
     try:
         return _enumerate_ctypes()
     except Exception:
@@ -155,6 +204,56 @@ def pick_device(devices: list[dict], allow_cpu: bool = True) -> dict:
                                      + ") is present and a GPU was required")
         raise BackendUnavailable(f"backend 'vulkan': no Vulkan device found ({no_device_hint(platform.system())})")
     return min(usable, key=lambda d: (_PREFERENCE.get(d["type"], 9), d["index"]))
+
+
+# What the backend needs of a device: SPIR-V 1.3 (shaders are compiled for Vulkan 1.1),
+# five storage buffers bound by one shader (attention, kv_write, kv_gather,
+# kv_copy_pages, snapkv_votes), and buffers that kp can size (it computes them in 32 bits).
+MIN_API = (1, 1)
+STORAGE_BUFFERS_PER_SHADER = 5
+KP_MAX_BUFFER = 1 << 32
+
+
+def check_device(info: dict) -> None:
+    """BackendUnavailable naming the device and the limit when it cannot run our shaders."""
+    api = info.get("api_version")
+    if api and tuple(int(x) for x in api.split(".")[:2]) < MIN_API:
+        raise BackendUnavailable(f"backend 'vulkan': {info['name']} supports Vulkan {api}; our shaders "
+                                 f"need Vulkan {MIN_API[0]}.{MIN_API[1]} (SPIR-V 1.3)")
+    n = (info.get("limits") or {}).get("max_storage_buffers_per_stage")
+    if n is not None and n < STORAGE_BUFFERS_PER_SHADER:
+        raise BackendUnavailable(f"backend 'vulkan': {info['name']} allows {n} storage buffers per shader "
+                                 f"(maxPerStageDescriptorStorageBuffers); our shaders bind up to "
+                                 f"{STORAGE_BUFFERS_PER_SHADER}")
+
+
+def check_buffer(info: dict, nbytes: int) -> None:
+    """BackendUnavailable when one buffer of `nbytes` exceeds what kp or the device allocates."""
+    limits = info.get("limits") or {}
+    cap = limits.get("max_allocation_size")
+    if nbytes >= KP_MAX_BUFFER or (cap and nbytes > cap):
+        limit = (f"maxMemoryAllocationSize, {cap / 2**20:.0f} MiB" if cap and cap < KP_MAX_BUFFER
+                 else "kp sizes buffers in 32 bits: 4 GiB")
+        raise BackendUnavailable(f"backend 'vulkan': one buffer of {nbytes / 2**20:.0f} MiB is more than "
+                                 f"{info['name']} allocates ({limit}); lower --ctx or use a smaller "
+                                 f"--kv-dtype")
+
+
+def max_buffer_bytes(info: dict) -> int | None:
+    """The largest buffer one shader binding may cover here (maxStorageBufferRange, the
+    allocation limit, kp's 32-bit sizes); None when the limits are unknown."""
+    limits = info.get("limits") or {}
+    caps = [c for c in (limits.get("max_storage_buffer_range"), limits.get("max_allocation_size")) if c]
+    return min(caps + [KP_MAX_BUFFER - 4]) if caps else None
+
+
+def check_grid(info: dict, shader: str, grid: tuple) -> None:
+    """BackendUnavailable when a dispatch has more workgroups along an axis than the device allows."""
+    most = (info.get("limits") or {}).get("max_workgroup_count") or (65535, 65535, 65535)
+    for axis, (n, cap) in enumerate(zip(grid, most)):
+        if n > cap:
+            raise BackendUnavailable(f"backend 'vulkan': {shader} needs {n} workgroups along axis {axis}, "
+                                     f"{info['name']} allows {cap} (maxComputeWorkGroupCount)")
 
 
 _MANAGERS: dict[int, object] = {}

@@ -31,17 +31,21 @@ MATMUL_TN = 4       # tokens per workgroup of the mat-mat variant, GPU layout (s
 MATMUL_TN_CPU = 2   # the same, ROW_PER_LANE layout (CPU devices; best on lavapipe)
 MATMUL_WG = 64      # invocations per workgroup, GPU layout (matmul.comp's WG)
 MATMUL_ROWS_CPU = 8 * 32   # rows per workgroup, ROW_PER_LANE layout (matmul.comp's LX * TR)
+MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
 
 
 def matmul_geometry(rows: int, cols: int, n: int, cpu_device: bool) -> tuple[tuple[str, ...], int, tuple]:
     """(defines, log2 of lanes per row, grid) of a matmul dispatch (layouts: matmul.comp).
     GPU layout: LPR lanes walk each row's 32-element sub-blocks together, LPR in 4..32
-    chosen to leave the fewest lanes idle on the last pass (ties: more lanes)."""
+    chosen to leave the fewest lanes idle on the last pass (ties: more lanes), among those
+    whose grid stays within the 65535 workgroups every device allows (a 151936-row head
+    of 1024 columns at 32 lanes a row would need 75968)."""
     if cpu_device:
         tn = 1 if n == 1 else MATMUL_TN_CPU
         return ("ROW_PER_LANE", f"TN={tn}u"), 0, (-(-rows // MATMUL_ROWS_CPU), -(-n // tn), 1)
     nsub = -(-cols // 32)
-    lpr = max((32, 16, 8, 4), key=lambda lanes: nsub / (-(-nsub // lanes) * lanes))
+    fit = [lanes for lanes in (32, 16, 8, 4) if -(-rows // (MATMUL_WG // lanes)) <= MAX_WORKGROUPS] or [4]
+    lpr = max(fit, key=lambda lanes: nsub / (-(-nsub // lanes) * lanes))
     tn = 1 if n == 1 else MATMUL_TN
     return (f"TN={tn}u",), lpr.bit_length() - 1, (-(-rows // (MATMUL_WG // lpr)), -(-n // tn), 1)
 
@@ -119,8 +123,14 @@ def _includes_digest() -> bytes:
     return h.digest()
 
 
+# glslangValidator's flags; part of the cache key, so a change recompiles (the compiler's
+# version is not: a cache built where glslang is installed must serve where it is not)
+_FLAGS = ("-V", "--target-env", "vulkan1.1")
+
+
 def _key(name: str, defines: tuple[str, ...]) -> str:
     h = hashlib.sha256()
+    h.update("\0".join(_FLAGS).encode() + b"\1")
     h.update((SHADER_DIR / f"{name}.comp").read_bytes())
     h.update(_includes_digest())
     h.update("\0".join(defines).encode())
@@ -150,7 +160,7 @@ def spirv(name: str, defines: tuple[str, ...] = ()) -> bytes:
     src = SHADER_DIR / f"{name}.comp"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.spv"
-        cmd = [exe, "-V", "--target-env", "vulkan1.1", "-I" + str(SHADER_DIR)]
+        cmd = [exe, *_FLAGS, "-I" + str(SHADER_DIR)]
         cmd += [f"-D{d}" for d in defines] + [str(src), "-o", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:

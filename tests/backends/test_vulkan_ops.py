@@ -144,6 +144,37 @@ def test_sync_follows_the_device_type_not_the_memory_type(monkeypatch, device_ty
     np.testing.assert_array_equal(b.download(out), 2 * x)
 
 
+def _with_limits(monkeypatch, **limits):
+    """The Vulkan backend module, its device list reporting lavapipe with `limits` changed."""
+    from backends.vulkan import backend as mod, device
+    real = device.list_devices()
+    monkeypatch.setattr(mod, "list_devices",
+                        lambda: [dict(d, limits=dict(d.get("limits") or {}, **limits)) for d in real])
+    return mod, real[0]["index"]
+
+
+def test_small_device_limits_fail_with_the_named_limit(monkeypatch):
+    """A device below what our shaders bind, allocate or dispatch fails in one line that
+    names the limit, before anything is created (simulated limits on lavapipe)."""
+    from engine.errors import BackendUnavailable
+    mod, index = _with_limits(monkeypatch, max_storage_buffers_per_stage=4)
+    with pytest.raises(BackendUnavailable, match=r"allows 4 storage buffers .*maxPerStageDescriptorStorageBuffers"):
+        mod.VulkanBackend(device=index)
+    mod, index = _with_limits(monkeypatch, max_allocation_size=1 << 20, max_workgroup_count=(8, 8, 8))
+    b = mod.VulkanBackend(device=index)
+    b.alloc((256, 1024))                                   # exactly 1 MiB: allowed
+    with pytest.raises(BackendUnavailable, match=r"buffer of 2 MiB .*maxMemoryAllocationSize, 1 MiB\)"):
+        b.alloc((512, 1024))
+    x = np.ones((1, 64), np.float32)
+    out = b.alloc((1, 64))
+    b.add(b.upload(x), b.upload(x), out)                   # a grid within 8 workgroups runs
+    np.testing.assert_array_equal(b.download(out), 2 * x)
+    big = b.upload(np.ones((64, 1024), np.float32))
+    with pytest.raises(BackendUnavailable, match=r"needs \d+ workgroups along axis 0, .* allows 8 "
+                                                 r"\(maxComputeWorkGroupCount\)"):
+        b.add(big, big, b.alloc((64, 1024)))
+
+
 # -- Gemma 3 ops: grouped rms_norm, scale, gelu_gate, sliding-window attention --------
 # The views, aliasing and saturation cases the forward pass hits; the shared parity cases
 # in test_ops.py cover the plain shapes. Oracle: backends/reference.py.

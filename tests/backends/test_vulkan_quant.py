@@ -138,3 +138,28 @@ def test_matmul_both_layouts(vk, qtype, rows, cols):
             check_matmul(vk, w, W, x, bias)
     finally:
         vk.matmul_cpu_layout = layout
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16], ids=lambda q: q.name)
+def test_weights_larger_than_one_buffer_are_split_by_rows(qtype):
+    """A device whose storage buffers cover fewer bytes than a table (Gemma 3's 178 MB
+    embedding on lavapipe's 128 MiB maxStorageBufferRange) gets it in row ranges; embedding
+    and matmul (with bias, into a column view) match the unsplit weight's references."""
+    vk = make_backend("vulkan")
+    rows, cols = 45, 512
+    raw = make_raw(qtype, rows, cols, seed=7)
+    row_bytes = raw.reshape(rows, -1).shape[1]
+    vk.max_buffer_bytes = 16 * row_bytes + 4                    # 16 rows a buffer: parts of 16, 16, 13
+    w = vk.load_weight(raw, qtype, (rows, cols))
+    assert [(r0, n) for r0, n, _ in w.parts] == [(0, 16), (16, 16), (32, 13)]
+    W = np.asarray(dequantize(raw, qtype), np.float32).reshape(rows, cols)
+    for sel in (np.array([44, 0, 16, 15, 31, 32], np.int32), np.array([40], np.int32)):
+        out = vk.alloc((len(sel), cols))
+        vk.embedding(w, sel, out)
+        np.testing.assert_allclose(vk.download(out), W[sel], rtol=0, atol=1e-6 * np.abs(W).max())
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    for n in (1, 3):
+        check_matmul(vk, w, W, x[:n])
+        check_matmul(vk, w, W, x[:n], bias)

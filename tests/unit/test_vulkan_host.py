@@ -81,3 +81,46 @@ def test_shaders_decode_f16_without_unpack_half():
     f16 with common.glsl's f16_to_f32 (checked on a device by test_vulkan_quant)."""
     users = [p.name for p in sorted(SHADERS.glob("*.*")) if re.search(r"unpackHalf2x16\s*\(", p.read_text())]
     assert users == []
+
+
+LAVAPIPE = {"name": "llvmpipe", "api_version": "1.3.230",
+            "limits": {"max_storage_buffer_range": 1 << 27, "max_storage_buffers_per_stage": 32,
+                       "max_workgroup_count": (65535, 65535, 65535), "max_allocation_size": 1 << 31}}
+
+
+def test_device_checks_name_the_limit():
+    device.check_device(LAVAPIPE)
+    device.check_device({"name": "old", "type": "other"})          # kp's enumeration: no limits known
+    with pytest.raises(BackendUnavailable, match=r"supports Vulkan 1\.0\.68; our shaders need Vulkan 1\.1"):
+        device.check_device(dict(LAVAPIPE, api_version="1.0.68"))
+    with pytest.raises(BackendUnavailable, match="maxPerStageDescriptorStorageBuffers"):
+        device.check_device(dict(LAVAPIPE, limits=dict(LAVAPIPE["limits"], max_storage_buffers_per_stage=4)))
+
+
+def test_buffer_checks_kp_32_bit_sizes_and_the_allocation_limit():
+    device.check_buffer(LAVAPIPE, 1 << 31)
+    with pytest.raises(BackendUnavailable, match=r"maxMemoryAllocationSize, 2048 MiB"):
+        device.check_buffer(LAVAPIPE, (1 << 31) + 4)
+    huge = dict(LAVAPIPE, limits=dict(LAVAPIPE["limits"], max_allocation_size=1 << 40))
+    device.check_buffer(huge, (1 << 32) - 4)
+    with pytest.raises(BackendUnavailable, match="kp sizes buffers in 32 bits"):   # would wrap to 0
+        device.check_buffer(huge, 1 << 32)
+    with pytest.raises(BackendUnavailable, match="kp sizes buffers in 32 bits"):
+        device.check_buffer({"name": "kp-enumerated"}, 5 << 30)
+
+
+def test_grid_check():
+    device.check_grid(LAVAPIPE, "attention", (65535, 1, 1))
+    with pytest.raises(BackendUnavailable, match=r"kv_copy_pages needs 65536 workgroups along axis 1"):
+        device.check_grid(LAVAPIPE, "kv_copy_pages", (1, 65536, 1))
+
+
+@pytest.mark.parametrize("rows,cols", [(151936, 1024), (262144, 640), (262144, 2560), (49152, 576), (7, 256)])
+@pytest.mark.parametrize("cpu_device", [False, True])
+def test_matmul_grid_within_the_guaranteed_workgroup_count(rows, cols, cpu_device):
+    from backends.vulkan import shaders
+    for n in (1, 512):
+        _, lpr_log2, grid = shaders.matmul_geometry(rows, cols, n, cpu_device)
+        assert max(grid) <= 65535 and 0 <= lpr_log2 <= 5
+        if not cpu_device:          # every row has a slot: grid x * rows per workgroup covers them
+            assert grid[0] * (shaders.MATMUL_WG >> lpr_log2) >= rows
