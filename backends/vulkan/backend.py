@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -265,25 +266,42 @@ class VulkanBackend:
         """Start the pending batch without waiting for it (prefill submits each chunk, so
         no single submission runs long enough for an OS GPU watchdog); flush waits."""
         if self._seq is not None:
-            self._seq.eval_async()
+            seq, self._seq = self._seq, None
+            with self._device_errors():
+                seq.eval_async()
             self.submissions += 1
-            self._in_flight.append((self._seq, self._keepalive, self._pending_serials))
-            self._seq, self._keepalive, self._pending_serials = None, [], set()
+            self._in_flight.append((seq, self._keepalive, self._pending_serials))
+            self._keepalive, self._pending_serials = [], set()
 
     def flush(self) -> None:
         """Submit the pending batch and wait for it and for everything still in flight."""
-        if self._seq is not None:
-            self._seq.eval()
-            self.submissions += 1
-            self._seq = None
-        self._await_in_flight()
-        self._pending_serials.clear()
-        self._keepalive.clear()
+        try:
+            if self._seq is not None:
+                seq, self._seq = self._seq, None
+                with self._device_errors():
+                    seq.eval()
+                self.submissions += 1
+            self._await_in_flight()
+        finally:
+            self._pending_serials.clear()
+            self._keepalive.clear()
 
     def _await_in_flight(self) -> None:
-        for seq, _, _ in self._in_flight:                  # completed in submission order
-            seq.eval_await()
-        self._in_flight.clear()
+        in_flight, self._in_flight = self._in_flight, []
+        with self._device_errors():
+            for seq, _, _ in in_flight:                    # completed in submission order
+                seq.eval_await()
+
+    @contextmanager
+    def _device_errors(self):
+        """A failed submission or wait (kp, patched by tools/kp-0.9.0.patch, raises on a
+        failed Vulkan call: device lost, out of memory) as one line naming the device."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not str(e).startswith("Kompute: "):
+                raise
+            raise BackendUnavailable(f"backend 'vulkan': {self.device['name']}: {e}") from None
 
     @staticmethod
     def _f32(a, what: str, ndim: int = 2) -> DeviceArray:

@@ -175,6 +175,29 @@ def test_small_device_limits_fail_with_the_named_limit(monkeypatch):
         b.add(big, big, b.alloc((64, 1024)))
 
 
+def test_a_failed_submission_is_one_line_and_leaves_nothing_pending():
+    """kp (patched) raises when vkQueueSubmit / vkWaitForFences fail (device lost, out of
+    memory); the backend turns that into one line naming the device, and drops the batch."""
+    from engine.errors import BackendUnavailable
+    b = make_backend("vulkan")
+
+    class Lost:
+        def eval(self):
+            raise RuntimeError("Kompute: vkQueueSubmit failed: ErrorDeviceLost")
+
+        eval_async = eval
+
+    for call in (b.flush, b.submit):
+        b._seq = Lost()
+        with pytest.raises(BackendUnavailable, match=r"^backend 'vulkan': .*: Kompute: vkQueueSubmit failed: "
+                                                     r"ErrorDeviceLost$"):
+            call()
+        assert b._seq is None and not b._in_flight
+    b._seq = type("Other", (), {"eval": lambda self: (_ for _ in ()).throw(RuntimeError("not kp"))})()
+    with pytest.raises(RuntimeError, match="not kp"):       # anything else is not ours to rename
+        b.flush()
+
+
 # -- Gemma 3 ops: grouped rms_norm, scale, gelu_gate, sliding-window attention --------
 # The views, aliasing and saturation cases the forward pass hits; the shared parity cases
 # in test_ops.py cover the plain shapes. Oracle: backends/reference.py.
