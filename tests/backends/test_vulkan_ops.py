@@ -127,15 +127,23 @@ def test_gpu_required_but_only_cpu_device():
         pick_device([])
 
 
+def _reported(monkeypatch, device_type=None, **limits):
+    """(the Vulkan backend module, device index) with its device list reporting lavapipe
+    as another `device_type` and/or with `limits` changed."""
+    from backends.vulkan import backend as mod, device
+    real = device.list_devices()
+    monkeypatch.setattr(mod, "list_devices", lambda: [
+        dict(d, type=device_type or d["type"], limits=dict(d.get("limits") or {}, **limits)) for d in real])
+    return mod, real[0]["index"]
+
+
 @pytest.mark.parametrize("device_type,device_local,synced", [("cpu", False, False), ("cpu", True, True),
                                                              ("integrated", False, True), ("discrete", True, True)])
 def test_sync_follows_the_device_type_not_the_memory_type(monkeypatch, device_type, device_local, synced):
     """Host-visible buffers on a GPU still get barriers between dispatches: lavapipe,
     reported as a GPU, with either memory type."""
-    from backends.vulkan import backend as mod
-    real = mod.list_devices()
-    monkeypatch.setattr(mod, "list_devices", lambda: [dict(d, type=device_type) for d in real])
-    b = mod.VulkanBackend(device=real[0]["index"], device_local=device_local)
+    mod, index = _reported(monkeypatch, device_type)
+    b = mod.VulkanBackend(device=index, device_local=device_local)
     assert (b._sync is not None) == synced and b._sync in (None, "barrier", "submit")
     assert (b._ttype == mod.kp.TensorTypes.device) == device_local
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -144,23 +152,14 @@ def test_sync_follows_the_device_type_not_the_memory_type(monkeypatch, device_ty
     np.testing.assert_array_equal(b.download(out), 2 * x)
 
 
-def _with_limits(monkeypatch, **limits):
-    """The Vulkan backend module, its device list reporting lavapipe with `limits` changed."""
-    from backends.vulkan import backend as mod, device
-    real = device.list_devices()
-    monkeypatch.setattr(mod, "list_devices",
-                        lambda: [dict(d, limits=dict(d.get("limits") or {}, **limits)) for d in real])
-    return mod, real[0]["index"]
-
-
 def test_small_device_limits_fail_with_the_named_limit(monkeypatch):
     """A device below what our shaders bind, allocate or dispatch fails in one line that
     names the limit, before anything is created (simulated limits on lavapipe)."""
     from engine.errors import BackendUnavailable
-    mod, index = _with_limits(monkeypatch, max_storage_buffers_per_stage=4)
+    mod, index = _reported(monkeypatch, max_storage_buffers_per_stage=4)
     with pytest.raises(BackendUnavailable, match=r"allows 4 storage buffers .*maxPerStageDescriptorStorageBuffers"):
         mod.VulkanBackend(device=index)
-    mod, index = _with_limits(monkeypatch, max_allocation_size=1 << 20, max_workgroup_count=(8, 8, 8))
+    mod, index = _reported(monkeypatch, max_allocation_size=1 << 20, max_workgroup_count=(8, 8, 8))
     b = mod.VulkanBackend(device=index)
     b.alloc((256, 1024))                                   # exactly 1 MiB: allowed
     with pytest.raises(BackendUnavailable, match=r"buffer of 2 MiB .*maxMemoryAllocationSize, 1 MiB\)"):
