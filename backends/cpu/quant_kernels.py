@@ -12,9 +12,9 @@ Float tensors (F32, F16, BF16) stay in their file layout [rows, cols].
 Mat-vec (decode) quantizes the activation per weight block to ACT_PLANES int8 planes
 (x ~ dx1*q1 + dx2*q2: the second plane quantizes the residual of the first, so the
 activation keeps ~15 bits and results stay within ~1e-5 of float activations) and
-takes integer dot products in `vnni.make_tile_dot`: AVX-512 VNNI `vpdpbusd`, or on
-CPUs without it the same sums in portable LLVM vector IR (widening multiplies and
-pairwise adds, which any LLVM target vectorizes).
+takes integer dot products in `vnni.make_tile_dot`: AVX-512 VNNI `vpdpbusd`, AVX2
+`vpmaddubsw`/`vpmaddwd`, or elsewhere the same sums in portable LLVM vector IR
+(widening multiplies and pairwise adds, which any LLVM target vectorizes).
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .vnni import HAVE_VNNI, HOST_VNNI, R, make_tile_dot
+from .vnni import AUTO_KERNELS, KERNELS, R, make_tile_dot
 
-# numba's cache keys on the host CPU, not on which tile kernel got inlined: with the portable
-# kernels forced on a VNNI host, a cached VNNI build would be loaded, so compile afresh instead.
-_opts = dict(cache=HAVE_VNNI == HOST_VNNI, fastmath=True, nogil=True)
+# numba's cache keys on the target CPU, not on which tile kernel got inlined: with the portable
+# kernels forced, a cached VNNI or AVX2 build would be loaded, so compile afresh instead.
+_opts = dict(cache=KERNELS == AUTO_KERNELS, fastmath=True, nogil=True)
 
 
 # -- mat-vec (decode) --------------------------------------------------------------
@@ -81,12 +81,12 @@ def _quant_acts(x, L, code_off, c0):
     return xq, xs
 
 
-# AVX-512 VNNI where the host has it, else the same sums in portable vector IR
-_tile_nibble = make_tile_dot(True, 4, ACT_PLANES, True, HAVE_VNNI)
-_tile_i8_32 = make_tile_dot(False, 8, ACT_PLANES, False, HAVE_VNNI)
-_tile_i8_32m = make_tile_dot(False, 8, ACT_PLANES, True, HAVE_VNNI)
-_tile_i8_16 = make_tile_dot(False, 4, ACT_PLANES, False, HAVE_VNNI)
-_tile_i8_16m = make_tile_dot(False, 4, ACT_PLANES, True, HAVE_VNNI)
+# AVX-512 VNNI or AVX2 where the target has it, else the same sums in portable vector IR
+_tile_nibble = make_tile_dot(True, 4, ACT_PLANES, True, KERNELS)
+_tile_i8_32 = make_tile_dot(False, 8, ACT_PLANES, False, KERNELS)
+_tile_i8_32m = make_tile_dot(False, 8, ACT_PLANES, True, KERNELS)
+_tile_i8_16 = make_tile_dot(False, 4, ACT_PLANES, False, KERNELS)
+_tile_i8_16m = make_tile_dot(False, 4, ACT_PLANES, True, KERNELS)
 
 
 @njit(inline="always", **_opts)

