@@ -23,6 +23,10 @@ the rotated basis instead; it never expands the cache into a full-precision copy
 and `kv_gather` / `kv_copy_pages` move whole rows / pages whatever their width (a
 quantized row carries its scales). A backend lists the dtypes it implements in its
 class attribute `kv_dtypes`; `alloc_kv_pool` raises ConfigError for any other.
+A backend whose kernels bind a pool buffer whole may set `max_kv_buffer_bytes` (an
+int; None or absent: no limit): the engine then gives `alloc_kv_pool` several smaller
+pools, each holding the pages of some layers (engine/kv/paged.PagePool's segments),
+and passes every op the pool of the layer it works on.
 A layer's rows are addressed through its page table:
     page_table: int32 [max_pages_per_layer]   physical row r lives in page
     page_table[r // page_size] at offset r % page_size.

@@ -20,7 +20,7 @@ from backends.kvformat import parse_kv_dtype
 
 from .errors import EngineError
 from .gguf import GgufFile, ModelConfig
-from .kv.paged import KvCache, PagePool, cache_pages
+from .kv.paged import KvCache, PagePool, layer_pages
 from .snapkv import SnapKvConfig, SnapKvSelector
 
 
@@ -170,10 +170,14 @@ class ForwardPass:
                        k_dtype=k_dtype, v_dtype=v_dtype, pool=pool)
 
     def new_pool(self, tokens: int, kv_dtype: str | None = None) -> PagePool:
-        """A page pool for caches to share: as many pages as one cache of `tokens`
-        positions can hold."""
+        """A page pool for caches to share: for each full-attention layer, the pages of
+        `tokens` rows; for each sliding-window layer, its bound once per whole context in
+        `tokens` (the caches that can hold their windows at once): a pool split into
+        segments (a backend's buffer cap) lends no layer another segment's spare pages."""
         c = self.cfg
-        pages = cache_pages(tokens, self.page_size, [c.window(i) for i in range(c.n_layers)], self.chunk)
+        caches = max(1, -(-tokens // self.max_ctx))
+        pages = [layer_pages(tokens, self.page_size, c.window(i), self.chunk) * (caches if c.window(i) else 1)
+                 for i in range(c.n_layers)]
         return PagePool(self.backend, pages, c.n_kv_heads, self.page_size, c.head_dim,
                         *parse_kv_dtype(kv_dtype or self.kv_dtype))
 
@@ -239,7 +243,7 @@ class ForwardPass:
         selector = SnapKvSelector(cfg)
         scored = cache.full_layers
         n_rows = cache.layers[scored[0]].length
-        votes = [self.backend.snapkv_votes(q_window[i], cache.pool.k_pages, cache.layers[i].page_table(),
+        votes = [self.backend.snapkv_votes(q_window[i], cache.layers[i].pool.k_pages, cache.layers[i].page_table(),
                                            n_rows, self.scale, k_dtype=cache.k_dtype) for i in scored]
         t_scored = time.perf_counter()
         keeps = selector.keep_from_model_votes(votes, n_rows)
@@ -342,13 +346,14 @@ class ForwardPass:
         dtypes = {"k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype}   # the pool's row formats
         if capture is not None and not window:
             capture(b, li, qkv[:, :q_end], kv.logical_length)
-        b.kv_write(cache.pool.k_pages, cache.pool.v_pages, table, qkv[:, q_end:k_end],
+        pages = kv.pool                      # the layer's segment of the pool
+        b.kv_write(pages.k_pages, pages.v_pages, table, qkv[:, q_end:k_end],
                    qkv[:, k_end:], start_row, **dtypes)
         if n == 1:
-            b.attention_decode(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
+            b.attention_decode(qkv[:, :q_end], pages.k_pages, pages.v_pages, table,
                                start_row + 1, c.n_heads, self.scale, attn, window=window, **dtypes)
         else:
-            b.attention_prefill(qkv[:, :q_end], cache.pool.k_pages, cache.pool.v_pages, table,
+            b.attention_prefill(qkv[:, :q_end], pages.k_pages, pages.v_pages, table,
                                 start_row, c.n_heads, self.scale, attn, window=window, **dtypes)
         kv.advance(n)                        # a sliding-window layer returns pages it no longer needs
 

@@ -42,7 +42,8 @@ QJL_SEED = 7
 
 def cached_rows(cache, layer: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """bf16 cache -> (K, V) f32 [n_kv_heads, n_rows, head_dim] of one layer."""
-    lc, pool = cache.layers[layer], cache.pool
+    lc = cache.layers[layer]
+    pool = lc.pool                                  # the layer's segment of the cache's pool
     rows = np.arange(n_rows)
     pages = np.asarray(lc._table)[rows // pool.page_size]
     k = bf16_to_f32(np.asarray(pool.k_pages)[pages, :, rows % pool.page_size])     # [n, kv, d]

@@ -36,7 +36,7 @@ NEEDLE_ROWS = 30
 def last_query_mass(cache, capture, li: int, keep: np.ndarray, scale: float, n_rows: int) -> list[float]:
     """Per query head: attention mass of the last prompt query on the kept rows."""
     pool = cache.pool
-    k = read_rows(pool.backend.download(pool.k_pages), cache.layers[li]._table, n_rows, cache.k_dtype,
+    k = read_rows(pool.backend.download(cache.layers[li].pool.k_pages), cache.layers[li]._table, n_rows, cache.k_dtype,
                   pool.head_dim)                                   # f64 [n_kv, n_rows, head_dim]
     q = capture.q[li, :, -1]                                       # [n_heads, head_dim]
     group = q.shape[0] // pool.n_kv_heads
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         print(f"# {a.task} sample {index}: depth {depths[index]:.0f}%, {L} tokens, needle at row "
               f"{sample.needle_token_pos}, expected {sample.expected}, prefill {seconds:.0f} s", flush=True)
         q = np.ascontiguousarray(capture.q[:, :, capture.window - base.window:])
-        votes = {li: fw.backend.snapkv_votes(q[li], cache.pool.k_pages, cache.layers[li].page_table(), L,
+        votes = {li: fw.backend.snapkv_votes(q[li], cache.layers[li].pool.k_pages, cache.layers[li].page_table(), L,
                                              fw.scale, k_dtype=cache.k_dtype) for li in scored}
         for name, budgets in variants.items():
             budgets = budgets * len(scored) if len(budgets) == 1 else budgets

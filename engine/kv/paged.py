@@ -1,4 +1,5 @@
-"""Paged KV cache: one page pool per model cache, one page table per layer.
+"""Paged KV cache: one page pool per model cache (or shared by several), one page
+table per layer; a layer's pages all lie in one segment (buffer pair) of the pool.
 
 Rows are stored in the pool's KV dtypes (bf16 by default, or a quantized row format
 of backends/kvformat.py; keys and values may differ). The cache never looks inside
@@ -39,20 +40,64 @@ class KvCacheError(EngineError):
 
 
 class PagePool:
-    """Fixed-size pages on one backend; pages are handed out and returned whole.
+    """Fixed-size pages on one backend, handed out to layers and returned whole.
 
-    k_pages: backend storage [n_pages, n_kv_heads, page_size, row_width] of format k_format
-    v_pages: the same of v_format (see backends/kvformat.py; bf16: uint16 [.., head_dim])
+    The pages live in one or more segments (PageSegment), each a K and a V buffer; a
+    layer takes every page from the same segment, so one binding of that segment's
+    buffers covers all of its rows. `pages`: an int (one segment for every layer), or
+    the pages each layer can come to hold, layer by layer: consecutive layers are then
+    grouped into as few segments as keep every buffer within the backend's largest KV
+    buffer (`backend.max_kv_buffer_bytes`, None for no limit: one segment).
     """
 
-    def __init__(self, backend, n_pages: int, n_kv_heads: int, page_size: int, head_dim: int,
+    def __init__(self, backend, pages, n_kv_heads: int, page_size: int, head_dim: int,
                  k_dtype: str = "bf16", v_dtype: str = "bf16"):
         self.backend = backend
-        self.n_pages, self.n_kv_heads, self.page_size, self.head_dim = n_pages, n_kv_heads, page_size, head_dim
+        self.n_kv_heads, self.page_size, self.head_dim = n_kv_heads, page_size, head_dim
         self.k_format, self.v_format = KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)
-        self.k_pages, self.v_pages = backend.alloc_kv_pool(n_pages, n_kv_heads, page_size, head_dim,
-                                                           k_dtype=k_dtype, v_dtype=v_dtype)
-        self._free = list(range(n_pages - 1, -1, -1))   # stack: lowest page id handed out first
+        if isinstance(pages, (int, np.integer)):
+            self.n_layers, groups = None, [[int(pages)]]
+        else:
+            self.n_layers, groups = len(pages), self._groups([int(p) for p in pages])
+        self.segments = [PageSegment(self, sum(g)) for g in groups]
+        self._segment_of = [s for s, g in enumerate(groups) for _ in g]
+
+    def _groups(self, layer_pages: list[int]) -> list[list[int]]:
+        """Consecutive layers' page counts, grouped so each group's larger buffer fits."""
+        limit = getattr(self.backend, "max_kv_buffer_bytes", None)
+        page = self.n_kv_heads * self.page_size * max(self.k_format.row_bytes, self.v_format.row_bytes)
+        if not limit or sum(layer_pages) * page <= limit:
+            return [layer_pages]
+        groups = [[]]
+        for n in layer_pages:
+            if groups[-1] and (sum(groups[-1]) + n) * page > limit:
+                groups.append([])
+            groups[-1].append(n)      # a layer over the limit alone: the backend's allocation says so
+        return groups
+
+    def empty_like(self) -> "PagePool":
+        """A new pool with the same segments and layer layout, every page free."""
+        other = object.__new__(PagePool)
+        other.__dict__.update(self.__dict__)
+        other.segments = [PageSegment(other, s.n_pages) for s in self.segments]
+        return other
+
+    def segment(self, layer: int) -> "PageSegment":
+        """The segment layer `layer` takes its pages from."""
+        if self.n_layers is None:
+            return self.segments[0]
+        return self.segments[self._segment_of[layer]]
+
+    def segment_index(self, layer: int) -> int:
+        return 0 if self.n_layers is None else self._segment_of[layer]
+
+    @property
+    def n_pages(self) -> int:
+        return sum(s.n_pages for s in self.segments)
+
+    @property
+    def free_pages(self) -> int:
+        return sum(s.free_pages for s in self.segments)
 
     @property
     def k_dtype(self) -> str:
@@ -66,6 +111,25 @@ class PagePool:
     def page_bytes(self) -> int:
         """K + V bytes of one page in their formats (quantized rows' scales included)."""
         return self.n_kv_heads * self.page_size * (self.k_format.row_bytes + self.v_format.row_bytes)
+
+
+class PageSegment:
+    """Pages of a PagePool in one pair of backend buffers:
+    k_pages: backend storage [n_pages, n_kv_heads, page_size, row_width] of format k_format
+    v_pages: the same of v_format (see backends/kvformat.py; bf16: uint16 [.., head_dim])
+    Page ids are the segment's own (0 .. n_pages - 1)."""
+
+    def __init__(self, pool: PagePool, n_pages: int):
+        self.pool, self.n_pages = pool, n_pages
+        self.backend, self.n_kv_heads, self.page_size = pool.backend, pool.n_kv_heads, pool.page_size
+        self.k_pages, self.v_pages = pool.backend.alloc_kv_pool(n_pages, pool.n_kv_heads, pool.page_size,
+                                                                pool.head_dim, k_dtype=pool.k_dtype,
+                                                                v_dtype=pool.v_dtype)
+        self._free = list(range(n_pages - 1, -1, -1))   # stack: lowest page id handed out first
+
+    @property
+    def page_bytes(self) -> int:
+        return self.pool.page_bytes
 
     @property
     def free_pages(self) -> int:
@@ -107,11 +171,11 @@ class CompactReport:
 
 
 class PagedKvCache:
-    """One layer's K/V rows in pages of `pool`. With `window` > 0 a sliding-window
+    """One layer's K/V rows in pages of `pool` (its segment of the cache's PagePool). With `window` > 0 a sliding-window
     layer: the next query (at row `length`) sees rows length - window + 1 .. length,
     and pages wholly below that are returned as soon as a step has been attended."""
 
-    def __init__(self, pool: PagePool, max_rows: int, window: int = 0, max_step: int | None = None):
+    def __init__(self, pool: PageSegment, max_rows: int, window: int = 0, max_step: int | None = None):
         self.pool = pool
         self.max_rows = max_rows
         self.window = window          # 0: full attention; > 0: positions a query sees (itself included)
@@ -322,27 +386,32 @@ class KvCache:
         self.max_step = max_step
         self.max_pages = cache_pages(max_rows, page_size, self.windows, max_step)
         if pool is None:             # a pool of its own, exactly what the cache can ever hold
-            pool = PagePool(backend, self.max_pages, n_kv_heads, page_size, head_dim, k_dtype, v_dtype)
+            pool = PagePool(backend, [layer_pages(max_rows, page_size, w, max_step) for w in self.windows],
+                            n_kv_heads, page_size, head_dim, k_dtype, v_dtype)
         elif (pool.n_kv_heads, pool.head_dim, pool.page_size, pool.k_dtype, pool.v_dtype) != (
                 n_kv_heads, head_dim, page_size, KvFormat.get(k_dtype, head_dim).name,
                 KvFormat.get(v_dtype, head_dim).name):
             raise ValueError("KvCache: the shared pool's heads, head_dim, page size or row formats differ")
+        elif pool.n_layers not in (None, n_layers):
+            raise ValueError(f"KvCache: the shared pool is laid out for {pool.n_layers} layers, not {n_layers}")
         self.pool = pool
-        self.layers = [PagedKvCache(self.pool, max_rows, w, max_step) for w in self.windows]
+        self.layers = [PagedKvCache(pool.segment(i), max_rows, w, max_step) for i, w in enumerate(self.windows)]
         self.max_rows = max_rows
         self.compactions: list[CompactReport] = []   # the last compaction, one report per layer
         self.eviction: dict | None = None             # summary of the last SnapKV eviction
 
     def copy(self) -> "KvCache":
-        """An independent cache with the same rows (same page ids in a new pool), so one
-        prefill can be branched into several eviction policies."""
+        """An independent cache with the same rows (same page ids in a new pool laid out
+        as this one's), so one prefill can be branched into several eviction policies."""
         p = self.pool
         other = KvCache(p.backend, len(self.layers), p.n_kv_heads, p.head_dim, self.max_rows, p.page_size,
-                        self.windows, self.max_step, p.k_dtype, p.v_dtype)
-        used = np.array(sorted({pg for layer in self.layers for pg in layer.pages}), dtype=np.int32)
-        if used.size:
-            p.backend.kv_copy_pages(p.k_pages, p.v_pages, other.pool.k_pages, other.pool.v_pages, used)
-        other.pool._free = list(p._free)
+                        self.windows, self.max_step, p.k_dtype, p.v_dtype, pool=p.empty_like())
+        for s, (mine, theirs) in enumerate(zip(p.segments, other.pool.segments)):
+            used = np.array(sorted({pg for i, layer in enumerate(self.layers) if p.segment_index(i) == s
+                                    for pg in layer.pages}), dtype=np.int32)
+            if used.size:
+                p.backend.kv_copy_pages(mine.k_pages, mine.v_pages, theirs.k_pages, theirs.v_pages, used)
+            theirs._free = list(mine._free)
         for mine, theirs in zip(self.layers, other.layers):
             theirs.pages, theirs.first_page, theirs.intact_from = list(mine.pages), mine.first_page, mine.intact_from
             theirs._table[:] = mine._table
@@ -351,14 +420,17 @@ class KvCache:
         other.eviction = self.eviction
         return other
 
-    @property
-    def pages_held(self) -> int:
-        return sum(layer.n_pages for layer in self.layers)
+    def pages_held(self, segment: int | None = None) -> int:
+        """Distinct pages held (in one segment of the pool only, when `segment` is given)."""
+        return sum(layer.n_pages for i, layer in enumerate(self.layers)
+                   if segment is None or self.pool.segment_index(i) == segment)
 
-    def pages_needed(self, more_rows: int) -> int:
+    def pages_needed(self, more_rows: int, segment: int | None = None) -> int:
         """Pages the cache holds at most while `more_rows` rows are appended to what it
-        holds now (a sliding-window layer never more than its bound)."""
-        return sum(layer.pages_needed(more_rows) for layer in self.layers)
+        holds now (a sliding-window layer never more than its bound); of one segment of
+        the pool only, when `segment` is given."""
+        return sum(layer.pages_needed(more_rows) for i, layer in enumerate(self.layers)
+                   if segment is None or self.pool.segment_index(i) == segment)
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions only (pages past them return to the pool), so the

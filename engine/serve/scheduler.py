@@ -185,20 +185,20 @@ class Scheduler:
                 self.counts["failed"] += 1
                 never.append((h, _failure(e)))
                 continue
-            if need > pool.n_pages:
+            segments = range(len(pool.segments))
+            need = [seq.pages_needed(k) for k in segments]
+            if any(n > pool.segments[k].n_pages for k, n in zip(segments, need)):
                 seq.release()
                 self._waiting.popleft()
                 self.counts["failed"] += 1
-                never.append((h, Failed(400, f"this request may need {need} KV pages ({len(h.job.ids)} prompt "
+                never.append((h, Failed(400, f"this request may need {sum(need)} KV pages ({len(h.job.ids)} prompt "
                                              f"tokens + max_tokens {h.job.params.max_tokens}) but the server's "
                                              f"pool holds {pool.n_pages} (--kv-pool-tokens {self.pool_tokens}): "
                                              f"lower max_tokens or raise --kv-pool-tokens")))
                 continue
-            held = sum(r.sequence.pages_needed() for r in self._running
-                       if r.sequence.cache is not None and r.sequence.cache.pool is pool)
-            while held + need + self._kept_pages(pool) > pool.n_pages and self._drop_kept(pool):
+            while self._short(pool, need) and self._drop_kept(pool):
                 pass
-            if held + need + self._kept_pages(pool) > pool.n_pages:
+            if self._short(pool, need):
                 if reused is not None:          # back on the shelf (truncated) for later
                     self._kept.append((reused[:seq.cached_tokens], seq.cache))
                     seq.cache = None
@@ -249,8 +249,16 @@ class Scheduler:
         while len(self._kept) > self.prompt_cache:
             self._kept.pop(0)[1].release()
 
-    def _kept_pages(self, pool) -> int:
-        return sum(c.pages_held for _, c in self._kept if c.pool is pool)
+    def _short(self, pool, need: list[int]) -> bool:
+        """Whether some segment of `pool` lacks room for `need` (pages per segment) beside
+        what the running requests may come to hold and the kept caches hold."""
+        for k, seg in enumerate(pool.segments):
+            held = sum(r.sequence.pages_needed(k) for r in self._running
+                       if r.sequence.cache is not None and r.sequence.cache.pool is pool)
+            kept = sum(c.pages_held(k) for _, c in self._kept if c.pool is pool)
+            if held + need[k] + kept > seg.n_pages:
+                return True
+        return False
 
     def _drop_kept(self, pool) -> bool:
         """Release the oldest kept cache of `pool`; False when there is none."""

@@ -88,15 +88,16 @@ class Sequence:
         tokens that went through the model); only meaningful without eviction."""
         return (list(self.job.ids) + self.tokens)[:self.cache.logical_length]
 
-    def pages_needed(self) -> int:
+    def pages_needed(self, segment: int | None = None) -> int:
         """The most pages this sequence can still come to hold: its cache now plus every
         prompt row not yet run and every token it may still generate (the admission
-        reservation; it shrinks when eviction compacts the prompt)."""
+        reservation; it shrinks when eviction compacts the prompt); in one segment of
+        the pool only, when `segment` is given."""
         if self.cache is None:
             return 0
         prompt_left = len(self.job.ids) - self.cache.logical_length if self.state == "new" else 0
         ahead = prompt_left + self.job.params.max_tokens - len(self.tokens)
-        return self.cache.pages_needed(max(ahead, 0))
+        return self.cache.pages_needed(max(ahead, 0), segment)
 
     def prefill_step(self) -> bool:
         """Run the next prompt chunk (allocating the cache first if needed); after the

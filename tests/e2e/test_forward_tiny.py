@@ -190,3 +190,36 @@ def test_decode_batch_equals_one_sequence_at_a_time(models, tmp_path, name):
     assert [c.length for c, _ in batched] == [c.length for c, _ in alone]
     with pytest.raises(ValueError, match="twice"):
         m.forward.decode_batch([1, 2], [batched[0][0], batched[0][0]])
+
+
+def test_kv_pages_split_over_pools_by_a_buffer_cap_change_nothing(tmp_path):
+    """A backend that caps one KV buffer (Vulkan: maxStorageBufferRange) gets the layers'
+    pages in several pools (here the biggest layer's size: the global layer alone, the
+    sliding-window layers together); prefill with SnapKV, decode, and a pool shared by
+    caches give the logits of one pool, bit for bit."""
+    path = write_tiny_gguf(tmp_path / "gemma3-q8.gguf", arch="gemma3", dim=64, n_heads=4, n_kv_heads=1,
+                           head_dim=32, ffn_dim=128, ctx=1024, qtype=Q.Q8_0, seed=4)
+    plain = engine.load(path, backend="cpu", prefill_chunk=32, snapkv_budget=0)
+    capped = engine.load(path, backend="cpu", prefill_chunk=32, snapkv_budget=0)
+    one = plain.new_cache()
+    biggest = max(l.max_pages for l in one.layers) * one.pool.n_kv_heads * one.pool.page_size * 32 * 2
+    capped.backend.max_kv_buffer_bytes = biggest
+    split = capped.new_cache().pool
+    assert len(one.pool.segments) == 1 and len(split.segments) == 2
+    assert [split.segment_index(i) for i in range(6)] == [0, 0, 0, 0, 0, 1]
+    snap = SnapKvConfig(budget=48, window=8, sinks=2, min_tokens=16)
+
+    def run(m, pool=None):
+        out = []
+        for ids, s in ((PROMPT[:150], snap), (PROMPT[40:110], False)):
+            cache, logits = m.prefill(ids, snapkv=s, cache=m.new_cache(pool=pool))
+            rows = [logits]
+            for _ in range(3):
+                rows.append(m.forward.decode(int(np.argmax(rows[-1])), cache))
+            out.append(np.stack(rows))
+        return out
+
+    want = run(plain)
+    for got in (run(capped), run(capped, capped.new_pool(2 * 1024))):   # room for both caches
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)

@@ -19,7 +19,7 @@ def fill(cache: KvCache, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
     v = rng.standard_normal((n, H * D)).astype(np.float32)
     for layer in cache.layers:
         layer.reserve(n)
-        b.kv_write(cache.pool.k_pages, cache.pool.v_pages, layer.page_table(), k, v, layer.length)
+        b.kv_write(layer.pool.k_pages, layer.pool.v_pages, layer.page_table(), k, v, layer.length)
         layer.advance(n)
     return bf16_to_f32(f32_to_bf16(k)), bf16_to_f32(f32_to_bf16(v))
 
@@ -64,24 +64,24 @@ def test_compact_matches_model(case):
     assert cache.pool.free_pages == free_before + (-(-n // page_size)) - len(layer.pages)
     assert report.bytes_before == (-(-n // page_size)) * cache.pool.page_bytes
     assert report.bytes_after == layer.bytes
-    got_k, got_v = rows(cache, 0, cache.pool.k_pages), rows(cache, 0, cache.pool.v_pages)
+    got_k, got_v = rows(cache, 0, cache.pool.segments[0].k_pages), rows(cache, 0, cache.pool.segments[0].v_pages)
     kk, vv = k.reshape(n, H, D), v.reshape(n, H, D)
     for h in range(H):
         np.testing.assert_array_equal(got_k[:, h], kk[keep2[h], h])
         np.testing.assert_array_equal(got_v[:, h], vv[keep2[h], h])
     # the other layer is untouched
-    np.testing.assert_array_equal(rows(cache, 1, cache.pool.k_pages), kk)
+    np.testing.assert_array_equal(rows(cache, 1, cache.pool.segments[0].k_pages), kk)
 
 
 def test_keep_all_is_identity_and_idempotent():
     rng = np.random.default_rng(0)
     cache = KvCache(ReferenceBackend(), 1, H, D, max_rows=64, page_size=4)
     k, _ = fill(cache, 10, rng)
-    before = cache.pool.k_pages.copy()
+    before = cache.pool.segments[0].k_pages.copy()
     for _ in range(2):
         r = cache.layers[0].compact(np.arange(10))
         assert r.rows_after == 10 and r.bytes_after == r.bytes_before
-    np.testing.assert_array_equal(cache.pool.k_pages[cache.layers[0].pages], before[cache.layers[0].pages])
+    np.testing.assert_array_equal(cache.pool.segments[0].k_pages[cache.layers[0].pages], before[cache.layers[0].pages])
 
 
 @pytest.mark.parametrize("keep,message", [
@@ -99,11 +99,11 @@ def test_bad_keep_sets_leave_cache_untouched(keep, message):
     cache = KvCache(ReferenceBackend(), 1, H, D, max_rows=64, page_size=4)
     fill(cache, 10, rng)
     layer = cache.layers[0]
-    pages, k_before = list(layer.pages), cache.pool.k_pages.copy()
+    pages, k_before = list(layer.pages), cache.pool.segments[0].k_pages.copy()
     with pytest.raises(KvCacheError, match=message):
         layer.compact(keep, window=2)
     assert layer.length == 10 and layer.pages == pages
-    np.testing.assert_array_equal(cache.pool.k_pages, k_before)
+    np.testing.assert_array_equal(cache.pool.segments[0].k_pages, k_before)
 
 
 def test_decode_appends_at_length_with_logical_position():
@@ -115,7 +115,7 @@ def test_decode_appends_at_length_with_logical_position():
     assert (layer.length, layer.logical_length, len(layer.pages)) == (4, 12, 1)
     k, _ = fill(cache, 1, rng)
     assert (layer.length, layer.logical_length) == (5, 13)
-    np.testing.assert_array_equal(rows(cache, 0, cache.pool.k_pages)[4], k.reshape(1, H, D)[0])
+    np.testing.assert_array_equal(rows(cache, 0, cache.pool.segments[0].k_pages)[4], k.reshape(1, H, D)[0])
 
 
 def test_capacity_error():
@@ -131,9 +131,9 @@ def test_copy_is_independent():
     twin = cache.copy()
     twin.layers[0].compact(np.array([0, 8, 9]))
     assert cache.layers[0].length == 10 and twin.layers[0].length == 3
-    np.testing.assert_array_equal(rows(cache, 0, cache.pool.k_pages), k.reshape(10, H, D))
-    np.testing.assert_array_equal(rows(twin, 0, twin.pool.k_pages), k.reshape(10, H, D)[[0, 8, 9]])
-    np.testing.assert_array_equal(rows(twin, 1, twin.pool.k_pages), k.reshape(10, H, D))
+    np.testing.assert_array_equal(rows(cache, 0, cache.pool.segments[0].k_pages), k.reshape(10, H, D))
+    np.testing.assert_array_equal(rows(twin, 0, twin.pool.segments[0].k_pages), k.reshape(10, H, D)[[0, 8, 9]])
+    np.testing.assert_array_equal(rows(twin, 1, twin.pool.segments[0].k_pages), k.reshape(10, H, D))
 
 
 # -- sliding-window layers (Gemma 3's local layers) --------------------------------------
@@ -144,10 +144,10 @@ NQ = 2 * H          # query heads for the attention checks (GQA group of 2)
 def poison_free_pages(cache: KvCache) -> None:
     """Fill every page in the pool's free list with bf16 NaN, so a read of a returned
     page shows up as NaN in an attention output."""
-    free = np.array(cache.pool._free, dtype=np.int64)
+    free = np.array(cache.pool.segments[0]._free, dtype=np.int64)
     if free.size:
-        cache.pool.k_pages[free] = 0x7FC0
-        cache.pool.v_pages[free] = 0x7FC0
+        cache.pool.segments[0].k_pages[free] = 0x7FC0
+        cache.pool.segments[0].v_pages[free] = 0x7FC0
 
 
 def windowed_attention(q, k, v, start, window):
@@ -203,14 +203,14 @@ def test_window_layer_returns_pages_exactly_when_they_fall_out(case, fold):
         v = rng.standard_normal((n, H * D)).astype(np.float32)
         for layer in cache.layers:
             layer.reserve(n)
-            b.kv_write(cache.pool.k_pages, cache.pool.v_pages, layer.page_table(), k, v, layer.length)
+            b.kv_write(cache.pool.segments[0].k_pages, cache.pool.segments[0].v_pages, layer.page_table(), k, v, layer.length)
         assert local.first_row <= max(0, start - window + 1)          # every row the step needs is held
         assert len(local.pages) <= local.max_pages
         K = np.concatenate([K, bf16_to_f32(f32_to_bf16(k))])
         V = np.concatenate([V, bf16_to_f32(f32_to_bf16(v))])
         q = rng.standard_normal((n, NQ * D)).astype(np.float32)
         out = np.zeros((n, NQ * D), np.float32)
-        b.attention_prefill(q, cache.pool.k_pages, cache.pool.v_pages, local.page_table(), start, NQ,
+        b.attention_prefill(q, cache.pool.segments[0].k_pages, cache.pool.segments[0].v_pages, local.page_table(), start, NQ,
                             1 / np.sqrt(D), out, window=window)
         np.testing.assert_allclose(out, windowed_attention(q, K, V, start, window), rtol=1e-5, atol=1e-5)
         for layer in cache.layers:
@@ -232,11 +232,11 @@ def test_window_layer_returns_pages_exactly_when_they_fall_out(case, fold):
         assert (local.length, local.logical_length) == (len(K), len(K))
         poison_free_pages(cache)
     # the full layer kept every row; the window layer's intact rows are the last ones written
-    np.testing.assert_array_equal(rows(cache, 1, cache.pool.k_pages).reshape(len(K), -1), K)
+    np.testing.assert_array_equal(rows(cache, 1, cache.pool.segments[0].k_pages).reshape(len(K), -1), K)
     ps = page_size
     assert local.first_row <= max(0, local.length - window + 1)
     for r in range(local.first_row, local.length):
-        got = bf16_to_f32(cache.pool.k_pages[local.pages[r // ps - local.first_page], :, r % ps, :])
+        got = bf16_to_f32(cache.pool.segments[0].k_pages[local.pages[r // ps - local.first_page], :, r % ps, :])
         np.testing.assert_array_equal(got.reshape(-1), K[r])
     assert cache.length == full.length and cache.stats()["layers"][0]["first_row"] == local.first_row
 
@@ -288,10 +288,52 @@ def test_copy_of_a_window_cache_continues_identically():
     a, b = cache.layers[0], twin.layers[0]
     assert (a.length, a.first_page, len(a.pages)) == (b.length, b.first_page, len(b.pages))
     for r in range(a.first_row, a.length):
-        pa = cache.pool.k_pages[a.pages[r // 4 - a.first_page], :, r % 4]
-        pb = twin.pool.k_pages[b.pages[r // 4 - b.first_page], :, r % 4]
+        pa = cache.pool.segments[0].k_pages[a.pages[r // 4 - a.first_page], :, r % 4]
+        pb = twin.pool.segments[0].k_pages[b.pages[r // 4 - b.first_page], :, r % 4]
         np.testing.assert_array_equal(pa, pb)
-    np.testing.assert_array_equal(rows(cache, 1, cache.pool.k_pages), rows(twin, 1, twin.pool.k_pages))
+    np.testing.assert_array_equal(rows(cache, 1, cache.pool.segments[0].k_pages),
+                                  rows(twin, 1, twin.pool.segments[0].k_pages))
+
+
+class CappedBackend(ReferenceBackend):
+    """A backend binding each KV buffer whole, at most `max_kv_buffer_bytes` of it (Vulkan:
+    maxStorageBufferRange)."""
+    def __init__(self, cap):
+        super().__init__()
+        self.max_kv_buffer_bytes = cap
+
+
+def test_layers_take_pages_from_segments_within_the_backend_buffer_limit():
+    """The pool is split into segments, consecutive layers each, every K and V buffer
+    within the backend's limit; each layer takes its pages from its own segment, and
+    writing, compacting, branching and releasing a cache work as on one pool."""
+    page = H * 4 * D * 2                           # bytes of one bf16 page of 4 rows in one buffer
+    windows = (0, 0, 6, 0, 0, 0, 6)                # layer pages at 64 rows: 16, 16, 5, 16, 16, 16, 5
+    cache = KvCache(CappedBackend(40 * page), 7, H, D, max_rows=64, page_size=4, windows=windows, max_step=8)
+    pool = cache.pool
+    assert [s.n_pages for s in pool.segments] == [37, 32, 21]
+    assert [pool.segment_index(i) for i in range(7)] == [0, 0, 0, 1, 1, 2, 2]
+    assert all(s.k_pages.nbytes <= 40 * page and s.v_pages.nbytes <= 40 * page for s in pool.segments)
+    assert all(layer.pool is pool.segment(i) for i, layer in enumerate(cache.layers))
+    rng = np.random.default_rng(8)
+    K = np.concatenate([fill(cache, n, rng)[0] for n in (8, 8, 8, 1, 1)])
+    for i in (0, 3, 5):
+        np.testing.assert_array_equal(rows(cache, i, cache.layers[i].pool.k_pages).reshape(26, -1), K)
+    assert cache.pages_needed(0) == sum(cache.pages_needed(0, s) for s in range(3)) == cache.pages_held()
+    free = [s.free_pages for s in pool.segments]
+    cache.layers[3].compact(np.arange(0, 26, 3))   # 9 rows: 3 of its 7 pages stay
+    assert [s.free_pages for s in pool.segments] == [free[0], free[1] + 4, free[2]]
+    twin = cache.copy()
+    assert [s.n_pages for s in twin.pool.segments] == [37, 32, 21]
+    for i in range(7):
+        a, b = cache.layers[i], twin.layers[i]
+        for r in range(a.first_row, a.length):
+            np.testing.assert_array_equal(a.pool.k_pages[a._table[r // 4], :, r % 4],
+                                          b.pool.k_pages[b._table[r // 4], :, r % 4])
+    cache.release()
+    assert [s.free_pages for s in pool.segments] == [37, 32, 21]
+    one = KvCache(ReferenceBackend(), 7, H, D, max_rows=64, page_size=4, windows=windows, max_step=8)
+    assert len(one.pool.segments) == 1 and one.pool.n_pages == pool.n_pages == 90
 
 
 # -- quantized rows (backends/kvformat.py) ----------------------------------------------
@@ -315,7 +357,7 @@ def fill_f32(cache: KvCache, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
     v = rng.standard_normal((n, H, QD)).astype(np.float32)
     for layer in cache.layers:
         layer.reserve(n)
-        b.kv_write(cache.pool.k_pages, cache.pool.v_pages, layer.page_table(), k.reshape(n, -1),
+        b.kv_write(cache.pool.segments[0].k_pages, cache.pool.segments[0].v_pages, layer.page_table(), k.reshape(n, -1),
                    v.reshape(n, -1), layer.length, k_dtype=cache.k_dtype, v_dtype=cache.v_dtype)
         layer.advance(n)
     return k, v
@@ -334,9 +376,9 @@ def test_page_bytes_count_the_real_row_bytes(kv_dtype, row_bytes):
     cache = quantized_cache(kv_dtype, page_size=16)
     assert cache.pool.page_bytes == H * 16 * row_bytes
     k_fmt, v_fmt = cache.pool.k_format, cache.pool.v_format
-    assert cache.pool.k_pages.shape == k_fmt.page_shape(cache.pool.n_pages, H, 16)
-    assert cache.pool.v_pages.dtype == v_fmt.storage
-    assert cache.pool.k_pages.nbytes + cache.pool.v_pages.nbytes == cache.pool.n_pages * cache.pool.page_bytes
+    assert cache.pool.segments[0].k_pages.shape == k_fmt.page_shape(cache.pool.n_pages, H, 16)
+    assert cache.pool.segments[0].v_pages.dtype == v_fmt.storage
+    assert cache.pool.segments[0].k_pages.nbytes + cache.pool.segments[0].v_pages.nbytes == cache.pool.n_pages * cache.pool.page_bytes
     fill_f32(cache, 20, np.random.default_rng(0))
     st = cache.stats()
     assert st["bytes"] == cache.bytes == 2 * 2 * cache.pool.page_bytes       # 2 layers x ceil(20/16) pages
@@ -364,13 +406,13 @@ def test_compacting_a_quantized_cache_equals_quantizing_the_kept_rows(case):
     # rows quantized as written (all n at once: a tq rotation's last bits may depend on
     # how many rows one BLAS call rotates), then the kept ones picked
     qk, qv = cache.pool.k_format.quantize(k), cache.pool.v_format.quantize(v)
-    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.k_pages), qk[keep2.T, heads])
-    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.v_pages), qv[keep2.T, heads])
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.segments[0].k_pages), qk[keep2.T, heads])
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.segments[0].v_pages), qv[keep2.T, heads])
     assert report.bytes_after == len(cache.layers[0].pages) * cache.pool.page_bytes
     assert report.bytes_before == (-(-n // page_size)) * cache.pool.page_bytes
-    np.testing.assert_array_equal(stored_rows(cache, 1, cache.pool.k_pages), cache.pool.k_format.quantize(k))
+    np.testing.assert_array_equal(stored_rows(cache, 1, cache.pool.segments[0].k_pages), cache.pool.k_format.quantize(k))
     # what attention reads: the dequantized kept rows
-    got = read_rows(cache.pool.k_pages, cache.layers[0].page_table(), keep2.shape[1], cache.k_dtype, QD)
+    got = read_rows(cache.pool.segments[0].k_pages, cache.layers[0].page_table(), keep2.shape[1], cache.k_dtype, QD)
     np.testing.assert_array_equal(got, cache.pool.k_format.dequantize(qk[keep2.T, heads]).transpose(1, 0, 2))
 
 
@@ -381,14 +423,14 @@ def test_copy_branches_quantized_pages_independently(kv_dtype):
     k, v = fill_f32(cache, 10, rng)
     twin = cache.copy()
     assert (twin.k_dtype, twin.v_dtype, twin.kv_dtype) == (cache.k_dtype, cache.v_dtype, kv_dtype)
-    assert twin.pool.k_pages.dtype == np.uint8 and twin.pool.page_bytes == cache.pool.page_bytes
+    assert twin.pool.segments[0].k_pages.dtype == np.uint8 and twin.pool.page_bytes == cache.pool.page_bytes
     twin.layers[0].compact(np.array([0, 8, 9]))
     fill_f32(twin, 2, rng)
     kf, vf = cache.pool.k_format, cache.pool.v_format
-    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.k_pages), kf.quantize(k))
-    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.v_pages), vf.quantize(v))
-    np.testing.assert_array_equal(stored_rows(twin, 0, twin.pool.k_pages)[:3], kf.quantize(k[[0, 8, 9]]))
-    np.testing.assert_array_equal(stored_rows(twin, 1, twin.pool.v_pages)[:10], vf.quantize(v))
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.segments[0].k_pages), kf.quantize(k))
+    np.testing.assert_array_equal(stored_rows(cache, 0, cache.pool.segments[0].v_pages), vf.quantize(v))
+    np.testing.assert_array_equal(stored_rows(twin, 0, twin.pool.segments[0].k_pages)[:3], kf.quantize(k[[0, 8, 9]]))
+    np.testing.assert_array_equal(stored_rows(twin, 1, twin.pool.segments[0].v_pages)[:10], vf.quantize(v))
     assert cache.layers[0].length == 10 and twin.layers[0].length == 5
     assert twin.bytes < cache.bytes
 
@@ -421,7 +463,7 @@ def test_caches_on_a_shared_pool_take_pages_as_they_grow_and_release_them():
     a.release()                                        # idempotent
     assert pool.free_pages == 40 - 6 and a.bytes == 0 and a.length == 0 and a.logical_length == 0
     K, _ = fill(a, 5, rng)                             # reusable, on other pages
-    np.testing.assert_array_equal(rows(a, 1, pool.k_pages).reshape(5, -1), K)
+    np.testing.assert_array_equal(rows(a, 1, pool.segments[0].k_pages).reshape(5, -1), K)
     c.release()
     a.release()
     assert pool.free_pages == 40
@@ -445,7 +487,7 @@ def test_truncate_keeps_the_first_positions_and_refuses_what_it_cannot():
     K, _ = fill(full, 10, rng)
     full.truncate(5)
     assert len(full.layers[0].pages) == 2 and full.pool.free_pages == full.pool.n_pages - 2
-    np.testing.assert_array_equal(rows(full, 0, full.pool.k_pages).reshape(5, -1), K[:5])
+    np.testing.assert_array_equal(rows(full, 0, full.pool.segments[0].k_pages).reshape(5, -1), K[:5])
     full.layers[0].compact(np.arange(3))
     full.eviction = {"policy": "test"}
     with pytest.raises(KvCacheError, match="compacted"):
