@@ -10,6 +10,11 @@
 // so no scores ever leave shared memory. Grid: (n_q_heads, n, 1).
 // tq keys: Q holds the rotated queries R q (kv_rotate); tq values: O receives the
 // output in the values' rotated basis, which kv_rotate turns back.
+// SPLIT=S (decode, n = 1; flash-decoding): grid (n_q_heads, S, 1), workgroup s takes the
+// s-th of S equal spans of the visible rows and writes its unnormalised accumulators,
+// running max and sum to O[(h * S + s) * (head_dim + 2) ..]; attention_combine.comp
+// merges the S partials of each head. The grid does not depend on the context length,
+// so decode keeps one pipeline as the cache grows.
 #extension GL_GOOGLE_include_directive : require
 #define TILE 64u
 layout(local_size_x = 64) in;
@@ -33,12 +38,22 @@ shared float ps[TILE];
 shared float red[TILE];
 
 void main() {
-    uint h = gl_WorkGroupID.x, t = gl_WorkGroupID.y, tid = gl_LocalInvocationID.x;
+    uint h = gl_WorkGroupID.x, tid = gl_LocalInvocationID.x;
     uint hd = pc.head_dim;
     uint k_rb = row_bytes(K_FMT, hd), v_rb = row_bytes(V_FMT, hd);
     uint kvh = h / (pc.n_q_heads / pc.n_kv);
+#ifdef SPLIT
+    uint t = 0u;
+    uint end = pc.start_row + 1u;
+    uint first = pc.window != 0u && end > pc.window ? end - pc.window : 0u;
+    uint span = (end - first + SPLIT - 1u) / SPLIT;
+    uint lo = min(first + gl_WorkGroupID.y * span, end);
+    uint n_vis = min(lo + span, end);                                // rows lo .. n_vis-1
+#else
+    uint t = gl_WorkGroupID.y;
     uint n_vis = pc.start_row + t + 1u;                              // rows lo .. n_vis-1
     uint lo = pc.window != 0u && n_vis > pc.window ? n_vis - pc.window : 0u;
+#endif
     float scale = uintBitsToFloat(pc.scale_bits);
     uint qo = pc.q_off + t * pc.q_stride + h * hd;
     for (uint i = tid; i < hd; i += 64u) qs[i] = Q[qo + i] * scale;
@@ -87,7 +102,17 @@ void main() {
         }
         barrier();
     }
+#ifdef SPLIT
+    uint po = (h * SPLIT + gl_WorkGroupID.y) * (hd + 2u);
+    for (uint i = 0u; i < 4u; i++)
+        if (4u * tid + i < hd) O[po + 4u * tid + i] = acc[i];
+    if (tid == 0u) {
+        O[po + hd] = M;                                              // -inf for an empty span
+        O[po + hd + 1u] = L;
+    }
+#else
     uint oo = pc.o_off + t * pc.o_stride + h * hd + 4u * tid;
     for (uint i = 0u; i < 4u; i++)
         if (4u * tid + i < hd) O[oo + i] = acc[i] / L;
+#endif
 }

@@ -26,11 +26,12 @@ PER_WORD = {np.dtype(np.float32): 1, np.dtype(np.int32): 1, np.dtype(np.uint32):
 class Buffer:
     """One kp.Tensor (uint32 words [n_words]) and its identity for the pipeline cache."""
 
-    __slots__ = ("tensor", "n_words", "serial", "__weakref__")
+    __slots__ = ("tensor", "n_words", "serial", "device_only", "__weakref__")
 
-    def __init__(self, tensor, n_words: int):
+    def __init__(self, tensor, n_words: int, device_only: bool = False):
         self.tensor = tensor
         self.n_words = n_words
+        self.device_only = device_only      # in device memory only: no host copy to read or write
         self.serial = next(_serials)
 
 

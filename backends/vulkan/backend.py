@@ -42,7 +42,7 @@ from engine.errors import BackendUnavailable
 from . import shaders
 from ..base import check_kv_dtypes, rope_inv_freq
 from ..kvformat import KV_DTYPES, TQ_BITS, KvFormat, rotation
-from .arrays import Buffer, DeviceArray, to_words
+from .arrays import PER_WORD, Buffer, DeviceArray, to_words
 from .device import (check_buffer, check_device, check_grid, list_devices, manager, max_buffer_bytes,
                      pick_device)
 from .weights import VulkanWeight, load_weight
@@ -60,6 +60,8 @@ except ImportError:        # not built (tools/build_kp_barrier.py): submit each 
 
 F32 = np.dtype(np.float32)
 _MAX_ALGOS = 4096
+STAGED_MAX_BYTES = 1 << 16        # GPU buffers up to this size keep kp's host staging copy
+READBACK_KEEP_BYTES = 16 << 20    # device-only buffers up to this size keep their host readback copy
 _NO_SPEC = np.zeros(0, dtype=np.uint32)
 
 
@@ -129,26 +131,62 @@ class VulkanBackend:
         self._dummy = self._buffer(np.zeros(1, np.uint32))
         self._rope_tables: dict = {}                       # (rot_dim, inv_freq) -> (DeviceArray, max positions)
         self._rot_tables: dict = {}                        # head_dim -> f32 [2, hd, hd] (R^T, R) DeviceArray
-        self._rot_scratch: dict = {}                       # "a" | "b" -> Buffer (f32 words, grown on demand)
+        self._rot_scratch: dict = {}                       # "a" | "b" | "partials" -> Buffer (grown on demand)
         self.matmul_cpu_layout = self._cpu_device          # matmul.comp's ROW_PER_LANE layout
+        # decode attention in this many spans of the context merged by a second pass (GPUs:
+        # enough workgroups to fill the device at a few heads); one on CPU devices, whose
+        # few threads the heads already keep busy
+        self.decode_splits = 1 if self._cpu_device else shaders.DECODE_SPLITS
         self.max_buffer_bytes = max_buffer_bytes(info)     # larger weights are split by rows
+        self.max_kv_buffer_bytes = self.max_buffer_bytes   # larger KV pools are split by layers
+        self._readback: dict[int, Buffer] = {}             # device-only buffer serial -> host copy
         self.bytes_to_device = 0                           # host<->device traffic counters
         self.bytes_to_host = 0
 
     # -- buffers ----------------------------------------------------------------------
-    def _buffer(self, words: np.ndarray) -> Buffer:
+    def _buffer(self, words: np.ndarray, zeros: bool = False) -> Buffer:
+        """A buffer holding `words` (with `zeros`, zeros: `words` then only gives the size and
+        is never read). On a CPU device the buffer is host-visible memory itself. On a GPU
+        a buffer of at most STAGED_MAX_BYTES keeps kp's host staging copy (page tables,
+        token ids: rewritten and read back in place); a larger one lives in device memory
+        only (weights, KV pools, activations: no second copy of the model and the cache in
+        host memory), filled by a copy from a transient host buffer, or zeroed on the device."""
         check_buffer(self.device, words.nbytes)
-        try:
-            t = self.mgr.tensor_t(np.ascontiguousarray(words, dtype=np.uint32), self._ttype)
-        except RuntimeError as e:          # kp (tools/kp-0.9.0.patch): vkAllocateMemory etc. failed
+        words = np.ascontiguousarray(words, dtype=np.uint32)
+        device_only = self._ttype == kp.TensorTypes.device and words.nbytes > STAGED_MAX_BYTES
+        buf = Buffer(self._tensor(words, kp.TensorTypes.storage if device_only else self._ttype),
+                     words.size, device_only)
+        weakref.finalize(buf, self._forget, buf.serial)
+        if device_only:
+            self._copy_words(None if zeros else self._host_buffer(words), buf)
+            if not zeros:
+                self.flush()                               # the transient host copy goes now
+        elif self._ttype == kp.TensorTypes.device:
+            self.mgr.sequence().eval(kp.OpTensorSyncDevice([buf.tensor]))
+            self.submissions += 1
+        return buf
+
+    def _tensor(self, words: np.ndarray, ttype):
+        try:                   # kp (tools/kp-0.9.0.patch) raises when vkAllocateMemory etc. fail
+            return self.mgr.tensor_t(words, ttype)
+        except RuntimeError as e:
             raise BackendUnavailable(f"backend 'vulkan': cannot allocate {words.nbytes / 2**20:.1f} MiB "
                                      f"on {self.device['name']}: {e}") from None
-        if self._ttype == kp.TensorTypes.device:
-            self.mgr.sequence().eval(kp.OpTensorSyncDevice([t]))
-            self.submissions += 1
-        buf = Buffer(t, words.size)
+
+    def _host_buffer(self, words: np.ndarray) -> Buffer:
+        """A host-visible buffer of `words` (the source or destination of a device-only
+        buffer's copy), alive until the pending batch completes."""
+        buf = Buffer(self._tensor(words, kp.TensorTypes.host), words.size)
         weakref.finalize(buf, self._forget, buf.serial)
+        self._keepalive.append(buf)
         return buf
+
+    def _copy_words(self, src: Buffer | None, dst: Buffer) -> None:
+        """Record dst[:n] = src[:n] word for word (src None: zeros; n the smaller buffer's
+        words) into the pending batch."""
+        n = dst.n_words if src is None else min(src.n_words, dst.n_words)
+        self._dispatch("copy_words", () if src is not None else ("FILL",), [src or self._dummy, dst],
+                       (min(-(-n // 256), shaders.MAX_WORKGROUPS), 1, 1), _u32(n))
 
     def _forget(self, serial: int) -> None:
         """Drop every cached pipeline that binds a buffer that no longer exists."""
@@ -162,15 +200,16 @@ class VulkanBackend:
         return arr
 
     def _scratch(self, n_words: int) -> Buffer:
-        buf = self._buffer(np.zeros(max(1, n_words), np.uint32))
+        buf = self._buffer(np.zeros(max(1, n_words), np.uint32), zeros=True)
         self._keepalive.append(buf)
         return buf
 
     # -- memory -----------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32) -> DeviceArray:
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-        words, dt = to_words(np.zeros(shape, dtype=dtype))
-        return DeviceArray(self._buffer(words), dt, shape)
+        dt = to_words(np.zeros(1, dtype=dtype))[1]
+        n_words = max(1, -(-int(np.prod(shape)) // PER_WORD[dt]))
+        return DeviceArray(self._buffer(np.zeros(n_words, np.uint32), zeros=True), dt, shape)
 
     def upload(self, host) -> DeviceArray:
         host = np.asarray(host)
@@ -192,19 +231,34 @@ class VulkanBackend:
             self.flush()
         elif any(serial in serials for _, _, serials in self._in_flight):
             self._await_in_flight()
-        t = arr.buffer.tensor
-        t.data()[:words.size] = words                      # host-visible memory (or the staging copy)
+        buf = arr.buffer
         self.bytes_to_device += words.nbytes
+        if buf.device_only:
+            self._copy_words(self._host_buffer(words), buf)
+            self._pending_serials.add(serial)
+            return
+        buf.tensor.data()[:words.size] = words             # host-visible memory (or the staging copy)
         if self._ttype == kp.TensorTypes.device:
-            self._record(kp.OpTensorSyncDevice([t]))
+            self._record(kp.OpTensorSyncDevice([buf.tensor]))
             self._pending_serials.add(serial)
 
     def download(self, arr) -> np.ndarray:
         if isinstance(arr, np.ndarray):
             return np.array(arr, copy=True)
-        t = arr.buffer.tensor
-        if self._ttype == kp.TensorTypes.device:
-            self._record(kp.OpTensorSyncLocal([t]))     # the copy back rides with the compute
+        buf = arr.buffer
+        if buf.device_only:                            # the copy back rides with the compute
+            host = self._readback.get(buf.serial)
+            if host is None:
+                host = self._host_buffer(np.zeros(buf.n_words, np.uint32))
+                if 4 * buf.n_words <= READBACK_KEEP_BYTES:   # the logits: read every token
+                    self._readback[buf.serial] = host
+                    weakref.finalize(buf, self._readback.pop, buf.serial, None)
+            self._copy_words(buf, host)
+            t = host.tensor
+        else:
+            t = buf.tensor
+            if self._ttype == kp.TensorTypes.device:
+                self._record(kp.OpTensorSyncLocal([t]))
         self.flush()
         out = arr.host_view(t.data())
         self.bytes_to_host += out.nbytes
@@ -217,8 +271,15 @@ class VulkanBackend:
         check_kv_dtypes(self, k_dtype, v_dtype)
         if head_dim % 2 or head_dim > 256:
             raise BackendUnavailable(f"backend 'vulkan' needs an even head_dim <= 256, got {head_dim}")
-        return tuple(self.alloc(f.page_shape(n_pages, n_kv_heads, page_size), f.storage)
-                     for f in (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)))
+        formats = (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim))
+        for f in formats:
+            nbytes = n_pages * n_kv_heads * page_size * f.row_bytes
+            if self.max_buffer_bytes and nbytes > self.max_buffer_bytes:    # one layer's pages alone
+                raise BackendUnavailable(
+                    f"backend 'vulkan': one layer's KV pages need a {nbytes / 2**20:.0f} MiB buffer, more than "
+                    f"one shader binding of {self.device['name']} covers ({self.max_buffer_bytes / 2**20:.0f} MiB: "
+                    f"maxStorageBufferRange or the allocation limit); lower --ctx or use a smaller --kv-dtype")
+        return tuple(self.alloc(f.page_shape(n_pages, n_kv_heads, page_size), f.storage) for f in formats)
 
     def synchronize(self) -> None:
         self.flush()
@@ -478,11 +539,29 @@ class VulkanBackend:
         page_size = k_pages.shape[2]
         push = _u32(n, n_q_heads, n_kv, head_dim, page_size, start_row, q.offset, q.row_stride,
                     o.offset, o.row_stride, _fbits(scale), window)
-        self._dispatch("attention", shaders.kv_defines(k_dtype, v_dtype),
-                       [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, o.buffer],
-                       (n_q_heads, n, 1), push)
+        defines = shaders.kv_defines(k_dtype, v_dtype)
+        splits = self.decode_splits if n == 1 else 1
+        if splits > 1:                                     # flash-decoding: spans, then a merge
+            part = self._partials(n_q_heads * splits * (head_dim + 2))
+            self._dispatch("attention", defines + (f"SPLIT={splits}u",),
+                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, part],
+                           (n_q_heads, splits, 1), push)
+            self._dispatch("attention_combine", (), [part, o.buffer], (n_q_heads, 1, 1),
+                           _u32(head_dim, splits, o.offset))
+        else:
+            self._dispatch("attention", defines,
+                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, o.buffer],
+                           (n_q_heads, n, 1), push)
         if o is not out:                                   # sum_j p_j y_j back from the values' basis
             self._rotate(o, out, n_q_heads, head_dim, back=True)
+
+    def _partials(self, n_words: int) -> Buffer:
+        """The split decode attention's partial results: one buffer, grown on demand and
+        kept, so the pipelines that bind it stay cached."""
+        buf = self._rot_scratch.get("partials")
+        if buf is None or buf.n_words < n_words:
+            buf = self._rot_scratch["partials"] = self._buffer(np.zeros(n_words, np.uint32), zeros=True)
+        return buf
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,

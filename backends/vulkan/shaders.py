@@ -32,6 +32,7 @@ MATMUL_TN_CPU = 2   # the same, ROW_PER_LANE layout (CPU devices; best on lavapi
 MATMUL_WG = 64      # invocations per workgroup, GPU layout (matmul.comp's WG)
 MATMUL_ROWS_CPU = 8 * 32   # rows per workgroup, ROW_PER_LANE layout (matmul.comp's LX * TR)
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
+DECODE_SPLITS = 16         # spans of the context in split decode attention (attention.comp SPLIT)
 
 
 def matmul_geometry(rows: int, cols: int, n: int, cpu_device: bool) -> tuple[tuple[str, ...], int, tuple]:
@@ -76,11 +77,13 @@ def kv_defines(k_dtype: str | None = None, v_dtype: str | None = None) -> tuple[
 def variants() -> list[tuple[str, tuple[str, ...]]]:
     """Every (shader, defines) the backend can dispatch."""
     out = [("rms_norm", ()), ("rope", ()), ("kv_rotate", ()),
-           ("kv_gather", ("PASS_GATHER",)), ("kv_gather", ("PASS_SCATTER",)), ("kv_copy_pages", ())]
+           ("kv_gather", ("PASS_GATHER",)), ("kv_gather", ("PASS_SCATTER",)), ("kv_copy_pages", ()),
+           ("copy_words", ()), ("copy_words", ("FILL",)), ("attention_combine", ())]
     for k in KV_DTYPES:
         out += [("snapkv_votes", ("PASS_STATS",) + kv_defines(k)), ("snapkv_votes", ("PASS_VOTES",) + kv_defines(k))]
         for v in KV_DTYPES:
-            out += [("kv_write", kv_defines(k, v)), ("attention", kv_defines(k, v))]
+            out += [("kv_write", kv_defines(k, v)), ("attention", kv_defines(k, v)),
+                    ("attention", kv_defines(k, v) + (f"SPLIT={DECODE_SPLITS}u",))]
     out += [("eltwise", (define,)) for define in ELTWISE_OPS.values()]
     for q in QTYPES:
         out.append(("embedding", (f"QTYPE_{q}",)))

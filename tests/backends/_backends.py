@@ -111,3 +111,13 @@ def assert_rows_written(got, want, dtype: str, head_dim: int) -> None:
     cg = _unpack(g[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
     cw = _unpack(w[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
     assert np.abs(cg - cw).max() <= 1 and (cg != cw).mean() <= 1e-3
+
+
+def vulkan_reporting(monkeypatch, device_type=None, **limits):
+    """(the Vulkan backend module, device index) with its device list reporting lavapipe
+    as another `device_type` and/or with `limits` changed."""
+    from backends.vulkan import backend as mod, device
+    real = device.list_devices()
+    monkeypatch.setattr(mod, "list_devices", lambda: [
+        dict(d, type=device_type or d["type"], limits=dict(d.get("limits") or {}, **limits)) for d in real])
+    return mod, real[0]["index"]

@@ -30,8 +30,8 @@ def _pool_rows(model, cache, layer, n_rows):
     """f64 [n_kv, n_rows, head_dim] K and V rows of one layer, read back from the device."""
     b = model.backend
     table = np.asarray(cache.layers[layer]._table)
-    return (read_rows(b.download(cache.pool.k_pages), table, n_rows),
-            read_rows(b.download(cache.pool.v_pages), table, n_rows))
+    return (read_rows(b.download(cache.layers[layer].pool.k_pages), table, n_rows),
+            read_rows(b.download(cache.layers[layer].pool.v_pages), table, n_rows))
 
 
 def check_logits_and_tokens(cpu, dev, ids, n, tol=1e-5):

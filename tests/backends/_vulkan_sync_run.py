@@ -3,9 +3,9 @@ starts, so they need a process of their own).
 
     python _vulkan_sync_run.py MODEL.gguf barrier|submit|none [KV_DTYPE]
 
-Runs the model on Vulkan with device-local buffers, as on a GPU, with the given
-inter-dispatch sync and KV row format (default bf16; e.g. tq4/tq3): prefill, SnapKV
-compaction, a cache branch, decode. Prints one JSON line with the greedy tokens, the
+Runs the model on Vulkan with device-local buffers and split decode attention, as on a
+GPU, with the given inter-dispatch sync and KV row format (default bf16; e.g. tq4/tq3):
+prefill, SnapKV compaction, a cache branch, decode. Prints one JSON line with the greedy tokens, the
 last logits, and whether the Khronos validation layer's library is loaded."""
 import json
 import sys
@@ -40,6 +40,7 @@ def main() -> None:
 
     def get_backend(name="cpu", threads=None, quiet=False, auto_gpu_only=False):
         b = vk_backend.VulkanBackend(device_local=True)
+        b.decode_splits = vk_backend.shaders.DECODE_SPLITS   # a GPU's split decode attention
         if mode == "none":
             b._sync = None                                 # the race the barrier exists to prevent
         backends.check_complete(b)

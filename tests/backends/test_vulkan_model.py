@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _backends import available_backends
+from _backends import available_backends, vulkan_reporting
 from _model_checks import (check_decode_batch, check_decode_moves_only_the_logits, check_logits_and_tokens,
                            check_snapkv)
 
@@ -95,3 +95,61 @@ def test_prefill_submits_every_chunk(models):
     finally:
         fwd.chunk = chunk
     np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_a_small_buffer_range_splits_kv_pools_and_weights(monkeypatch, models, default_model_path):
+    """A device whose shader bindings cover 1 MiB (maxStorageBufferRange, simulated on
+    lavapipe; real devices guarantee only 128 MiB): the KV pool goes into buffers of whole
+    layers, each within the range, the 28 MiB embedding/head into row ranges, and the
+    logits and greedy tokens are the CPU's. One layer's pages over the range fail in one
+    line naming the limit."""
+    import engine
+    from engine.errors import BackendUnavailable
+    vulkan_reporting(monkeypatch, max_storage_buffer_range=1 << 20)
+    small = engine.load(default_model_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
+    cache = small.new_cache()
+    per_layer = CTX * small.config.n_kv_heads * small.config.head_dim * 2        # bf16 K of one layer
+    assert len(cache.pool.segments) == -(-small.config.n_layers // ((1 << 20) // per_layer))
+    assert all(4 * a.buffer.n_words <= 1 << 20 for s in cache.pool.segments for a in (s.k_pages, s.v_pages))
+    check_logits_and_tokens(models[0], small, models[0].tokenize(PROMPT), 4, tol=1e-4)
+    big = engine.load(default_model_path, backend="vulkan", ctx=4096, snapkv_budget=0)
+    with pytest.raises(BackendUnavailable, match=r"one layer's KV pages need a 2 MiB buffer, .* \(1 MiB: "
+                                                 r"maxStorageBufferRange"):
+        big.generate("hi", max_tokens=1)
+
+
+def test_gpu_buffers_live_in_device_memory_only(monkeypatch, models, default_model_path):
+    """With device-local buffers and split decode attention (a GPU's; forced on lavapipe),
+    every buffer larger than 64 KiB (weights, the KV pool, activations, the logits) lives
+    in device memory only, with no host staging copy of the model and the cache; uploads
+    and read-backs go through transient host buffers, and the logits, greedy tokens and
+    per-token counters (one submission, no new pipeline, the logits back) are as on CPU."""
+    import backends
+    import engine
+    from backends.vulkan import backend as mod
+
+    def gpu_style(name="cpu", threads=None, quiet=False, auto_gpu_only=False):
+        b = mod.VulkanBackend(device_local=True)
+        b.decode_splits = mod.shaders.DECODE_SPLITS        # a GPU's split decode attention too
+        backends.check_complete(b)
+        return b
+
+    monkeypatch.setattr(backends, "get_backend", gpu_style)
+    gpu = engine.load(default_model_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
+    b = gpu.backend
+    assert b._ttype == mod.kp.TensorTypes.device
+    w = gpu.forward.weights
+    assert all(buf.device_only for _, _, buf in w.token_embd.parts)
+    assert w.output_norm.buffer.n_words * 4 <= mod.STAGED_MAX_BYTES and not w.output_norm.buffer.device_only
+    cache = gpu.new_cache()
+    table = cache.layers[0].page_table()
+    assert all(a.buffer.device_only for s in cache.pool.segments for a in (s.k_pages, s.v_pages))
+    assert not table.buffer.device_only                    # small: keeps its staging copy
+    check_logits_and_tokens(models[0], gpu, models[0].tokenize(PROMPT), 4, tol=1e-4)
+    cache, logits = gpu.prefill(gpu.tokenize(PROMPT))
+    token = int(np.argmax(gpu.forward.decode(int(np.argmax(logits)), cache)))       # warm-up
+    before = (b.submissions, b.pipelines_created, b.bytes_to_host)
+    for _ in range(4):
+        token = int(np.argmax(gpu.forward.decode(token, cache)))
+    assert (b.submissions - before[0], b.pipelines_created - before[1]) == (4, 0)
+    assert b.bytes_to_host - before[2] == 4 * 4 * gpu.config.vocab_size

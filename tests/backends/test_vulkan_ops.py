@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from _backends import available_backends, make_backend
+from _backends import available_backends, make_backend, vulkan_reporting
 from backends.reference import ReferenceBackend
 
 pytestmark = pytest.mark.skipif("vulkan" not in available_backends(), reason="no Vulkan device / kp")
@@ -127,22 +127,12 @@ def test_gpu_required_but_only_cpu_device():
         pick_device([])
 
 
-def _reported(monkeypatch, device_type=None, **limits):
-    """(the Vulkan backend module, device index) with its device list reporting lavapipe
-    as another `device_type` and/or with `limits` changed."""
-    from backends.vulkan import backend as mod, device
-    real = device.list_devices()
-    monkeypatch.setattr(mod, "list_devices", lambda: [
-        dict(d, type=device_type or d["type"], limits=dict(d.get("limits") or {}, **limits)) for d in real])
-    return mod, real[0]["index"]
-
-
 @pytest.mark.parametrize("device_type,device_local,synced", [("cpu", False, False), ("cpu", True, True),
                                                              ("integrated", False, True), ("discrete", True, True)])
 def test_sync_follows_the_device_type_not_the_memory_type(monkeypatch, device_type, device_local, synced):
     """Host-visible buffers on a GPU still get barriers between dispatches: lavapipe,
     reported as a GPU, with either memory type."""
-    mod, index = _reported(monkeypatch, device_type)
+    mod, index = vulkan_reporting(monkeypatch, device_type)
     b = mod.VulkanBackend(device=index, device_local=device_local)
     assert (b._sync is not None) == synced and b._sync in (None, "barrier", "submit")
     assert (b._ttype == mod.kp.TensorTypes.device) == device_local
@@ -156,10 +146,10 @@ def test_small_device_limits_fail_with_the_named_limit(monkeypatch):
     """A device below what our shaders bind, allocate or dispatch fails in one line that
     names the limit, before anything is created (simulated limits on lavapipe)."""
     from engine.errors import BackendUnavailable
-    mod, index = _reported(monkeypatch, max_storage_buffers_per_stage=4)
+    mod, index = vulkan_reporting(monkeypatch, max_storage_buffers_per_stage=4)
     with pytest.raises(BackendUnavailable, match=r"allows 4 storage buffers .*maxPerStageDescriptorStorageBuffers"):
         mod.VulkanBackend(device=index)
-    mod, index = _reported(monkeypatch, max_allocation_size=1 << 20, max_workgroup_count=(8, 8, 8))
+    mod, index = vulkan_reporting(monkeypatch, max_allocation_size=1 << 20, max_workgroup_count=(8, 8, 8))
     b = mod.VulkanBackend(device=index)
     b.alloc((256, 1024))                                   # exactly 1 MiB: allowed
     with pytest.raises(BackendUnavailable, match=r"buffer of 2 MiB .*maxMemoryAllocationSize, 1 MiB\)"):
@@ -460,3 +450,26 @@ def test_kv_ops_on_rows_of_odd_byte_widths(vk):
     REF.kv_gather(k_pages, v_pages, table, keep)
     np.testing.assert_array_equal(vk.download(dk), k_pages)
     np.testing.assert_array_equal(vk.download(dv), v_pages)
+
+
+@pytest.mark.parametrize("kv", [("bf16", "bf16"), ("q8_0", "q4_0"), ("tq4", "tq3")], ids="/".join)
+@pytest.mark.parametrize("n_rows,window", [(1, 0), (7, 0), (300, 0), (2500, 0), (700, 256)])
+def test_split_decode_attention_matches_the_reference(vk, kv, n_rows, window):
+    """Flash-decoding, the GPU path (spans of the context, then a merge pass), forced on
+    lavapipe: spans shorter than a tile, empty spans (fewer rows than spans), a sliding
+    window and quantized rows give the reference's output."""
+    from test_ops import TOL_ATTN, filled_pool
+    rng = np.random.default_rng(n_rows + window)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, 3, 16, 64, kscale=2.0, kv=kv)
+    q = rng.standard_normal((1, 9 * 64)).astype(np.float32)
+    want = np.empty_like(q)
+    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, 9, 0.125, want, window, *kv)
+    dev = [vk.upload(a) for a in (q, k_pages, v_pages, page_table)]
+    try:
+        for splits in (16, 3):
+            vk.decode_splits = splits
+            out = vk.upload(np.zeros_like(q))
+            vk.attention_decode(*dev, n_rows, 9, 0.125, out, window, *kv)
+            assert nmse(vk.download(out), want) < TOL_ATTN, splits
+    finally:
+        vk.decode_splits = 1
