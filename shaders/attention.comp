@@ -15,6 +15,9 @@
 // running max and sum to O[(h * S + s) * (head_dim + 2) ..]; attention_combine.comp
 // merges the S partials of each head. The grid does not depend on the context length,
 // so decode keeps one pipeline as the cache grows.
+// GROUP (specialization constant 0, default 1): a workgroup serves the GROUP query heads
+// of one KV head (grouped-query attention), reading each K/V row once for all of them;
+// the grid's x is then the KV head. GROUP is 1 or n_q_heads / n_kv (<= MAX_GROUP).
 #extension GL_GOOGLE_include_directive : require
 #define TILE 64u
 layout(local_size_x = 64) in;
@@ -30,18 +33,20 @@ layout(push_constant) uniform P {
 #include "common.glsl"
 #define KV_READ_K
 #define KV_READ_V
-#define KQ(qo, i) qs[i]
-shared float qs[256];                    // MAX_DIM (kv.glsl): declared before k_dot reads it
+layout(constant_id = 0) const uint GROUP = 1u;
+#define KQ(qo, i) qs[(qo) + (i)]
+shared float qs[GROUP * 256u];           // MAX_DIM (kv.glsl) per head: declared before k_dot reads it
 #include "kv.glsl"
 
-shared float ps[TILE];
-shared float red[TILE];
+shared float ps[GROUP * TILE];
+shared float red[GROUP * TILE];
 
 void main() {
-    uint h = gl_WorkGroupID.x, tid = gl_LocalInvocationID.x;
+    uint tid = gl_LocalInvocationID.x;
     uint hd = pc.head_dim;
     uint k_rb = row_bytes(K_FMT, hd), v_rb = row_bytes(V_FMT, hd);
-    uint kvh = h / (pc.n_q_heads / pc.n_kv);
+    uint kvh = GROUP > 1u ? gl_WorkGroupID.x : gl_WorkGroupID.x / (pc.n_q_heads / pc.n_kv);
+    uint h0 = GROUP > 1u ? gl_WorkGroupID.x * GROUP : gl_WorkGroupID.x;      // first query head served
 #ifdef SPLIT
     uint t = 0u;
     uint end = pc.start_row + 1u;
@@ -55,64 +60,83 @@ void main() {
     uint lo = pc.window != 0u && n_vis > pc.window ? n_vis - pc.window : 0u;
 #endif
     float scale = uintBitsToFloat(pc.scale_bits);
-    uint qo = pc.q_off + t * pc.q_stride + h * hd;
-    for (uint i = tid; i < hd; i += 64u) qs[i] = Q[qo + i] * scale;
+    uint qo = pc.q_off + t * pc.q_stride + h0 * hd;
+    for (uint g = 0u; g < GROUP; g++)
+        for (uint i = tid; i < hd; i += 64u) qs[g * 256u + i] = Q[qo + g * hd + i] * scale;
     kv_tables_init(tid);
     barrier();
 
-    float M = -1.0 / 0.0, L = 0.0;
-    vec4 acc = vec4(0.0);                         // values 4 tid .. 4 tid + 3
+    float M[GROUP], L[GROUP], s[GROUP];
+    vec4 acc[GROUP];                              // values 4 tid .. 4 tid + 3 of each head
+    for (uint g = 0u; g < GROUP; g++) {
+        M[g] = -1.0 / 0.0;
+        L[g] = 0.0;
+        acc[g] = vec4(0.0);
+    }
     bool owns = 4u * tid < hd;
     for (uint base = lo; base < n_vis; base += TILE) {
         uint r = base + tid;
-        float s = -1.0 / 0.0;
-        if (r < n_vis) s = k_dot(kv_row(uint(PT[r / pc.page_size]), kvh, r % pc.page_size, pc.n_kv, pc.page_size, k_rb), 0u);
-        red[tid] = s;
+        uint kr = r < n_vis ? kv_row(uint(PT[r / pc.page_size]), kvh, r % pc.page_size, pc.n_kv, pc.page_size, k_rb) : 0u;
+        for (uint g = 0u; g < GROUP; g++) {
+            s[g] = r < n_vis ? k_dot(kr, g * 256u) : -1.0 / 0.0;
+            red[g * TILE + tid] = s[g];
+        }
         barrier();
         for (uint w = TILE / 2u; w > 0u; w >>= 1) {
-            if (tid < w) red[tid] = max(red[tid], red[tid + w]);
+            if (tid < w)
+                for (uint g = 0u; g < GROUP; g++) red[g * TILE + tid] = max(red[g * TILE + tid], red[g * TILE + tid + w]);
             barrier();
         }
-        float m_new = max(M, red[0]);
+        float m_new[GROUP];
+        for (uint g = 0u; g < GROUP; g++) m_new[g] = max(M[g], red[g * TILE]);
         barrier();
-        float p_ = r < n_vis ? exp(s - m_new) : 0.0;
 #ifdef V_ROW_SCALE
-        ps[tid] = r < n_vis ? p_ * v_row_scale(kv_row(uint(PT[r / pc.page_size]), kvh, r % pc.page_size, pc.n_kv,
-                                                      pc.page_size, v_rb)) : 0.0;
+        float vs = r < n_vis ? v_row_scale(kv_row(uint(PT[r / pc.page_size]), kvh, r % pc.page_size, pc.n_kv,
+                                                  pc.page_size, v_rb)) : 0.0;
 #else
-        ps[tid] = p_;
+        float vs = 1.0;
 #endif
-        red[tid] = p_;
+        for (uint g = 0u; g < GROUP; g++) {
+            float p_ = r < n_vis ? exp(s[g] - m_new[g]) : 0.0;
+            ps[g * TILE + tid] = p_ * vs;
+            red[g * TILE + tid] = p_;
+        }
         barrier();
         for (uint w = TILE / 2u; w > 0u; w >>= 1) {
-            if (tid < w) red[tid] += red[tid + w];
+            if (tid < w)
+                for (uint g = 0u; g < GROUP; g++) red[g * TILE + tid] += red[g * TILE + tid + w];
             barrier();
         }
-        float alpha = exp(M - m_new);
-        L = L * alpha + red[0];
-        M = m_new;
-        acc *= alpha;
+        for (uint g = 0u; g < GROUP; g++) {
+            float alpha = exp(M[g] - m_new[g]);
+            L[g] = L[g] * alpha + red[g * TILE];
+            M[g] = m_new[g];
+            acc[g] *= alpha;
+        }
         uint m = min(TILE, n_vis - base);
         if (owns) {
             for (uint j = 0u; j < m; j++) {
                 uint rr = base + j;
-                acc += ps[j] * v_load4(kv_row(uint(PT[rr / pc.page_size]), kvh, rr % pc.page_size, pc.n_kv,
-                                              pc.page_size, v_rb), tid);
+                vec4 vv = v_load4(kv_row(uint(PT[rr / pc.page_size]), kvh, rr % pc.page_size, pc.n_kv,
+                                         pc.page_size, v_rb), tid);
+                for (uint g = 0u; g < GROUP; g++) acc[g] += ps[g * TILE + j] * vv;
             }
         }
         barrier();
     }
+    for (uint g = 0u; g < GROUP; g++) {
 #ifdef SPLIT
-    uint po = (h * SPLIT + gl_WorkGroupID.y) * (hd + 2u);
-    for (uint i = 0u; i < 4u; i++)
-        if (4u * tid + i < hd) O[po + 4u * tid + i] = acc[i];
-    if (tid == 0u) {
-        O[po + hd] = M;                                              // -inf for an empty span
-        O[po + hd + 1u] = L;
-    }
+        uint po = ((h0 + g) * SPLIT + gl_WorkGroupID.y) * (hd + 2u);
+        for (uint i = 0u; i < 4u; i++)
+            if (4u * tid + i < hd) O[po + 4u * tid + i] = acc[g][i];
+        if (tid == 0u) {
+            O[po + hd] = M[g];                                       // -inf for an empty span
+            O[po + hd + 1u] = L[g];
+        }
 #else
-    uint oo = pc.o_off + t * pc.o_stride + h * hd + 4u * tid;
-    for (uint i = 0u; i < 4u; i++)
-        if (4u * tid + i < hd) O[oo + i] = acc[i] / L;
+        uint oo = pc.o_off + t * pc.o_stride + (h0 + g) * hd + 4u * tid;
+        for (uint i = 0u; i < 4u; i++)
+            if (4u * tid + i < hd) O[oo + i] = acc[g][i] / L[g];
 #endif
+    }
 }

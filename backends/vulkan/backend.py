@@ -285,17 +285,19 @@ class VulkanBackend:
         self.flush()
 
     # -- dispatch ---------------------------------------------------------------------
-    def _dispatch(self, shader: str, defines: tuple, buffers: list, grid: tuple, push: np.ndarray) -> None:
-        """Record one dispatch of shaders/<shader>.comp into the pending sequence."""
+    def _dispatch(self, shader: str, defines: tuple, buffers: list, grid: tuple, push: np.ndarray,
+                  spec: tuple = ()) -> None:
+        """Record one dispatch of shaders/<shader>.comp into the pending sequence; `spec`:
+        its specialization constants (uint32, constant_id 0, 1, ...)."""
         grid = tuple(int(g) for g in grid)
         if min(grid) == 0:
             return
-        key = (shader, defines, tuple(b.serial for b in buffers), grid, push.size)
+        key = (shader, defines, tuple(b.serial for b in buffers), grid, push.size, spec)
         algo = self._algos.get(key)
         if algo is None:
             check_grid(self.device, shader, grid)
             algo = self.mgr.algorithm([b.tensor for b in buffers], shaders.spirv(shader, defines),
-                                      list(grid), _NO_SPEC, push)
+                                      list(grid), _u32(*spec) if spec else _NO_SPEC, push)
             self.pipelines_created += 1
             self._algos[key] = algo
             for b in buffers:
@@ -540,18 +542,21 @@ class VulkanBackend:
         push = _u32(n, n_q_heads, n_kv, head_dim, page_size, start_row, q.offset, q.row_stride,
                     o.offset, o.row_stride, _fbits(scale), window)
         defines = shaders.kv_defines(k_dtype, v_dtype)
+        group = n_q_heads // n_kv if n_q_heads // n_kv <= shaders.MAX_GROUP else 1   # heads per workgroup
+        workgroups = n_q_heads // group                    # one per KV head, or per query head
+        spec = (group,) if group > 1 else ()
         splits = self.decode_splits if n == 1 else 1
         if splits > 1:                                     # flash-decoding: spans, then a merge
             part = self._partials(n_q_heads * splits * (head_dim + 2))
             self._dispatch("attention", defines + (f"SPLIT={splits}u",),
                            [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, part],
-                           (n_q_heads, splits, 1), push)
+                           (workgroups, splits, 1), push, spec)
             self._dispatch("attention_combine", (), [part, o.buffer], (n_q_heads, 1, 1),
                            _u32(head_dim, splits, o.offset))
         else:
             self._dispatch("attention", defines,
                            [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, o.buffer],
-                           (n_q_heads, n, 1), push)
+                           (workgroups, n, 1), push, spec)
         if o is not out:                                   # sum_j p_j y_j back from the values' basis
             self._rotate(o, out, n_q_heads, head_dim, back=True)
 

@@ -33,6 +33,7 @@ MATMUL_WG = 64      # invocations per workgroup, GPU layout (matmul.comp's WG)
 MATMUL_ROWS_CPU = 8 * 32   # rows per workgroup, ROW_PER_LANE layout (matmul.comp's LX * TR)
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
 DECODE_SPLITS = 16         # spans of the context in split decode attention (attention.comp SPLIT)
+MAX_GROUP = 8              # query heads one attention workgroup serves (attention.comp GROUP)
 
 
 def matmul_geometry(rows: int, cols: int, n: int, cpu_device: bool) -> tuple[tuple[str, ...], int, tuple]:

@@ -458,18 +458,40 @@ def test_split_decode_attention_matches_the_reference(vk, kv, n_rows, window):
     """Flash-decoding, the GPU path (spans of the context, then a merge pass), forced on
     lavapipe: spans shorter than a tile, empty spans (fewer rows than spans), a sliding
     window and quantized rows give the reference's output."""
+    check_attention(vk, kv, 9, 3, n_rows, window, splits=(16, 3))
+
+
+@pytest.mark.parametrize("n_q,n_kv", [(9, 3), (4, 4), (16, 2), (16, 1)], ids=lambda v: str(v))
+def test_grouped_query_workgroups_match_the_reference(vk, n_q, n_kv):
+    """One workgroup serves all query heads of a KV head (up to MAX_GROUP of them), in
+    prefill, decode and split decode; one head per KV head and groups too big for one
+    workgroup (16) take a workgroup per query head."""
+    for n_rows, window in ((37, 0), (300, 64)):
+        check_attention(vk, ("bf16", "tq4"), n_q, n_kv, n_rows, window, splits=(1, 16), prefill=7)
+
+
+def check_attention(vk, kv, n_q, n_kv, n_rows, window, splits, prefill=0):
+    """Decode over n_rows (each split count in turn), and a prefill of the last `prefill`
+    queries, against the reference."""
     from test_ops import TOL_ATTN, filled_pool
-    rng = np.random.default_rng(n_rows + window)
-    k_pages, v_pages, page_table = filled_pool(rng, n_rows, 3, 16, 64, kscale=2.0, kv=kv)
-    q = rng.standard_normal((1, 9 * 64)).astype(np.float32)
-    want = np.empty_like(q)
-    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, 9, 0.125, want, window, *kv)
+    rng = np.random.default_rng(n_rows + window + n_q)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, 16, 64, kscale=2.0, kv=kv)
+    q = rng.standard_normal((max(prefill, 1), n_q * 64)).astype(np.float32)
     dev = [vk.upload(a) for a in (q, k_pages, v_pages, page_table)]
+    want = np.empty_like(q[-1:])
+    REF.attention_decode(q[-1:], k_pages, v_pages, page_table, n_rows, n_q, 0.125, want, window, *kv)
     try:
-        for splits in (16, 3):
-            vk.decode_splits = splits
-            out = vk.upload(np.zeros_like(q))
-            vk.attention_decode(*dev, n_rows, 9, 0.125, out, window, *kv)
-            assert nmse(vk.download(out), want) < TOL_ATTN, splits
+        for n in splits:
+            vk.decode_splits = n
+            out = vk.upload(np.zeros_like(want))
+            vk.attention_decode(dev[0][-1:], *dev[1:], n_rows, n_q, 0.125, out, window, *kv)
+            assert nmse(vk.download(out), want) < TOL_ATTN, n
     finally:
         vk.decode_splits = 1
+    if prefill:
+        start = n_rows - prefill
+        want = np.empty_like(q)
+        REF.attention_prefill(q, k_pages, v_pages, page_table, start, n_q, 0.125, want, window, *kv)
+        out = vk.upload(np.zeros_like(q))
+        vk.attention_prefill(*dev, start, n_q, 0.125, out, window, *kv)
+        assert nmse(vk.download(out), want) < TOL_ATTN
