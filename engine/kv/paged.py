@@ -84,9 +84,7 @@ class PagePool:
 
     def segment(self, layer: int) -> "PageSegment":
         """The segment layer `layer` takes its pages from."""
-        if self.n_layers is None:
-            return self.segments[0]
-        return self.segments[self._segment_of[layer]]
+        return self.segments[self.segment_index(layer)]
 
     def segment_index(self, layer: int) -> int:
         return 0 if self.n_layers is None else self._segment_of[layer]
@@ -171,9 +169,10 @@ class CompactReport:
 
 
 class PagedKvCache:
-    """One layer's K/V rows in pages of `pool` (its segment of the cache's PagePool). With `window` > 0 a sliding-window
-    layer: the next query (at row `length`) sees rows length - window + 1 .. length,
-    and pages wholly below that are returned as soon as a step has been attended."""
+    """One layer's K/V rows in pages of `pool` (its segment of the cache's PagePool).
+    With `window` > 0 a sliding-window layer: the next query (at row `length`) sees rows
+    length - window + 1 .. length, and pages wholly below that are returned as soon as
+    a step has been attended."""
 
     def __init__(self, pool: PageSegment, max_rows: int, window: int = 0, max_step: int | None = None):
         self.pool = pool
