@@ -131,7 +131,7 @@ class VulkanBackend:
         self._dummy = self._buffer(np.zeros(1, np.uint32))
         self._rope_tables: dict = {}                       # (rot_dim, inv_freq) -> (DeviceArray, max positions)
         self._rot_tables: dict = {}                        # head_dim -> f32 [2, hd, hd] (R^T, R) DeviceArray
-        self._rot_scratch: dict = {}                       # "a" | "b" | "partials" -> Buffer (grown on demand)
+        self._kept: dict = {}                              # role -> scratch Buffer (_kept_scratch)
         self.matmul_cpu_layout = self._cpu_device          # matmul.comp's ROW_PER_LANE layout
         # decode attention in this many spans of the context merged by a second pass (GPUs:
         # enough workgroups to fill the device at a few heads); one on CPU devices, whose
@@ -477,15 +477,20 @@ class VulkanBackend:
             table = self._rot_tables[head_dim] = self.upload(np.stack([r.T, r]))
         return table
 
-    def _rot_buffer(self, role: str, n: int, width: int) -> DeviceArray:
-        """Scratch f32 [n, width] for rotated rows; one buffer per role, kept and grown."""
-        buf = self._rot_scratch.get(role)
-        if buf is None or buf.n_words < n * width:
+    def _kept_scratch(self, role: str, n_words: int) -> Buffer:
+        """A scratch buffer of at least n_words, one per role, kept (so the pipelines that
+        bind it stay cached) and grown to the next power of two when too small."""
+        buf = self._kept.get(role)
+        if buf is None or buf.n_words < n_words:
             if buf is not None:
                 self._keepalive.append(buf)                # still bound by pending dispatches
-            buf = self._rot_scratch[role] = self._buffer(np.zeros(1 << max(10, (n * width - 1).bit_length()),
-                                                                  np.uint32))
-        return DeviceArray(buf, F32, (n, width))
+            buf = self._kept[role] = self._buffer(np.zeros(1 << max(10, (n_words - 1).bit_length()), np.uint32),
+                                                  zeros=True)
+        return buf
+
+    def _rot_buffer(self, role: str, n: int, width: int) -> DeviceArray:
+        """Scratch f32 [n, width] for rotated rows ("a": queries, "b": attention output)."""
+        return DeviceArray(self._kept_scratch(role, n * width), F32, (n, width))
 
     def _rotate(self, x: DeviceArray, y: DeviceArray, n_heads: int, head_dim: int, back: bool) -> None:
         """Each head_dim-wide head of x's rows -> y: R x (into the tq basis) or R^T x (back)."""
@@ -547,7 +552,7 @@ class VulkanBackend:
         spec = (group,) if group > 1 else ()
         splits = self.decode_splits if n == 1 else 1
         if splits > 1:                                     # flash-decoding: spans, then a merge
-            part = self._partials(n_q_heads * splits * (head_dim + 2))
+            part = self._kept_scratch("partials", n_q_heads * splits * (head_dim + 2))
             self._dispatch("attention", defines + (f"SPLIT={splits}u",),
                            [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, part],
                            (workgroups, splits, 1), push, spec)
@@ -559,14 +564,6 @@ class VulkanBackend:
                            (workgroups, n, 1), push, spec)
         if o is not out:                                   # sum_j p_j y_j back from the values' basis
             self._rotate(o, out, n_q_heads, head_dim, back=True)
-
-    def _partials(self, n_words: int) -> Buffer:
-        """The split decode attention's partial results: one buffer, grown on demand and
-        kept, so the pipelines that bind it stay cached."""
-        buf = self._rot_scratch.get("partials")
-        if buf is None or buf.n_words < n_words:
-            buf = self._rot_scratch["partials"] = self._buffer(np.zeros(n_words, np.uint32), zeros=True)
-        return buf
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,
