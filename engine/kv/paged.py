@@ -154,12 +154,6 @@ def layer_pages(max_rows: int, page_size: int, window: int = 0, max_step: int | 
     return min(full, -(-(window - 1 + step) // page_size) + 1)
 
 
-def cache_pages(max_rows: int, page_size: int, windows, max_step: int | None = None) -> int:
-    """Pages a cache of `max_rows` positions can ever hold: layer_pages summed over its
-    layers' windows (0: full attention)."""
-    return sum(layer_pages(max_rows, page_size, w, max_step) for w in windows)
-
-
 @dataclass(frozen=True)
 class CompactReport:
     rows_before: int
@@ -383,7 +377,6 @@ class KvCache:
         if len(self.windows) != n_layers:
             raise ValueError(f"KvCache: {len(self.windows)} windows for {n_layers} layers")
         self.max_step = max_step
-        self.max_pages = cache_pages(max_rows, page_size, self.windows, max_step)
         if pool is None:             # a pool of its own, exactly what the cache can ever hold
             pool = PagePool(backend, [layer_pages(max_rows, page_size, w, max_step) for w in self.windows],
                             n_kv_heads, page_size, head_dim, k_dtype, v_dtype)
