@@ -114,19 +114,22 @@ class Backend(Protocol):
         head's row stored as `KvFormat.quantize` stores it (bit for bit)."""
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,
-                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                          k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         """q, out: f32 [n, n_q_heads*head_dim]. Query i sees physical rows
         0 .. start_row + i (its own K/V already written); with window > 0 only the last
         `window` of them, max(0, start_row + i - window + 1) .. start_row + i (sliding-
         window layers; their rows are never compacted, so rows are positions). Rows
         below that are never read (their pages may have been returned to the pool).
         GQA: query head h reads KV head h // (n_q_heads // n_kv_heads). K and V rows
-        read as `KvFormat.dequantize` gives them."""
+        read as `KvFormat.dequantize` gives them. row_bias: None, or a backend f32
+        [n_kv_heads, n_bias] array (from `upload`) added to the scaled scores of rows
+        0 .. n_bias-1 of each KV head (merged rows' log-counts; rows >= n_bias add 0);
+        never given with a window."""
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
                          n_q_heads: int, scale: float, out, window: int = 0,
-                         k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                         k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1, or with
-        window > 0 rows max(0, n_rows - window) .. n_rows-1."""
+        window > 0 rows max(0, n_rows - window) .. n_rows-1. row_bias as in prefill."""
     def silu_gate(self, gate, up, out) -> None:
         """out = silu(gate) * up, all f32 [n, f]."""
     def gelu_gate(self, gate, up, out) -> None:

@@ -137,7 +137,8 @@ class ReferenceBackend:
             pages[page, :, offset, :] = KvFormat.get(dtype, head_dim).quantize(rows)
 
     def _attend(self, q, k_pages, v_pages, page_table, n_rows: int, query_rows: np.ndarray,
-                n_q_heads: int, scale: float, window: int, k_dtype: str, v_dtype: str) -> np.ndarray:
+                n_q_heads: int, scale: float, window: int, k_dtype: str, v_dtype: str,
+                row_bias=None) -> np.ndarray:
         """q f32 [n, n_q_heads*head_dim]; query i sees rows 0..query_rows[i], or with
         window > 0 rows query_rows[i]-window+1 .. query_rows[i] -> f64 [n, n_q_heads*head_dim].
         Rows below the first query's window are never read."""
@@ -152,6 +153,11 @@ class ReferenceBackend:
         qh = np.asarray(q, dtype=np.float64).reshape(n, n_q_heads, head_dim)
         kv_of = np.arange(n_q_heads) // group                              # [n_q_heads]
         logits = qh.transpose(1, 0, 2) @ keys[kv_of].transpose(0, 2, 1) * scale   # [n_q_heads, n, m]
+        if row_bias is not None:                                           # merged rows' log-counts
+            bias = np.zeros((n_kv_heads, n_rows))
+            n_bias = min(row_bias.shape[1], n_rows)
+            bias[:, :n_bias] = row_bias[:, :n_bias]
+            logits += bias[kv_of][:, None, lo:]
         visible = rows[None, :] <= query_rows[:, None]                     # [n, m]
         if window > 0:
             visible &= rows[None, :] > query_rows[:, None] - window
@@ -161,18 +167,18 @@ class ReferenceBackend:
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,
-                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                          k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         n = q.shape[0]
         query_rows = start_row + np.arange(n)
         out[...] = self._attend(q, k_pages, v_pages, page_table, start_row + n, query_rows,
-                                n_q_heads, scale, window, k_dtype, v_dtype)
+                                n_q_heads, scale, window, k_dtype, v_dtype, row_bias)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
                          n_q_heads: int, scale: float, out, window: int = 0,
-                         k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                         k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         query_rows = np.array([n_rows - 1])
         out[...] = self._attend(q, k_pages, v_pages, page_table, n_rows, query_rows,
-                                n_q_heads, scale, window, k_dtype, v_dtype)
+                                n_q_heads, scale, window, k_dtype, v_dtype, row_bias)
 
     def silu_gate(self, gate, up, out) -> None:
         g = np.asarray(gate, dtype=np.float64)

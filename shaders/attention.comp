@@ -18,6 +18,8 @@
 // GROUP (specialization constant 0, default 1): a workgroup serves the GROUP query heads
 // of one KV head (grouped-query attention), reading each K/V row once for all of them;
 // the grid's x is then the KV head. GROUP is 1 or n_q_heads / n_kv (<= MAX_GROUP).
+// Row bias (merged rows' log-counts): row r of KV head kv adds RB[bias_off + kv * bias_stride + r]
+// to its scaled score when r < n_bias (rows >= n_bias add 0; n_bias = 0 binds a dummy buffer).
 #extension GL_GOOGLE_include_directive : require
 #define TILE 64u
 layout(local_size_x = 64) in;
@@ -26,9 +28,11 @@ layout(set = 0, binding = 1) readonly buffer KPB { uint KP[]; };
 layout(set = 0, binding = 2) readonly buffer VPB { uint VP[]; };
 layout(set = 0, binding = 3) readonly buffer PTB { int PT[]; };
 layout(set = 0, binding = 4) buffer OB { float O[]; };
+layout(set = 0, binding = 5) readonly buffer RBB { float RB[]; };
 layout(push_constant) uniform P {
     uint n, n_q_heads, n_kv, head_dim, page_size, start_row;
     uint q_off, q_stride, o_off, o_stride, scale_bits, window;
+    uint bias_off, bias_stride, n_bias;
 } pc;
 #include "common.glsl"
 #define KV_READ_K
@@ -77,8 +81,9 @@ void main() {
     for (uint base = lo; base < n_vis; base += TILE) {
         uint r = base + tid;
         uint kr = r < n_vis ? kv_row(uint(PT[r / pc.page_size]), kvh, r % pc.page_size, pc.n_kv, pc.page_size, k_rb) : 0u;
+        float rb = r < pc.n_bias ? RB[pc.bias_off + kvh * pc.bias_stride + r] : 0.0;
         for (uint g = 0u; g < GROUP; g++) {
-            s[g] = r < n_vis ? k_dot(kr, g * 256u) : -1.0 / 0.0;
+            s[g] = r < n_vis ? k_dot(kr, g * 256u) + rb : -1.0 / 0.0;
             red[g * TILE + tid] = s[g];
         }
         barrier();

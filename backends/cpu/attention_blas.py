@@ -104,14 +104,26 @@ def window_block(window: int) -> int:
     return max(window // 4, WINDOW_BLOCK_MIN)
 
 
+def _add_bias(scores, row_bias, h, row0, scale):
+    """Raw scores [.., cols] of rows row0 .. : + row_bias[h, row] / scale on the biased
+    rows, so that the softmax's scale * score carries the bias exactly once."""
+    if row_bias is None:
+        return
+    n = min(scores.shape[1], row_bias.shape[1] - row0)
+    if n > 0:
+        scores[:, :n] += row_bias[h, row0:row0 + n] / scale
+
+
 def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                      window=0, k_dtype="bf16", v_dtype="bf16"):
+                      window=0, k_dtype="bf16", v_dtype="bf16", row_bias=None):
     """q, out: f32 [n, n_q_heads*head_dim]; query i sees physical rows 0 .. start_row+i,
-    or with window > 0 rows max(0, start_row+i-window+1) .. start_row+i."""
+    or with window > 0 rows max(0, start_row+i-window+1) .. start_row+i. row_bias: None
+    or f32 [n_kv_heads, n_bias], added to the scaled scores of rows 0 .. n_bias-1."""
     if k_dtype != "bf16" or v_dtype != "bf16":
         head_dim = q.shape[1] // n_q_heads
         _prefill_tiled(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                       int(window), RowFormat.get(k_dtype, head_dim), RowFormat.get(v_dtype, head_dim))
+                       int(window), RowFormat.get(k_dtype, head_dim), RowFormat.get(v_dtype, head_dim),
+                       row_bias)
         return
     n = q.shape[0]
     n_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[3]
@@ -141,6 +153,7 @@ def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sca
             cols = slice(h * group * head_dim, (h + 1) * group * head_dim)
             qg = q[b0:b0 + nb, cols].reshape(nb, group, head_dim).transpose(1, 0, 2)
             np.matmul(qg.reshape(group * nb, head_dim), k[h, r0:r1].T, out=scores)
+            _add_bias(scores, row_bias, h, row_lo + r0, scale)
             _masked_softmax(scores, nb, start_row + b0 - row_lo - r0, window, scale)
             og = scores @ v[h, r0:r1]                                    # [group*nb, d]
             out[b0:b0 + nb, cols] = og.reshape(group, nb, head_dim).transpose(1, 0, 2).reshape(
@@ -192,7 +205,7 @@ def _online_softmax_tile(s, n, last0, c0, window, scale, m, l, alpha):
 
 
 def _prefill_tiled(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
-                   kf: RowFormat, vf: RowFormat):
+                   kf: RowFormat, vf: RowFormat, row_bias=None):
     n = q.shape[0]
     n_kv_heads, head_dim = k_pages.shape[1], kf.head_dim
     group = n_q_heads // n_kv_heads
@@ -230,6 +243,7 @@ def _prefill_tiled(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale,
                 _dequant_tile(v_pages, page_table, h, t0, tn, vf.tag, vf.codebook, v_tile)
                 s = scores.reshape(-1)[:nv * tn].reshape(nv, tn)        # contiguous
                 np.matmul(qg, k_tile[:tn].T, out=s)
+                _add_bias(s, row_bias, h, t0, scale)
                 _online_softmax_tile(s, nb, start_row + b0 - r0, t0 - r0, window, scale, m, l, alpha)
                 np.matmul(s, v_tile[:tn], out=pv)
                 acc *= alpha[:, None]

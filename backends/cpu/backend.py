@@ -66,12 +66,12 @@ class CpuBackend:
     kv_write = staticmethod(ops.kv_write)
     @staticmethod
     def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                          window=0, k_dtype="bf16", v_dtype="bf16"):
+                          window=0, k_dtype="bf16", v_dtype="bf16", row_bias=None):
         # long chunks: sgemms per KV head (per query block with a window; per row tile
         # for quantized rows); short ones: the tiled numba kernel
         kernel = attention_blas if q.shape[0] >= attention_blas.BLAS_MIN_QUERIES else ops
         kernel.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                                 window, k_dtype, v_dtype)
+                                 window, k_dtype, v_dtype, row_bias)
     attention_decode = staticmethod(ops.attention_decode)
     silu_gate = staticmethod(ops.silu_gate)
     gelu_gate = staticmethod(ops.gelu_gate)

@@ -312,11 +312,12 @@ def _tile_step(tag):
 
 @njit(inline="always", **_JIT)
 def _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
-                 scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, head_dim):
+                 scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, bias, head_dim):
     """Attend rows row_lo .. row_hi-1 of kv head `kv` for its `group` query heads
     (qs f32 [n_q_heads, head_dim]: _prepare_queries); fills acc [group, head_dim]
     (rotated basis for tq values), m, l [group]. kt, vt: f32 [_DEQUANT_ROWS, head_dim]
-    scratch for quantized rows. Rows outside the range are never read."""
+    scratch for quantized rows; bias f32 [n_kv_heads, n_bias] is added to the scaled
+    scores of rows below n_bias. Rows outside the range are never read."""
     page_size = k_pages.shape[2]
     # the group's queries, task-local: indexing the shared array measured slower (LLVM
     # must assume it aliases the score stores)
@@ -364,6 +365,10 @@ def _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
                 nj = min(k_step, n - j0)
                 rows, r0 = _tile_rows(kp, t0 + j0, nj, ktag, kcb, head_dim, kt)
                 _score_rows(rows, r0, nj, qg, scores, j0, group, head_dim)
+            row0 = pidx * page_size + t0
+            for j in range(min(n, bias.shape[1] - row0)):     # merged rows' log-counts
+                for g in range(group):
+                    scores[g, j] += bias[kv, row0 + j]
             _softmax_tile(scores, n, group, m, l, acc, head_dim)
             for j0 in range(0, n, v_step):
                 nj = min(v_step, n - j0)
@@ -373,17 +378,17 @@ def _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
 
 @njit(**_JIT)
 def _decode_range(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
-                  scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb):
+                  scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, bias):
     """_decode_task, compiled once per KV format pair and shared by the serial and the
     parallel kernel (not inlined: four inlined copies of the loop nest made a pair's
     first decode compile for about a minute; a call per task costs nothing measurable)."""
     head_dim = qs.shape[1]
     if head_dim == 64:   # constant trip counts: fully unrolled vector code
         _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
-                     scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, 64)
+                     scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, bias, 64)
     else:
         _decode_task(qs, k_pages, v_pages, page_table, kv, group, row_lo, row_hi,
-                     scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, head_dim)
+                     scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, bias, head_dim)
 
 
 @njit(inline="always", **_JIT)
@@ -426,7 +431,7 @@ def _store_head(vec, w, vfmt, vrot_t, out, t, h, head_dim):
 
 @njit(**_JIT)
 def _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
-                   ktag, krot, kcb, vtag, vrot_t, vcb):
+                   bias, ktag, krot, kcb, vtag, vrot_t, vcb):
     kfmt = kvquant.fmt_of_tag(ktag)
     vfmt = kvquant.fmt_of_tag(vtag)
     n_kv_heads = k_pages.shape[1]
@@ -442,7 +447,7 @@ def _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, s
     vt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
     for kv in range(n_kv_heads):
         _decode_range(qs, k_pages, v_pages, page_table, kv, group, row_lo, n_rows,
-                      scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb)
+                      scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, bias)
         for g in range(group):
             _store_head(acc[g], np.float32(1.0) / l[g], vfmt, vrot_t, out, 0, kv * group + g,
                         head_dim)
@@ -450,7 +455,7 @@ def _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, s
 
 @njit(parallel=True, **_JIT)
 def _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
-                     chunk_rows, ktag, krot, kcb, vtag, vrot_t, vcb):
+                     chunk_rows, bias, ktag, krot, kcb, vtag, vrot_t, vcb):
     """Chunks are the chunk_rows-aligned (whole-page) row ranges, the first one clipped
     to start at row_lo."""
     kfmt = kvquant.fmt_of_tag(ktag)
@@ -475,7 +480,7 @@ def _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads,
         lo = max(row_lo, chunk * chunk_rows)
         hi = min(n_rows, (chunk + 1) * chunk_rows)
         _decode_range(qs, k_pages, v_pages, page_table, kv, group, lo, hi, scores,
-                      part_acc[task], part_max[task], part_sum[task], kt, vt, ktag, kcb, vtag, vcb)
+                      part_acc[task], part_max[task], part_sum[task], kt, vt, ktag, kcb, vtag, vcb, bias)
     o = np.empty(head_dim, dtype=np.float32)
     for h in range(n_q_heads):
         kv = h // group
@@ -497,23 +502,35 @@ def _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads,
         _store_head(o, np.float32(1.0) / total, vfmt, vrot_t, out, 0, h, head_dim)
 
 
+def _row_bias(row_bias, n_kv_heads):
+    """The kernels' bias argument: row_bias as f32 [n_kv_heads, n_bias], or no columns."""
+    if row_bias is None:
+        return np.zeros((n_kv_heads, 0), dtype=np.float32)
+    row_bias = np.ascontiguousarray(row_bias, dtype=np.float32)
+    if row_bias.ndim != 2 or row_bias.shape[0] != n_kv_heads:
+        raise ValueError(f"row_bias must be [{n_kv_heads}, n_bias], got shape {row_bias.shape}")
+    return row_bias
+
+
 def attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out, window=0,
-                     k_dtype="bf16", v_dtype="bf16"):
+                     k_dtype="bf16", v_dtype="bf16", row_bias=None):
     """q, out: f32 [1, n_q_heads*head_dim]; attends physical rows 0 .. n_rows-1, or with
     window > 0 only rows max(0, n_rows-window) .. n_rows-1 (the rest are never read,
-    so a token costs O(window), not O(n_rows))."""
+    so a token costs O(window), not O(n_rows)). row_bias: None or f32 [n_kv_heads,
+    n_bias], added to the scaled scores of rows 0 .. n_bias-1."""
+    bias = _row_bias(row_bias, k_pages.shape[1])
     head_dim = q.shape[1] // n_q_heads
     kf = RowFormat.get(k_dtype, head_dim)
     vf = RowFormat.get(v_dtype, head_dim)
     row_lo = max(0, n_rows - window) if window > 0 else 0
     if n_rows - row_lo <= _SERIAL_MAX_ROWS:
         _decode_serial(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
-                       *kf.key_args(), *vf.value_args())
+                       bias, *kf.key_args(), *vf.value_args())
     else:
         page_size = k_pages.shape[2]
         chunk_rows = max(1, _CHUNK_ROWS // page_size) * page_size
         _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads, scale, out,
-                         chunk_rows, *kf.key_args(), *vf.value_args())
+                         chunk_rows, bias, *kf.key_args(), *vf.value_args())
 
 
 # -- attention_prefill -------------------------------------------------------
@@ -530,17 +547,18 @@ _PREFILL_TILE = 64
 
 @njit(parallel=True, **_JIT)
 def _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                       window, ktag, krot, kcb, vtag, vrot_t, vcb):
+                       window, bias, ktag, krot, kcb, vtag, vrot_t, vcb):
     n_kv_heads = k_pages.shape[1]
     n_blocks = (q.shape[0] + _PREFILL_QB - 1) // _PREFILL_QB
     for task in prange(n_kv_heads * n_blocks):
         _prefill_block(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
-                       task // n_blocks, task % n_blocks * _PREFILL_QB, ktag, krot, kcb, vtag, vrot_t, vcb)
+                       bias, task // n_blocks, task % n_blocks * _PREFILL_QB, ktag, krot, kcb, vtag, vrot_t,
+                       vcb)
 
 
 @njit(**_JIT)
 def _prefill_block(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
-                   kv, t0, ktag, krot, kcb, vtag, vrot_t, vcb):
+                   bias, kv, t0, ktag, krot, kcb, vtag, vrot_t, vcb):
     """The queries t0 .. t0+_PREFILL_QB-1 of kv head `kv`'s group (one task of
     _attention_prefill; a call, not the prange body itself, so numba's parallel
     lowering handles a small loop and the loop nest compiles once)."""
@@ -595,6 +613,8 @@ def _prefill_block(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale,
                 qi = qs[a, i]
                 for j in range(tn):
                     s[a, j] += qi * kt[i, j]
+            for j in range(min(tn, bias.shape[1] - r0)):      # merged rows' log-counts
+                s[a, j] += bias[kv, r0 + j]
             bm = m[a]
             for j in range(j0, visible):
                 bm = max(bm, s[a, j])
@@ -620,12 +640,13 @@ def _prefill_block(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale,
 
 
 def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                      window=0, k_dtype="bf16", v_dtype="bf16"):
+                      window=0, k_dtype="bf16", v_dtype="bf16", row_bias=None):
     """q, out: f32 [n, n_q_heads*head_dim]; query i sees rows 0 .. start_row+i, or with
-    window > 0 rows max(0, start_row+i-window+1) .. start_row+i."""
+    window > 0 rows max(0, start_row+i-window+1) .. start_row+i. row_bias as in decode."""
     head_dim = q.shape[1] // n_q_heads
     _attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                       int(window), *RowFormat.get(k_dtype, head_dim).key_args(),
+                       int(window), _row_bias(row_bias, k_pages.shape[1]),
+                       *RowFormat.get(k_dtype, head_dim).key_args(),
                        *RowFormat.get(v_dtype, head_dim).value_args())
 
 

@@ -9,9 +9,11 @@ the rows as stored. tq keys: the queries are rotated once (rotate.cu, into scrat
 before the kernels score them against the rotated rows; tq values: the output comes out
 in the rotated basis and is rotated back once per head (the decode combine, or
 rotate.cu in place after prefill). page_table is int32 [max_pages]. Queries and outputs
-are f32 [n, n_q_heads * head_dim] (row-strided views allowed). Scratch lives in
-`ex.cache`, allocated once and grown when a call needs more, so a decode token
-allocates and uploads nothing.
+are f32 [n, n_q_heads * head_dim] (row-strided views allowed). row_bias (merged rows'
+log-counts) is None or f32 [n_kv, n_bias] (row-strided views allowed), added to the
+scaled scores of rows 0 .. n_bias-1; the kernels get its pointer, row stride and n_bias
+(None: q as the unread pointer, n_bias 0). Scratch lives in `ex.cache`, allocated once
+and grown when a call needs more, so a decode token allocates and uploads nothing.
 """
 from __future__ import annotations
 
@@ -81,6 +83,20 @@ def _check_rows(a, n: int, width: int, what: str, op: str) -> None:
                          f"rows, got {a.dtype} {a.shape} strides {a.strides}")
 
 
+def _bias_args(row_bias, n_kv: int, unread, op: str) -> tuple:
+    """(pointer, row stride, n_bias) kernel arguments of row_bias: None or f32
+    [n_kv, n_bias] with contiguous rows; None or n_bias 0 -> (unread, 0, 0)."""
+    if row_bias is None:
+        return unread, _i32(0), _i32(0)
+    if (row_bias.dtype != np.float32 or row_bias.ndim != 2 or row_bias.shape[0] != n_kv
+            or (row_bias.shape[1] > 1 and row_bias.strides[1] != row_bias.itemsize)):
+        raise ValueError(f"cuda {op}: row_bias must be f32 [n_kv_heads ({n_kv}), n_bias] with contiguous rows, "
+                         f"got {row_bias.dtype} {row_bias.shape} strides {row_bias.strides}")
+    if row_bias.shape[1] == 0:
+        return unread, _i32(0), _i32(0)
+    return row_bias, _i32(row_bias.strides[0] // row_bias.itemsize), _i32(row_bias.shape[1])
+
+
 def _scratch(ex, key: str, n_floats: int):
     """f32 [>= n_floats] kept in ex.cache[key]; reallocated only to grow."""
     buf = ex.cache.get(key)
@@ -126,10 +142,12 @@ def prefill_smem_bytes(bq: int, head_dim: int, k_dtype: str = "bf16", v_dtype: s
 
 
 def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_heads: int, scale: float,
-                      out, window: int = 0, k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                      out, window: int = 0, k_dtype: str = "bf16", v_dtype: str = "bf16",
+                      row_bias=None) -> None:
     """q, out: f32 [n, n_q_heads*head_dim]; query i sees rows 0 .. start_row + i, or with
     window > 0 only rows max(0, start_row + i - window + 1) .. start_row + i (a block's
-    tiles start at its first query's lowest row: O(window) tiles per block)."""
+    tiles start at its first query's lowest row: O(window) tiles per block). row_bias:
+    None or f32 [n_kv, n_bias], added to the scaled scores of rows < n_bias."""
     n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_prefill", k_dtype, v_dtype)
     n = q.shape[0]
     _check_rows(q, n, n_q_heads * head_dim, "q", "attention_prefill")
@@ -139,6 +157,7 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
     if n == 0:
         return
     _check_table(page_table, page_size, start_row + n, "attention_prefill")
+    bias = _bias_args(row_bias, n_kv, q, "attention_prefill")
     k_spec, v_spec = kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype]
     width = n_q_heads * head_dim
     q_in, q_stride = q, row_stride(q)
@@ -151,8 +170,8 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
     ex.function("attention.cu", name, kvrows.defines(k_dtype, v_dtype))(
         grid, block,
         (q_in, _i32(q_stride), k_pages, v_pages, page_table, *_codebooks(ex, k_dtype, v_dtype), out,
-         row_stride(out), _i32(n), _i32(start_row), _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size),
-         _i32(window), _f32(scale)),
+         row_stride(out), *bias, _i32(n), _i32(start_row), _i32(n_q_heads), _i32(n_kv), _i32(head_dim),
+         _i32(page_size), _i32(window), _f32(scale)),
         shared_mem=prefill_smem_bytes(bq, head_dim, k_dtype, v_dtype))
     if v_spec.rotated:                               # out = R^T y, in place
         rotate(ex, out, row_stride(out), out, row_stride(out), kvrows.rotation(ex, head_dim)[1], n * n_q_heads,
@@ -174,15 +193,18 @@ def decode_geometry(n_rows: int, n_q_heads: int, n_kv: int) -> tuple[int, int, i
 
 
 def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads: int, scale: float,
-                     out, window: int = 0, k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                     out, window: int = 0, k_dtype: str = "bf16", v_dtype: str = "bf16",
+                     row_bias=None) -> None:
     """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1, or with window > 0
-    rows max(0, n_rows - window) .. n_rows-1: the splits cover only those."""
+    rows max(0, n_rows - window) .. n_rows-1: the splits cover only those. row_bias as in
+    attention_prefill."""
     n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_decode", k_dtype, v_dtype)
     _check_rows(q, 1, n_q_heads * head_dim, "q", "attention_decode")
     _check_rows(out, 1, n_q_heads * head_dim, "out", "attention_decode")
     if n_rows < 1 or window < 0:
         raise ValueError(f"cuda attention_decode: n_rows must be >= 1 and window >= 0, got {n_rows}, {window}")
     _check_table(page_table, page_size, n_rows, "attention_decode")
+    bias = _bias_args(row_bias, n_kv, q, "attention_decode")
     row0 = max(0, n_rows - window) if window > 0 else 0
     n_chunks, heads_per_block, n_splits, rows_per_split = decode_geometry(n_rows - row0, n_q_heads, n_kv)
     # partials: acc f32 [n_q_heads, n_splits, head_dim] then (max, sum) f32 [n_q_heads, n_splits, 2];
@@ -199,9 +221,9 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
         q = q_rot
     ex.function("attention.cu", "attention_decode_split", defines)(
         (n_kv * n_chunks, n_splits), (DEC_THREADS,),
-        (q, k_pages, v_pages, page_table, *_codebooks(ex, k_dtype, v_dtype), out, part_acc, part_ml, _i32(row0),
-         _i32(n_rows), _i32(rows_per_split), _i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size),
-         _i32(heads_per_block), _f32(scale)))
+        (q, k_pages, v_pages, page_table, *_codebooks(ex, k_dtype, v_dtype), *bias, out, part_acc, part_ml,
+         _i32(row0), _i32(n_rows), _i32(rows_per_split), _i32(n_q_heads), _i32(n_kv), _i32(head_dim),
+         _i32(page_size), _i32(heads_per_block), _f32(scale)))
     if n_splits > 1 or v_spec.rotated:               # else the first kernel wrote out
         v_rot = kvrows.rotation(ex, head_dim)[1] if v_spec.rotated else part_ml     # any pointer: unread
         ex.function("attention.cu", "attention_decode_combine", defines)(

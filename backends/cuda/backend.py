@@ -115,17 +115,17 @@ class CudaBackend:
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,
-                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                          k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         check_kv_dtypes(self, k_dtype, v_dtype)
         attention.attention_prefill(self.ex, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
-                                    window, k_dtype, v_dtype)
+                                    window, k_dtype, v_dtype, row_bias)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
                          n_q_heads: int, scale: float, out, window: int = 0,
-                         k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                         k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         check_kv_dtypes(self, k_dtype, v_dtype)
         attention.attention_decode(self.ex, q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
-                                   window, k_dtype, v_dtype)
+                                   window, k_dtype, v_dtype, row_bias)
 
     def silu_gate(self, gate, up, out) -> None:
         elementwise.silu_gate(self.ex, gate, up, out)

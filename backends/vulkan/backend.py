@@ -525,7 +525,7 @@ class VulkanBackend:
                        (n_kv, n, 2), push)
 
     def _attention(self, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
-                   k_dtype, v_dtype):
+                   k_dtype, v_dtype, row_bias):
         check_kv_dtypes(self, k_dtype, v_dtype)
         q, out = self._f32(q, "attention"), self._f32(out, "attention")
         n_kv = k_pages.shape[1]
@@ -537,6 +537,7 @@ class VulkanBackend:
                              f"over {n_kv} KV heads, window {window}")
         self._kv_format(k_pages, k_dtype, head_dim, "attention")
         self._kv_format(v_pages, v_dtype, head_dim, "attention")
+        bias_buf, bias_off, bias_stride, n_bias = self._row_bias(row_bias, n_kv)
         if n == 0:
             return
         if k_dtype in TQ_BITS:                             # score in the keys' basis: (R q) . y
@@ -545,7 +546,7 @@ class VulkanBackend:
         o = self._rot_buffer("b", n, width) if v_dtype in TQ_BITS else out
         page_size = k_pages.shape[2]
         push = _u32(n, n_q_heads, n_kv, head_dim, page_size, start_row, q.offset, q.row_stride,
-                    o.offset, o.row_stride, _fbits(scale), window)
+                    o.offset, o.row_stride, _fbits(scale), window, bias_off, bias_stride, n_bias)
         defines = shaders.kv_defines(k_dtype, v_dtype)
         group = n_q_heads // n_kv if n_q_heads // n_kv <= shaders.MAX_GROUP else 1   # heads per workgroup
         workgroups = n_q_heads // group                    # one per KV head, or per query head
@@ -554,28 +555,42 @@ class VulkanBackend:
         if splits > 1:                                     # flash-decoding: spans, then a merge
             part = self._kept_scratch("partials", n_q_heads * splits * (head_dim + 2))
             self._dispatch("attention", defines + (f"SPLIT={splits}u",),
-                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, part],
+                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, part, bias_buf],
                            (workgroups, splits, 1), push, spec)
             self._dispatch("attention_combine", (), [part, o.buffer], (n_q_heads, 1, 1),
                            _u32(head_dim, splits, o.offset))
         else:
             self._dispatch("attention", defines,
-                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, o.buffer],
+                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, o.buffer, bias_buf],
                            (workgroups, n, 1), push, spec)
         if o is not out:                                   # sum_j p_j y_j back from the values' basis
             self._rotate(o, out, n_q_heads, head_dim, back=True)
 
+    def _row_bias(self, row_bias, n_kv: int) -> tuple:
+        """(buffer, offset, row stride, n_bias) of attention's row bias, f32 [n_kv, n_bias]
+        added to the scores of rows 0 .. n_bias-1 (merged rows' log-counts); None: the
+        dummy buffer and n_bias = 0."""
+        if row_bias is None:
+            return self._dummy, 0, 0, 0
+        if not isinstance(row_bias, DeviceArray):
+            raise TypeError(f"vulkan attention: row_bias must be a backend array (upload), "
+                            f"got {type(row_bias).__name__}")
+        if row_bias.dtype != F32 or row_bias.ndim != 2 or row_bias.shape[0] != n_kv:
+            raise ValueError(f"vulkan attention: row_bias must be f32 [n_kv_heads={n_kv}, n_bias], "
+                             f"got {row_bias.dtype} {row_bias.shape}")
+        return row_bias.buffer, row_bias.offset, row_bias.row_stride, row_bias.shape[1]
+
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,
-                          k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                          k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         self._attention(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
-                        k_dtype, v_dtype)
+                        k_dtype, v_dtype, row_bias)
 
     def attention_decode(self, q, k_pages, v_pages, page_table, n_rows: int,
                          n_q_heads: int, scale: float, out, window: int = 0,
-                         k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                         k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         self._attention(q, k_pages, v_pages, page_table, n_rows - 1, n_q_heads, scale, out, window,
-                        k_dtype, v_dtype)
+                        k_dtype, v_dtype, row_bias)
 
     def _eltwise(self, op: str, a, b, out, s: float = 0.0) -> None:
         """out = op(a, b) (b None for "scale", which multiplies by s) over [n, d] views."""

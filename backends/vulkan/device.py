@@ -207,10 +207,11 @@ def pick_device(devices: list[dict], allow_cpu: bool = True) -> dict:
 
 
 # What the backend needs of a device: SPIR-V 1.3 (shaders are compiled for Vulkan 1.1),
-# five storage buffers bound by one shader (attention, kv_write, kv_gather,
-# kv_copy_pages, snapkv_votes), and buffers that kp can size (it computes them in 32 bits).
+# six storage buffers bound by one shader (attention: q, K pages, V pages, page table,
+# out, row bias; kv_write, kv_gather, kv_copy_pages and snapkv_votes bind five), and
+# buffers that kp can size (it computes them in 32 bits).
 MIN_API = (1, 1)
-STORAGE_BUFFERS_PER_SHADER = 5
+STORAGE_BUFFERS_PER_SHADER = 6
 KP_MAX_BUFFER = 1 << 32
 
 

@@ -729,3 +729,63 @@ def test_decode_over_compacted_cache_equals_masked_full_attention(backend, kv):
     out = backend.alloc((1, n_q * hd))
     backend.attention_decode(backend.upload(q), dk, dv, dpt, n_keep, n_q, 1 / 8.0, out, 0, *kv)
     assert nmse(backend.download(out).reshape(n_q, hd), want) < TOL_ATTN
+
+
+# -- merged rows: a log-count bias on the first rows ---------------------------------
+def test_reference_row_bias_by_hand():
+    """A bias of log(c) on a row weighs it as c copies of itself: two rows, the first
+    biased by log 3, give softmax weights proportional to 3 e^s0 and e^s1."""
+    rng = np.random.default_rng(21)
+    k_pages, v_pages, page_table = filled_pool(rng, 2, 1, 16, 64)
+    q = rng.standard_normal((1, 64)).astype(np.float32)
+    from backends.reference import read_rows
+    keys, values = read_rows(k_pages, page_table, 2)[0], read_rows(v_pages, page_table, 2)[0]
+    w = np.exp(keys @ q[0].astype(np.float64) * 0.125) * np.array([3.0, 1.0])
+    out = np.empty_like(q)
+    REF.attention_decode(q, k_pages, v_pages, page_table, 2, 1, 0.125, out,
+                         row_bias=np.array([[math.log(3.0)]], dtype=np.float32))
+    np.testing.assert_allclose(out[0], (w / w.sum()) @ values, rtol=1e-6)
+
+
+BIAS_KV = [("bf16", "bf16"), ("q8_0", "tq4")]
+
+
+@pytest.mark.parametrize("kv", BIAS_KV, ids=["/".join(dict.fromkeys(c)) for c in BIAS_KV])
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", ATTN_SHAPES[:2])
+@pytest.mark.parametrize("n_rows,n_bias", [(2, 1), (40, 17), (300, 64), (2500, 300)])
+def test_attention_decode_row_bias(backend, kv, n_q, n_kv, head_dim, page_size, n_rows, n_bias):
+    """Merged rows' log-counts (0 .. 9, and a few negative) on the first n_bias rows of
+    each KV head, in short (serial) and long (split) decodes."""
+    require_kv(backend, kv)
+    rng = np.random.default_rng(n_rows + n_bias + head_dim)
+    k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, page_size, head_dim, kscale=2.0, kv=kv)
+    q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
+    bias = rng.uniform(-2.0, 9.0, (n_kv, n_bias)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want, plain = np.empty_like(q), np.empty_like(q)
+    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, want, 0, *kv, row_bias=bias)
+    REF.attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q, scale, plain, 0, *kv)
+    _, (got,) = run_op(backend, "attention_decode", q, k_pages, v_pages, page_table, n_rows, n_q, scale,
+                       np.zeros_like(q), 0, *kv, bias, outputs=(7,))
+    assert nmse(got, want) < TOL_ATTN
+    assert nmse(plain, want) > 1e-3                # the bias matters at these sizes
+
+
+@pytest.mark.parametrize("kv", BIAS_KV, ids=["/".join(dict.fromkeys(c)) for c in BIAS_KV])
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", ATTN_SHAPES[:2])
+@pytest.mark.parametrize("start_row,n,n_bias", [(17, 7, 17), (300, 64, 100), (60, 300, 60)])
+def test_attention_prefill_row_bias(backend, kv, n_q, n_kv, head_dim, page_size, start_row, n, n_bias):
+    """A chunk prefilled after a compaction with merged rows: every query adds the bias
+    of the merged rows it sees (the chunk's own rows are unbiased)."""
+    require_kv(backend, kv)
+    rng = np.random.default_rng(start_row + n + n_bias)
+    k_pages, v_pages, page_table = filled_pool(rng, start_row + n, n_kv, page_size, head_dim, kscale=2.0,
+                                               kv=kv)
+    q = rng.standard_normal((n, n_q * head_dim)).astype(np.float32)
+    bias = rng.uniform(-2.0, 9.0, (n_kv, n_bias)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q, scale, want, 0, *kv, row_bias=bias)
+    _, (got,) = run_op(backend, "attention_prefill", q, k_pages, v_pages, page_table, start_row, n_q, scale,
+                       np.zeros_like(q), 0, *kv, bias, outputs=(7,))
+    assert nmse(got, want) < TOL_ATTN

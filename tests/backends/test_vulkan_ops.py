@@ -470,28 +470,52 @@ def test_grouped_query_workgroups_match_the_reference(vk, n_q, n_kv):
         check_attention(vk, ("bf16", "tq4"), n_q, n_kv, n_rows, window, splits=(1, 16), prefill=7)
 
 
-def check_attention(vk, kv, n_q, n_kv, n_rows, window, splits, prefill=0):
+@pytest.mark.parametrize("kv", [("bf16", "bf16"), ("q8_0", "tq4")], ids="/".join)
+@pytest.mark.parametrize("n_rows,window,n_bias", [(300, 0, 100), (2500, 0, 300), (700, 256, 500)])
+def test_row_bias_in_every_attention_variant(vk, kv, n_rows, window, n_bias):
+    """Merged rows' log-counts reach the scores in prefill, decode and split decode, read
+    through a strided view of the bias (offset and row stride), with a sliding window too."""
+    check_attention(vk, kv, 9, 3, n_rows, window, splits=(1, 16), prefill=7, n_bias=n_bias)
+
+
+def test_row_bias_shape_is_checked(vk):
+    from test_ops import filled_pool
+    rng = np.random.default_rng(5)
+    k_pages, v_pages, page_table = (vk.upload(a) for a in filled_pool(rng, 8, 3, 16, 64))
+    q, out = vk.upload(np.zeros((1, 9 * 64), np.float32)), vk.alloc((1, 9 * 64))
+    for bad in (np.zeros((2, 8), np.float32), np.zeros(8, np.float32)):
+        with pytest.raises(ValueError, match=r"row_bias must be f32 \[n_kv_heads=3, n_bias\]"):
+            vk.attention_decode(q, k_pages, v_pages, page_table, 8, 9, 0.125, out, row_bias=vk.upload(bad))
+
+
+def check_attention(vk, kv, n_q, n_kv, n_rows, window, splits, prefill=0, n_bias=0):
     """Decode over n_rows (each split count in turn), and a prefill of the last `prefill`
-    queries, against the reference."""
+    queries, against the reference; with n_bias, a row bias on the first n_bias rows."""
     from test_ops import TOL_ATTN, filled_pool
     rng = np.random.default_rng(n_rows + window + n_q)
     k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, 16, 64, kscale=2.0, kv=kv)
     q = rng.standard_normal((max(prefill, 1), n_q * 64)).astype(np.float32)
     dev = [vk.upload(a) for a in (q, k_pages, v_pages, page_table)]
+    bias = dev_bias = None
+    if n_bias:
+        padded = rng.uniform(-2.0, 9.0, (n_kv, n_bias + 5)).astype(np.float32)
+        bias, dev_bias = padded[:, 3:3 + n_bias], vk.upload(padded)[:, 3:3 + n_bias]
     want = np.empty_like(q[-1:])
-    REF.attention_decode(q[-1:], k_pages, v_pages, page_table, n_rows, n_q, 0.125, want, window, *kv)
+    REF.attention_decode(q[-1:], k_pages, v_pages, page_table, n_rows, n_q, 0.125, want, window, *kv,
+                         row_bias=bias)
     try:
         for n in splits:
             vk.decode_splits = n
             out = vk.upload(np.zeros_like(want))
-            vk.attention_decode(dev[0][-1:], *dev[1:], n_rows, n_q, 0.125, out, window, *kv)
+            vk.attention_decode(dev[0][-1:], *dev[1:], n_rows, n_q, 0.125, out, window, *kv, row_bias=dev_bias)
             assert nmse(vk.download(out), want) < TOL_ATTN, n
     finally:
         vk.decode_splits = 1
     if prefill:
         start = n_rows - prefill
         want = np.empty_like(q)
-        REF.attention_prefill(q, k_pages, v_pages, page_table, start, n_q, 0.125, want, window, *kv)
+        REF.attention_prefill(q, k_pages, v_pages, page_table, start, n_q, 0.125, want, window, *kv,
+                              row_bias=bias)
         out = vk.upload(np.zeros_like(q))
-        vk.attention_prefill(*dev, start, n_q, 0.125, out, window, *kv)
+        vk.attention_prefill(*dev, start, n_q, 0.125, out, window, *kv, row_bias=dev_bias)
         assert nmse(vk.download(out), want) < TOL_ATTN

@@ -9,7 +9,8 @@ rows (one split, a few, many); prefill chunks at start_row > 0 whose length is n
 multiple of the query tile, through row-strided q/out views; SnapKV votes with
 windows 1, 16 and 32 over row counts that are not multiples of the page size, with
 several stats splits and partial query chunks; sliding windows 1, 7, 64 and 512 over
-row counts below and above the window. Unused page slots hold bf16 NaN and page
+row counts below and above the window; merged rows' log-count bias (row_bias) through a
+row-strided view, past and short of the attended rows. Unused page slots hold bf16 NaN and page
 tables are permuted, so a read outside the valid rows shows up (with a window, the
 rows below it are NaN too and its whole pages are gone from the table: entry -1, a
 read there is a memcheck error); outputs are column slices of NaN-filled buffers,
@@ -312,6 +313,59 @@ def test_snapkv_votes_device_query_and_empty_prefix(ex):
     assert nmse(got, REF.snapkv_votes(q_window, k_pages, page_table, 40, 0.125)) < TOL
     empty = attention.snapkv_votes(ex, q_window, dev_k, dev_pt, 8, 0.125)
     assert empty.shape == (3, 0) and empty.dtype == np.float32
+
+
+# -- merged rows: row_bias ------------------------------------------------------------------------
+def bias_view(ex, rng, n_kv, n_bias):
+    """Host log-counts f32 [n_kv, n_bias] and their device copy as a column slice of a
+    NaN-filled buffer: a read past n_bias or off the row stride shows up as NaN."""
+    host = rng.uniform(-2.0, 9.0, (n_kv, n_bias)).astype(np.float32)
+    return host, nan_view(ex, host, 3, 5)[1]
+
+
+# Beyond tests/backends/test_ops.py: head_dim 96 and 256 (the d128 and d256 prefill tiles),
+# GQA 14/2 (two decode chunks per group), a row-strided bias, n_bias above n_rows and 0.
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", SHAPES[2:])
+@pytest.mark.parametrize("n_rows,n_bias", [(7, 3), (300, 299), (3000, 1000), (40, 64), (50, 0)])
+def test_attention_decode_row_bias(ex, n_q, n_kv, head_dim, page_size, n_rows, n_bias):
+    rng = np.random.default_rng(n_rows + n_bias + head_dim)
+    pools = filled_pool(rng, n_rows, n_kv, page_size, head_dim)
+    q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
+    bias, bias_dev = bias_view(ex, rng, n_kv, n_bias)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_decode(q, *pools, n_rows, n_q, scale, want, row_bias=bias)
+    out = ex.zeros(q.shape)
+    attention.attention_decode(ex, ex.asarray(q), *upload(ex, *pools), n_rows, n_q, scale, out, row_bias=bias_dev)
+    assert nmse(ex.to_host(out), want) < TOL
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", SHAPES[2:])
+@pytest.mark.parametrize("start_row,n,n_bias", [(17, 7, 17), (300, 45, 120), (20, 40, 100)])
+def test_attention_prefill_row_bias(ex, n_q, n_kv, head_dim, page_size, start_row, n, n_bias):
+    rng = np.random.default_rng(start_row + n + n_bias + head_dim)
+    pools = filled_pool(rng, start_row + n, n_kv, page_size, head_dim)
+    q = rng.standard_normal((n, n_q * head_dim)).astype(np.float32)
+    bias, bias_dev = bias_view(ex, rng, n_kv, n_bias)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, *pools, start_row, n_q, scale, want, row_bias=bias)
+    out = ex.zeros(q.shape)
+    attention.attention_prefill(ex, ex.asarray(q), *upload(ex, *pools), start_row, n_q, scale, out,
+                                row_bias=bias_dev)
+    assert nmse(ex.to_host(out), want) < TOL
+
+
+def test_rejects_bad_row_bias(ex):
+    k = ex.zeros((2, 3, 16, 64), np.uint16)
+    pools = (k, ex.zeros(k.shape, np.uint16), ex.asarray(np.arange(2, dtype=np.int32)))
+    q = ex.zeros((1, 9 * 64))
+    for bad in (ex.zeros((3 * 8,)), ex.zeros((2, 8)), ex.zeros((3, 8), np.float64), ex.zeros((3, 8, 1)),
+                ex.zeros((3, 16))[:, ::2]):
+        with pytest.raises(ValueError, match="row_bias must be f32"):
+            attention.attention_decode(ex, q, *pools, 5, 9, 0.1, ex.zeros(q.shape), row_bias=bad)
+        with pytest.raises(ValueError, match="row_bias must be f32"):
+            attention.attention_prefill(ex, q, *pools, 0, 9, 0.1, ex.zeros(q.shape), row_bias=bad)
 
 
 # -- argument checks -----------------------------------------------------------------------------

@@ -10,6 +10,9 @@
 // prefill). k_cb / v_cb: the formats' codebooks (f32 [16], tq only; any pointer otherwise).
 // Sliding window (window > 0): the query at row r sees only rows max(0, r - window + 1) .. r;
 // rows below are never read (their pages may be back in the pool, the table entries stale).
+// Merged rows: row_bias f32 [n_kv][bias_stride] adds row_bias[g][r] to the scaled score of
+// row r of KV head g for r < n_bias (a log-count: the row weighs like that many copies), 0
+// above; n_bias 0 when there is none (row_bias then any pointer, never read).
 //
 // Decode (one query per head), flash-decoding in two launches:
 //   attention_decode_split    grid (n_kv * n_chunks, n_splits), DEC_THREADS threads. A block
@@ -67,9 +70,9 @@ typedef KvRow<KV_V> VF;
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split(
         const float* __restrict__ q, const u8* __restrict__ k_pages, const u8* __restrict__ v_pages,
         const int* __restrict__ page_table, const float* __restrict__ k_cb, const float* __restrict__ v_cb,
-        float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, int row0, int n_rows,
-        int rows_per_split, int n_q_heads, int n_kv, int head_dim, int page_size, int heads_per_block,
-        float scale) {
+        const float* __restrict__ row_bias, int bias_stride, int n_bias, float* __restrict__ out,
+        float* __restrict__ part_acc, float* __restrict__ part_ml, int row0, int n_rows, int rows_per_split,
+        int n_q_heads, int n_kv, int head_dim, int page_size, int heads_per_block, float scale) {
     constexpr int KU = KF::UNIT, VU = VF::UNIT, KPL = DEC_VALS / KU, VPL = DEC_VALS / VU;
     __shared__ float sh_acc[DEC_WARPS][DEC_HEADS][MAX_HEAD_DIM];
     __shared__ float sh_m[DEC_WARPS][DEC_HEADS];
@@ -85,6 +88,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
     const int nh = min(heads_per_block, group - chunk * heads_per_block);
     const int split = blockIdx.y, n_splits = gridDim.y;
     const int r_begin = row0 + split * rows_per_split, r_end = min(n_rows, r_begin + rows_per_split);
+    const float* bias = row_bias + (long long)g * bias_stride;   // read below n_bias only
 
     stage_codebook<KV_K>(sh_cb[0], k_cb);
     stage_codebook<KV_V>(sh_cb[1], v_cb);
@@ -117,6 +121,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
         const u8* v0 = kv_row(v_pages, page_table, r0, g, n_kv, page_size, vbytes);
         const u8* k1 = has1 ? kv_row(k_pages, page_table, r1, g, n_kv, page_size, kbytes) : k0;
         const u8* v1 = has1 ? kv_row(v_pages, page_table, r1, g, n_kv, page_size, vbytes) : v0;
+        const float bias0 = r0 < n_bias ? bias[r0] : 0.0f;
+        const float bias1 = has1 && r1 < n_bias ? bias[r1] : 0.0f;
         u32 k0w[KPL], k1w[KPL], v0w[VPL], v1w[VPL];
         float k0s[KPL], k1s[KPL], v0s[VPL], v1s[VPL];  // scales (0 past the row: the unit reads as 0)
 #pragma unroll
@@ -158,8 +164,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
 #pragma unroll
         for (int hh = 0; hh < DEC_HEADS; ++hh) {
             if (hh < nh) {                           // block-uniform
-                s0[hh] = warp_sum(s0[hh]);
-                s1[hh] = has1 ? warp_sum(s1[hh]) : NEG_INF;
+                s0[hh] = warp_sum(s0[hh]) + bias0;
+                s1[hh] = has1 ? warp_sum(s1[hh]) + bias1 : NEG_INF;
             }
         }
 #pragma unroll
@@ -292,8 +298,9 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
                                               const u8* __restrict__ k_pages, const u8* __restrict__ v_pages,
                                               const int* __restrict__ page_table, const float* __restrict__ k_cb,
                                               const float* __restrict__ v_cb, float* __restrict__ out,
-                                              int out_stride, int n, int start_row, int n_q_heads, int n_kv,
-                                              int head_dim, int page_size, int window, float scale,
+                                              int out_stride, const float* __restrict__ row_bias,
+                                              int bias_stride, int n_bias, int n, int start_row, int n_q_heads,
+                                              int n_kv, int head_dim, int page_size, int window, float scale,
                                               float* smem) {
     typedef PrefillShape<BQ> Shape;
     constexpr int QT = Shape::QT, SS = Shape::SS, KU = KF::UNIT, VU = VF::UNIT;
@@ -312,6 +319,7 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
     const int nq = min(BQ, n - q0);
     const int n_vis = start_row + q0 + nq;          // rows any query of this block sees: k_lo .. n_vis-1
     const int k_lo = window > 0 ? max(0, start_row + q0 - window + 1) : 0;     // the first query's lowest
+    const float* bias_g = row_bias + (long long)g * bias_stride;                // read below n_bias only
 
     float* qs = smem;                                // [BQ][head_dim], key-unit order
     u32* tw = reinterpret_cast<u32*>(smem + BQ * head_dim);      // [PRE_BK][ws] units
@@ -392,10 +400,11 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
         stage_units<KV_V, PRE_THREADS>(tw, vst, tsc, vss, v_pages, page_table, k0, PRE_BK, n_vis, g, n_kv,
                                        page_size, VF::row_bytes(head_dim), 0, nuv);     // V tile over K
         const int row = k0 + lane;
+        const float bias = row < n_bias ? bias_g[row] : 0.0f;
         for (int qi = warp; qi < BQ; qi += PRE_THREADS / WARP_SIZE) {     // online softmax, lane = column
             const int q_row = start_row + q0 + qi;
             const bool vis = row <= q_row && row < n_vis && (window <= 0 || row > q_row - window);
-            const float sv = vis ? sc[qi * SS + lane] : NEG_INF;
+            const float sv = vis ? sc[qi * SS + lane] + bias : NEG_INF;
             const float m_old = mq[qi];
             // -inf only while a windowed query has seen no row yet (its window starts in a later tile)
             const float m_new = fmaxf(m_old, warp_max(sv));
@@ -463,11 +472,12 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
             const float* __restrict__ q, int q_stride, const u8* __restrict__ k_pages,                       \
             const u8* __restrict__ v_pages, const int* __restrict__ page_table,                              \
             const float* __restrict__ k_cb, const float* __restrict__ v_cb, float* __restrict__ out,         \
-            int out_stride, int n, int start_row, int n_q_heads, int n_kv, int head_dim, int page_size,      \
-            int window, float scale) {                                                                       \
+            int out_stride, const float* __restrict__ row_bias, int bias_stride, int n_bias, int n,          \
+            int start_row, int n_q_heads, int n_kv, int head_dim, int page_size, int window, float scale) {  \
         DYN_SHARED(float, smem);                                                                             \
-        prefill_block<BQ, DL>(q, q_stride, k_pages, v_pages, page_table, k_cb, v_cb, out, out_stride, n,    \
-                              start_row, n_q_heads, n_kv, head_dim, page_size, window, scale, smem);         \
+        prefill_block<BQ, DL>(q, q_stride, k_pages, v_pages, page_table, k_cb, v_cb, out, out_stride,       \
+                              row_bias, bias_stride, n_bias, n, start_row, n_q_heads, n_kv, head_dim,        \
+                              page_size, window, scale, smem);                                               \
     }
 PREFILL_ENTRY(attention_prefill_d64, 64, 8, 4)
 PREFILL_ENTRY(attention_prefill_d128, 32, 16, 5)
