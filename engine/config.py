@@ -98,6 +98,9 @@ SETTINGS = (
          "keep sets per KV head, per layer, or one for the whole model"),
     Spec("snapkv_min_tokens", "SHARPI_SNAPKV_MIN_TOKENS", "--kv-min-tokens", _int(0), 128,
          "prompts this short or shorter are never compacted"),
+    Spec("snapkv_merge", "SHARPI_SNAPKV_MERGE", "--kv-merge", _int(0), 0,
+         "rows of the budget per KV head that summarise the evicted rows (k-means means with a log-count "
+         "bias); 0 = off"),
     Spec("snapkv_auto_mib", "SHARPI_SNAPKV_AUTO_MIB", None, _int(0), 256,
          "auto-on threshold: KV ring (in the chosen KV dtype) for the context above this many MiB"),
     Spec("cpu_kernels", "SHARPI_CPU_KERNELS", None, _choice("auto", "portable"), "auto",
@@ -130,6 +133,7 @@ class Settings:
     snapkv_pool: str = "avg"
     snapkv_granularity: str = "head"
     snapkv_min_tokens: int = 128
+    snapkv_merge: int = 0
     snapkv_auto_mib: int = 256
     cpu_kernels: str = "auto"
     cuda_executor: str = "device"

@@ -17,9 +17,11 @@ import numpy as np
 from gguf.quants import dequantize
 
 from backends.kvformat import parse_kv_dtype
+from backends.reference import read_rows
 
 from .errors import EngineError
 from .gguf import GgufFile, ModelConfig
+from .kv.merge import merged_rows
 from .kv.paged import KvCache, PagePool, layer_pages
 from .snapkv import SnapKvConfig, SnapKvSelector
 
@@ -248,7 +250,9 @@ class ForwardPass:
         t_scored = time.perf_counter()
         keeps = selector.keep_from_model_votes(votes, n_rows)
         bytes_before = cache.bytes
-        cache.compactions = [cache.layers[i].compact(keep, window=cfg.window) for i, keep in zip(scored, keeps)]
+        merged = self.merge_evicted(cache, scored, keeps, cfg.merge) if cfg.merge else [None] * len(scored)
+        cache.compactions = [cache.layers[i].compact(keep, window=cfg.window, merged=m)
+                             for i, keep, m in zip(scored, keeps, merged)]
         t1 = time.perf_counter()
         cache.eviction = {
             "policy": cfg.summary(), "rows_before": n_rows, "rows_after": cache.layers[scored[0]].length,
@@ -258,6 +262,21 @@ class ForwardPass:
             "scoring_seconds": t_scored - t0,
         }
         return cache.eviction
+
+    def merge_evicted(self, cache: KvCache, layers: list[int], keeps: list[np.ndarray], n_merge: int) -> list:
+        """Each layer's merged rows for its keep set (engine/kv/merge.py), from its rows
+        read back to the host (each segment of the pool downloaded once)."""
+        hosts: dict[int, tuple] = {}
+        out = []
+        for li, keep in zip(layers, keeps):
+            kv, seg = cache.layers[li], cache.pool.segment_index(li)
+            if seg not in hosts:
+                hosts[seg] = (self.backend.download(kv.pool.k_pages), self.backend.download(kv.pool.v_pages))
+            rows = [read_rows(pages, kv._table, kv.length, dtype, self.cfg.head_dim)
+                    for pages, dtype in zip(hosts[seg], (cache.k_dtype, cache.v_dtype))]
+            out.append(merged_rows(*rows, kv.row_bias, np.broadcast_to(keep, (rows[0].shape[0], keep.shape[-1])),
+                                   n_merge))
+        return out
 
     def decode(self, token: int, cache: KvCache) -> np.ndarray:
         """One token at position cache.logical_length -> host f32 logits [vocab]."""
@@ -349,6 +368,8 @@ class ForwardPass:
         pages = kv.pool                      # the layer's segment of the pool
         b.kv_write(pages.k_pages, pages.v_pages, table, qkv[:, q_end:k_end],
                    qkv[:, k_end:], start_row, **dtypes)
+        if kv.row_bias is not None:          # merged rows after a compaction (engine/kv/merge.py)
+            dtypes["row_bias"] = kv.bias()
         if n == 1:
             b.attention_decode(qkv[:, :q_end], pages.k_pages, pages.v_pages, table,
                                start_row + 1, c.n_heads, self.scale, attn, window=window, **dtypes)

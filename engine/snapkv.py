@@ -52,6 +52,7 @@ class SnapKvConfig:
     pool: str = "avg"               # "avg" (zero padding, divide by kernel) or "max"
     granularity: str = "head"       # "head" | "layer" | "global"
     min_tokens: int = 128           # prompts of at most this many tokens are never compacted
+    merge: int = 0                  # rows of the budget that summarise the evicted rows (engine/kv/merge.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,12 +73,18 @@ class SnapKvConfig:
         """Rows per KV head after selection for a prompt of n_tokens."""
         return self.budget if self.compacts(n_tokens) else n_tokens
 
+    @property
+    def selected(self) -> int:
+        """Rows per KV head chosen by the votes: the budget less the merged rows."""
+        return self.budget - self.merge
+
     def summary(self) -> str:
         """One line for `--stats`."""
         pooling = "no pooling" if self.kernel == 1 else f"{self.pool}-pool k={self.kernel}"
         sets = {"head": "per KV head", "layer": "per layer", "global": "one set for the model"}
+        merged = f", {self.merge} of them merged rows" if self.merge else ""
         return (f"SnapKV budget {self.budget} (window {self.window}, recency {self.recent}, "
-                f"sinks {self.sinks}), {pooling}, {sets[self.granularity]}, "
+                f"sinks {self.sinks}{merged}), {pooling}, {sets[self.granularity]}, "
                 f"prompts > {self.min_tokens} tokens")
 
 
@@ -88,11 +95,14 @@ def check_values(v: dict, names: dict | None = None) -> None:
     """Validate SnapKvConfig fields (a dict of them). ConfigError names each field by
     `names[field]` (`engine.model` passes flag and variable names), else "SnapKV <field>"
     as a message's subject and the bare field name where it is referred to."""
-    fields = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens")
-    subj = {k: names[k] if names else f"SnapKV {k}" for k in fields}
-    ref = {k: names[k].split("/")[0] if names else k for k in fields}   # "--kv-window"
-    for name in ("budget", "window", "sinks", "kernel", "min_tokens"):
+    v = {"merge": 0, **v}
+    fields = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens", "merge")
+    subj = {k: names[k] if names and k in names else f"SnapKV {k}" for k in fields}
+    ref = {k: subj[k].split("/")[0] if names and k in names else k for k in fields}   # "--kv-window"
+    for name in ("budget", "window", "sinks", "kernel", "min_tokens", "merge"):
         _require_int(subj[name], v[name])
+    if v["merge"] < 0:
+        raise ConfigError(f"{subj['merge']} must be >= 0, got {v['merge']}")
     if v["recency"] is not None:
         _require_int(subj["recency"], v["recency"])
     if v["window"] < 1:
@@ -119,6 +129,9 @@ def check_values(v: dict, names: dict | None = None) -> None:
     if budget <= recent + sinks:
         raise ConfigError(f"{subj['budget']} ({budget}) must be larger than {ref['recency']} + {ref['sinks']} "
                           f"({recent} + {sinks} = {recent + sinks})")
+    if v["merge"] and budget - v["merge"] <= recent + sinks:
+        raise ConfigError(f"{subj['budget']} ({budget}) must be larger than {ref['merge']} + {ref['recency']} + "
+                          f"{ref['sinks']} ({v['merge']} + {recent} + {sinks} = {v['merge'] + recent + sinks})")
 
 
 def _require_int(label: str, value) -> None:
@@ -275,11 +288,11 @@ class SnapKvSelector:
         return acc
 
     def _top_k(self, votes: np.ndarray, L: int) -> np.ndarray:
-        """votes f64 [H, P] -> keep int64 [H, budget]: sinks + top pooled candidates + recent."""
+        """votes f64 [H, P] -> keep int64 [H, budget - merge]: sinks + top pooled candidates + recent."""
         cfg = self.cfg
         pooled = self._pool(votes)                                       # [H, P]
         first, stop = cfg.sinks, L - cfg.recent                          # candidates first .. stop-1
-        n_pick = cfg.budget - cfg.sinks - cfg.recent                     # > 0 by validation
+        n_pick = cfg.selected - cfg.sinks - cfg.recent                   # > 0 by validation
         # Stable sort of negated scores: highest first, ties keep ascending index order.
         order = np.argsort(-pooled[:, first:stop], axis=1, kind="stable")[:, :n_pick]
         picked = np.sort(order, axis=1) + first                          # [H, n_pick]

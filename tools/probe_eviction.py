@@ -5,7 +5,9 @@ answers from copies of the cache compacted in different ways:
 - `--budgets`: SnapKV at the default settings with each budget (every global layer);
 - `--layer-budgets`: a budget per full-attention layer, `;`-separated sets of
   comma-separated budgets in layer order (0: that layer not compacted),
-  e.g. "2048,0,0;0,2048,0;4096,1024,1024".
+  e.g. "2048,0,0;0,2048,0;4096,1024,1024";
+- `--merge M`: every variant again with M of its budget's rows merged
+  (engine/kv/merge.py), named "... merge M".
 
 For each variant it prints the greedy answer, how many of the needle's first 30
 token rows every compacted layer kept, and per head the share of the last prompt
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="2048", help="SnapKV budgets, comma separated")
     ap.add_argument("--layer-budgets", dest="layer_budgets", default="",
                     help="';'-separated budget sets, one budget per full-attention layer (0: not compacted)")
+    ap.add_argument("--merge", type=int, default=0, help="also run each variant with this many merged rows")
     a = ap.parse_args(argv)
     base = parse_policy("snapkv-b2048-head-avg-k31-w32-s4")
     plan = EvalPlan(tasks=[a.task], lengths=[a.length], policies=[base], samples=a.samples, seed=a.seed)
@@ -67,6 +70,9 @@ def main(argv=None) -> int:
     variants = {f"budget {b}": [int(b)] for b in a.budgets.split(",") if b}
     for spec in filter(None, a.layer_budgets.split(";")):
         variants[f"layers {spec}"] = [int(b) for b in spec.split(",")]
+    runs = [(name, budgets, 0) for name, budgets in variants.items()]
+    if a.merge:
+        runs += [(f"{name} merge {a.merge}", budgets, a.merge) for name, budgets in variants.items()]
     depths = {c[2]: c[3] for c in plan.cases()}
     for index in (int(i) for i in a.index.split(",")):
         sample = runner.make_sample(a.task, a.length, index, depths[index])
@@ -78,7 +84,7 @@ def main(argv=None) -> int:
         q = np.ascontiguousarray(capture.q[:, :, capture.window - base.window:])
         votes = {li: fw.backend.snapkv_votes(q[li], cache.layers[li].pool.k_pages, cache.layers[li].page_table(), L,
                                              fw.scale, k_dtype=cache.k_dtype) for li in scored}
-        for name, budgets in variants.items():
+        for name, budgets, merge in runs:
             budgets = budgets * len(scored) if len(budgets) == 1 else budgets
             if len(budgets) != len(scored):
                 raise SystemExit(f"{name}: {len(budgets)} budgets for {len(scored)} full-attention layers")
@@ -86,13 +92,14 @@ def main(argv=None) -> int:
             for li, budget in zip(scored, budgets):
                 if not budget:
                     continue
-                keep = SnapKvSelector(SnapKvConfig(budget=budget)).keep_from_votes(votes[li], L)
+                keep = SnapKvSelector(SnapKvConfig(budget=budget, merge=merge)).keep_from_votes(votes[li], L)
                 pos = sample.needle_token_pos
                 needle = int(np.isin(np.arange(pos, pos + NEEDLE_ROWS), keep[0]).sum()) if pos is not None else -1
                 mass = last_query_mass(cache, capture, li, keep, fw.scale, L)
                 notes.append(f"layer {li}: needle {needle}/{NEEDLE_ROWS}, mass kept "
                              + " ".join(f"{x:.3f}" for x in mass))
-                branch.layers[li].compact(keep, window=base.window)
+                merged = fw.merge_evicted(branch, [li], [keep], merge)[0] if merge else None
+                branch.layers[li].compact(keep, window=base.window, merged=merged)
             branch.eviction = {"policy": name}
             answer = runner._answer(sample, branch, logits)
             print(f"  {name}: {answer['generated']!r}  " + "; ".join(notes), flush=True)

@@ -184,6 +184,8 @@ class PagedKvCache:
         self._table_dev = None        # backend copy, updated in place when pages change
         self._table_stale = False
         self.last_keep: np.ndarray | None = None   # int64 [n_kv_heads, n_keep] of the last compaction
+        self.row_bias: np.ndarray | None = None    # f32 [n_kv_heads, n_bias]: log-counts of rows 0..n_bias-1
+        self._bias_dev = None                      # (merged rows, engine/kv/merge.py); never changed in place
 
     @property
     def first_row(self) -> int:
@@ -302,6 +304,7 @@ class PagedKvCache:
         self._release_from(0)
         self.first_page = self.length = self.logical_length = self.intact_from = 0
         self.last_keep = None
+        self._set_bias(None)
 
     def page_table(self):
         """Backend int32 [max_pages_in_context] page table: uploaded once, then updated in
@@ -314,29 +317,57 @@ class PagedKvCache:
         self._table_stale = False
         return self._table_dev
 
+    def bias(self):
+        """Backend f32 [n_kv_heads, n_bias] row_bias for the attention ops, or None."""
+        if self.row_bias is not None and self._bias_dev is None:
+            self._bias_dev = self.pool.backend.upload(self.row_bias)
+        return self._bias_dev
+
+    def _set_bias(self, row_bias: np.ndarray | None) -> None:
+        self.row_bias, self._bias_dev = row_bias, None
+
     @property
     def bytes(self) -> int:
-        return self.n_pages * self.pool.page_bytes
+        return self.n_pages * self.pool.page_bytes + (0 if self.row_bias is None else self.row_bias.nbytes)
 
     # -- compaction -------------------------------------------------------------
-    def compact(self, keep: np.ndarray, window: int = 0) -> CompactReport:
+    def compact(self, keep: np.ndarray, window: int = 0, merged=None) -> CompactReport:
         """Keep only the given rows: `keep` int [n_kv_heads, n_keep] (one sorted set per
         KV head, equal lengths) or [n_keep] (one set for the layer). Survivors move to
         rows 0..n_keep-1 in order, trailing pages return to the pool. `window`: the last
-        `window` rows must be kept. Invalid sets raise and leave the cache untouched."""
+        `window` rows must be kept. `merged`: (k, v f32 [n_kv_heads, c, head_dim],
+        log-counts f32 [n_kv_heads, c]) rows written after the survivors, at rows
+        n_keep..n_keep+c-1, that attention weighs by their counts (engine/kv/merge.py).
+        Invalid sets raise and leave the cache untouched."""
         if self.window:
             raise KvCacheError("a sliding-window layer is never compacted (it holds only its window)")
         keep = self._validated(keep, window)
         before = CompactReport(self.length, self.length, self.bytes, self.bytes)
         n_keep = keep.shape[1]
+        n_merged = 0 if merged is None else merged[2].shape[1]
         if n_keep == self.length:          # keep-all is the identity
             self.last_keep = keep
             return before
         self.pool.backend.kv_gather(self.pool.k_pages, self.pool.v_pages, self.page_table(), keep)
+        bias = np.zeros((keep.shape[0], n_keep + n_merged), dtype=np.float32)
+        if self.row_bias is not None:      # earlier merged rows keep their counts where they stay
+            old = np.zeros((keep.shape[0], self.length), dtype=np.float32)
+            old[:, :self.row_bias.shape[1]] = self.row_bias
+            bias[:, :n_keep] = np.take_along_axis(old, keep, axis=1)
         self.length = n_keep
         self._release_from(n_keep)
+        if n_merged:
+            k, v, bias[:, n_keep:] = merged
+            self.reserve(n_merged)
+            flat = [np.ascontiguousarray(a.transpose(1, 0, 2).reshape(n_merged, -1), dtype=np.float32)
+                    for a in (k, v)]
+            b = self.pool.backend
+            b.kv_write(self.pool.k_pages, self.pool.v_pages, self.page_table(), *(b.upload(a) for a in flat), n_keep,
+                       k_dtype=self.pool.pool.k_dtype, v_dtype=self.pool.pool.v_dtype)
+            self.length += n_merged
+        self._set_bias(bias if bias.any() else None)
         self.last_keep = keep
-        return CompactReport(before.rows_before, n_keep, before.bytes_before, self.bytes)
+        return CompactReport(before.rows_before, self.length, before.bytes_before, self.bytes)
 
     def _validated(self, keep, window: int) -> np.ndarray:
         keep = np.asarray(keep)
@@ -409,6 +440,7 @@ class KvCache:
             theirs._table[:] = mine._table
             theirs.length, theirs.logical_length = mine.length, mine.logical_length
             theirs.last_keep = mine.last_keep
+            theirs.row_bias, theirs._bias_dev = mine.row_bias, mine._bias_dev   # read-only, shared
         other.eviction = self.eviction
         return other
 

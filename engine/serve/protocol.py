@@ -24,6 +24,7 @@ KV_FIELDS = {
     "kv_pool": "snapkv_pool",
     "kv_granularity": "snapkv_granularity",
     "kv_min_tokens": "snapkv_min_tokens",
+    "kv_merge": "snapkv_merge",
 }
 
 
@@ -63,6 +64,7 @@ class _Common(_Body):
     kv_pool: str | None = None
     kv_granularity: str | None = None
     kv_min_tokens: int | None = None
+    kv_merge: int | None = None
     kv_dtype: str | None = None
 
 

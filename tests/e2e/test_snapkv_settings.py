@@ -63,3 +63,21 @@ def test_cli_budget_too_small_is_one_line(tiny_llama):
     r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(tiny_llama), "-p", "hi",
                         "--kv-budget", "10"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "budget" in r.stderr
+
+
+def test_merge_from_env_flag_and_argument(tiny_llama, monkeypatch):
+    """Merged rows: env, then the API; too large for the budget is one line naming the flags;
+    the CLI's --stats count the merged rows within the budget."""
+    monkeypatch.setenv("SHARPI_SNAPKV_BUDGET", "300")
+    monkeypatch.setenv("SHARPI_SNAPKV_MERGE", "16")
+    assert engine.load(tiny_llama, backend="reference").snapkv.merge == 16
+    assert engine.load(tiny_llama, backend="reference", snapkv_merge=32).snapkv.merge == 32
+    with pytest.raises(ConfigError, match=r"--kv-budget/SHARPI_SNAPKV_BUDGET \(300\) must be larger than "
+                                          r"--kv-merge"):
+        engine.load(tiny_llama, backend="reference", snapkv_merge=270)
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(tiny_llama), "-p", "abcdefgh" * 40,
+                        "-n", "4", "--kv-budget", "100", "--kv-window", "8", "--kv-min-tokens", "16",
+                        "--kv-merge", "10", "--ignore-eos", "--stats"],
+                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "10 of them merged rows" in r.stderr and "KV cache: 103 rows for 323 positions" in r.stderr

@@ -107,8 +107,12 @@ def test_policy_names():
     f = parse_policy("snapkv-bL/8-global-max-k7-w32-s0")
     assert f.config(8000).budget == 1000 and f.name == "snapkv-bL/8-global-max-k7-w32-s0"
     assert parse_policy("full").is_full and parse_policy("full").config(100) is None
+    m = parse_policy("snapkv-b2048-head-avg-k31-w32-s4-m64+tq4")
+    assert m.merge == 64 and m.config(16000).merge == 64 and m.kv_dtype == "tq4"
+    assert m.name == "snapkv-b2048-head-avg-k31-w32-s4-m64+tq4" and m.describe()["merge"] == 64
+    assert parse_policy("snapkv-bL/8-head-avg-k31-w32-s4-m64").config(100).budget == 101   # room for the merge
     for bad in ("snapkv-b64-head-avg-k5-w64-s4", "snapkv-b512-head-avg-k4-w64-s4", "snapkv-b512-row-avg-k5-w64-s4",
-                "lru-512"):
+                "lru-512", "snapkv-b100-head-avg-k31-w32-s4-m64", "snapkv-b512-head-avg-k5-w64-s4-m"):
         with pytest.raises(EngineError):
             parse_policy(bad)
     names = [p.name for p in default_policies([256, 512, 1024, 2048])]
