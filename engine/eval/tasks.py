@@ -245,6 +245,41 @@ def make_niah(tok: TokenCounter, target: int, depth: float, seed: int, index: in
     return Sample(task, target, index, depth, seed, prompt, ids, values, key, pos)
 
 
+@dataclass
+class FollowUp:
+    """A two-question conversation about one document: `first` asks for key A's number
+    (a Sample whose answer is the first turn), `turn2` is the answer to it (A's number,
+    teacher-forced) followed by the question for key B, whose number is `expected`."""
+    first: Sample
+    turn2: list[int]                   # token ids after first.ids (no BOS)
+    key: str                           # key B
+    expected: list[str]                # key B's number
+    needle_token_pos: int              # token index of B's needle in first.ids
+
+
+def make_followup(tok: TokenCounter, target: int, depth: float, seed: int, index: int) -> FollowUp:
+    """Two needles with different keys, A at `depth` and B half a document away from it;
+    the prompt asks for A, the follow-up for B (the rows B needs are the ones a first
+    question's eviction is likely to have dropped)."""
+    rng = _sample_rng(seed, "followup", target, index)
+    words = [str(w) for w in rng.permutation(KEY_WORDS)]
+    key_a, key_b = words[0], words[1]
+    taken: set = set()
+    value_a, value_b = _number(rng, 7, taken), _number(rng, 7, taken)
+    needle_b = _niah_needle(key_b, value_b)
+    needles = [(depth, _niah_needle(key_a, value_a)), ((depth + 50.0) % 100.0, needle_b)]
+    question = (f"\n\nWhat is the special magic number for {key_a} mentioned in the text? "
+                f"The special magic number for {key_a} is")
+    budget = target - _fixed_cost(tok, _NIAH_HEAD, question, [n for _, n in needles])
+    body, counts = _haystack(tok, _filler_stream(rng), budget)
+    prompt, ids, pos = _assemble(tok, _NIAH_HEAD, body, counts, needles, question, target)
+    first = Sample("niah", target, index, depth, seed, prompt, ids, [value_a], key_a, pos)
+    turn2 = tok.encode(f" {value_a}.\n\nWhat is the special magic number for {key_b} mentioned in the text? "
+                       f"The special magic number for {key_b} is", add_bos=False, special=False)
+    pos_b = len(tok.encode(prompt[:prompt.index(needle_b)].rstrip(" ")))
+    return FollowUp(first, turn2, key_b, [value_b], pos_b)
+
+
 def make_fidelity(tok: TokenCounter, target: int, seed: int, index: int, continuation: int) -> Sample:
     """A long document of varied filler; the next `continuation` tokens of the same
     document are teacher-forced after the prompt."""

@@ -84,6 +84,24 @@ def test_token_length_close_to_target(real_tok, task, target):
         assert s.n_tokens == target and len(s.continuation) == 64
 
 
+@pytest.mark.parametrize("depth", [0, 30, 80])
+def test_followup_asks_for_two_keys_half_a_document_apart(real_tok, depth):
+    """Turn 1 asks for key A (its number the first answer), turn 2 answers A and asks
+    for key B, whose needle sits about half the prompt away from A's."""
+    fu = T.make_followup(real_tok, 2000, depth, seed=5, index=3)
+    a, b = fu.first.key, fu.key
+    assert a != b and fu.first.expected != fu.expected and len(fu.first.ids) <= 2000
+    assert f"special magic numbers for {a} is: {fu.first.expected[0]}." in fu.first.prompt
+    assert f"special magic numbers for {b} is: {fu.expected[0]}." in fu.first.prompt
+    assert fu.first.prompt.endswith(f"The special magic number for {a} is")
+    text = real_tok.decode(fu.turn2)
+    assert text.startswith(f" {fu.first.expected[0]}.") and text.endswith(f"for {b} is")
+    gap = abs(fu.needle_token_pos - fu.first.needle_token_pos) / fu.first.n_tokens
+    assert 0.4 < gap < 0.6
+    again = T.make_followup(real_tok, 2000, depth, seed=5, index=3)
+    assert (again.first.ids, again.turn2) == (fu.first.ids, fu.turn2)
+
+
 def test_sample_depth_spreads():
     depths = list(range(0, 101, 10))
     assert [T.sample_depth(depths, i, 11) for i in range(11)] == depths
