@@ -45,11 +45,13 @@ def _add_snapkv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-min-tokens", dest="snapkv_min_tokens", help="never compact prompts this short")
     g.add_argument("--kv-merge", dest="snapkv_merge",
                    help="rows of the budget that summarise the evicted rows; 0 = off (env SHARPI_SNAPKV_MERGE)")
+    g.add_argument("--kv-allocation", dest="snapkv_allocation",
+                   help="uniform | pyramid: layer budgets falling with depth (env SHARPI_SNAPKV_ALLOCATION)")
 
 
 SETTING_ARGS = ("backend", "threads", "ctx", "prefill_chunk", "kv_dtype", "snapkv_budget", "snapkv_window",
                 "snapkv_recency", "snapkv_sinks", "snapkv_kernel", "snapkv_pool",
-                "snapkv_granularity", "snapkv_min_tokens", "snapkv_merge")
+                "snapkv_granularity", "snapkv_min_tokens", "snapkv_merge", "snapkv_allocation")
 
 
 def _settings(args) -> config_mod.Settings:

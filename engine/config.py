@@ -101,6 +101,8 @@ SETTINGS = (
     Spec("snapkv_merge", "SHARPI_SNAPKV_MERGE", "--kv-merge", _int(0), 0,
          "rows of the budget per KV head that summarise the evicted rows (k-means means with a log-count "
          "bias); 0 = off"),
+    Spec("snapkv_allocation", "SHARPI_SNAPKV_ALLOCATION", "--kv-allocation", _choice("uniform", "pyramid"),
+         "uniform", "budget per compacted layer: uniform, or pyramid (falling with depth, same total)"),
     Spec("snapkv_auto_mib", "SHARPI_SNAPKV_AUTO_MIB", None, _int(0), 256,
          "auto-on threshold: KV ring (in the chosen KV dtype) for the context above this many MiB"),
     Spec("cpu_kernels", "SHARPI_CPU_KERNELS", None, _choice("auto", "portable"), "auto",
@@ -134,6 +136,7 @@ class Settings:
     snapkv_granularity: str = "head"
     snapkv_min_tokens: int = 128
     snapkv_merge: int = 0
+    snapkv_allocation: str = "uniform"
     snapkv_auto_mib: int = 256
     cpu_kernels: str = "auto"
     cuda_executor: str = "device"

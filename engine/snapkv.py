@@ -38,6 +38,8 @@ from engine.errors import ConfigError
 
 POOLS = ("avg", "max")
 GRANULARITIES = ("head", "layer", "global")
+ALLOCATIONS = ("uniform", "pyramid")
+PYRAMID_BETA = 20      # kvpress's PyramidKV default: the last layer keeps 1/beta of the mean free rows
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class SnapKvConfig:
     granularity: str = "head"       # "head" | "layer" | "global"
     min_tokens: int = 128           # prompts of at most this many tokens are never compacted
     merge: int = 0                  # rows of the budget that summarise the evicted rows (engine/kv/merge.py)
+    allocation: str = "uniform"     # "uniform" | "pyramid" (layer budgets falling with depth, same total)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +86,8 @@ class SnapKvConfig:
         pooling = "no pooling" if self.kernel == 1 else f"{self.pool}-pool k={self.kernel}"
         sets = {"head": "per KV head", "layer": "per layer", "global": "one set for the model"}
         merged = f", {self.merge} of them merged rows" if self.merge else ""
+        if self.allocation == "pyramid":
+            merged += ", pyramid layer budgets"
         return (f"SnapKV budget {self.budget} (window {self.window}, recency {self.recent}, "
                 f"sinks {self.sinks}{merged}), {pooling}, {sets[self.granularity]}, "
                 f"prompts > {self.min_tokens} tokens")
@@ -95,8 +100,9 @@ def check_values(v: dict, names: dict | None = None) -> None:
     """Validate SnapKvConfig fields (a dict of them). ConfigError names each field by
     `names[field]` (`engine.model` passes flag and variable names), else "SnapKV <field>"
     as a message's subject and the bare field name where it is referred to."""
-    v = {"merge": 0, **v}
-    fields = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens", "merge")
+    v = {"merge": 0, "allocation": "uniform", **v}
+    fields = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens", "merge",
+              "allocation")
     subj = {k: names[k] if names and k in names else f"SnapKV {k}" for k in fields}
     ref = {k: subj[k].split("/")[0] if names and k in names else k for k in fields}   # "--kv-window"
     for name in ("budget", "window", "sinks", "kernel", "min_tokens", "merge"):
@@ -118,6 +124,10 @@ def check_values(v: dict, names: dict | None = None) -> None:
                           f"got {v['kernel']}")
     if v["pool"] not in POOLS:
         raise ConfigError(f"{subj['pool']} must be one of {', '.join(POOLS)}, got {v['pool']!r}")
+    if v["allocation"] not in ALLOCATIONS:
+        raise ConfigError(f"{subj['allocation']} must be one of {', '.join(ALLOCATIONS)}, got {v['allocation']!r}")
+    if v["allocation"] == "pyramid" and v["granularity"] == "global":
+        raise ConfigError(f"{subj['allocation']} pyramid needs keep sets per layer or head, not granularity global")
     if v["granularity"] not in GRANULARITIES:
         raise ConfigError(f"{subj['granularity']} must be one of {', '.join(GRANULARITIES)}, "
                           f"got {v['granularity']!r}")
@@ -236,11 +246,34 @@ class SnapKvSelector:
         row = self._top_k(votes.sum(axis=0, keepdims=True), L)           # [1, budget]
         return np.repeat(row, votes.shape[0], axis=0)
 
+    def layer_budgets(self, n_layers: int, L: int) -> list[int]:
+        """Rows each of n_layers compacted layers keeps (merged rows included). uniform:
+        the budget each. pyramid (PyramidKV, as kvpress sizes it): the rows the votes
+        choose beyond sinks, recency and merged rows fall linearly with depth from
+        2F - F/beta to F/beta (F: the uniform layer's), so the total stays n_layers x
+        budget; a layer's budget past the prompt keeps the whole prompt."""
+        cfg = self.cfg
+        if cfg.allocation == "uniform" or n_layers == 1:
+            return [cfg.budget] * n_layers
+        fixed = cfg.sinks + cfg.recent + cfg.merge
+        free = cfg.budget - fixed
+        low, high = free / PYRAMID_BETA, 2 * free - free / PYRAMID_BETA
+        spans = np.linspace(high, low, n_layers)
+        picks = np.floor(spans).astype(np.int64)
+        picks[np.argsort(picks - spans)[:int(round(free * n_layers - picks.sum()))]] += 1   # exact total
+        return [min(fixed + max(int(p), 1), L) for p in picks]
+
     def keep_from_model_votes(self, votes_per_layer: Sequence[np.ndarray], L: int) -> list[np.ndarray]:
         """Selection step for a whole model: votes_per_layer[i] float [n_kv_heads_i, L - W].
-        "global" sums over layers and heads; other granularities select layer by layer."""
+        "global" sums over layers and heads; other granularities select layer by layer,
+        with the layers' budgets from `layer_budgets`."""
         if self.cfg.granularity != "global":
-            return [self.keep_from_votes(v, L) for v in votes_per_layer]
+            if self.cfg.allocation == "uniform":
+                return [self.keep_from_votes(v, L) for v in votes_per_layer]
+            budgets = self.layer_budgets(len(votes_per_layer), L)
+            return [SnapKvSelector(dataclasses.replace(self.cfg, budget=b, allocation="uniform"))
+                    .keep_from_votes(v, L) if b < L else _keep_all(np.shape(v)[0], L)
+                    for v, b in zip(votes_per_layer, budgets)]
         if not self.cfg.compacts(L):
             return [_keep_all(np.shape(v)[0], L) for v in votes_per_layer]
         checked = [self._check_votes(v, L) for v in votes_per_layer]

@@ -3,7 +3,8 @@
 Names: `full` (no eviction) or `snapkv-b<B>-<granularity>-<pool>-k<K>-w<W>-s<S>[-m<M>]`
 where <B> is a row budget (`b1024`) or a fraction of the prompt (`bL/8`), e.g.
 `snapkv-b1024-head-avg-k31-w32-s4` (the SnapKvConfig defaults at budget 1024);
-`-m64`: 64 of the budget's rows are merged rows (engine/kv/merge.py).
+`-m64`: 64 of the budget's rows are merged rows (engine/kv/merge.py); `-pyramid`: layer
+budgets falling with depth (SnapKvConfig.allocation), after any `-m`.
 A `+<kv dtype>` suffix stores the cache quantized (backends/kvformat.py), e.g.
 `full+q8_0`, `snapkv-bL/8-head-avg-k31-w32-s4+tq4`, `full+q8_0/tq4` (keys/values);
 no suffix is the bf16 cache.
@@ -20,7 +21,7 @@ from ..snapkv import GRANULARITIES, POOLS, SnapKvConfig
 
 DEFAULT = SnapKvConfig()
 _NAME = re.compile(r"^snapkv-b(?P<budget>\d+|L/\d+)-(?P<gran>[a-z]+)-(?P<pool>[a-z]+)"
-                   r"-k(?P<kernel>\d+)-w(?P<window>\d+)-s(?P<sinks>\d+)(?:-m(?P<merge>\d+))?$")
+                   r"-k(?P<kernel>\d+)-w(?P<window>\d+)-s(?P<sinks>\d+)(?:-m(?P<merge>\d+))?(?P<pyramid>-pyramid)?$")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Policy:
     window: int = DEFAULT.window
     sinks: int = DEFAULT.sinks
     merge: int = 0                     # merged rows within the budget
+    allocation: str = "uniform"        # layer budgets: uniform or pyramid
     kv_dtype: str = "bf16"             # KV storage, "tq4" or keys/values "q8_0/tq4"
 
     @property
@@ -53,7 +55,8 @@ class Policy:
         if self.is_full:
             return None
         return SnapKvConfig(budget=self.budget_for(n_tokens), window=self.window, sinks=self.sinks,
-                            kernel=self.kernel, pool=self.pool, granularity=self.granularity, merge=self.merge)
+                            kernel=self.kernel, pool=self.pool, granularity=self.granularity, merge=self.merge,
+                            allocation=self.allocation)
 
     def compacts(self, n_tokens: int) -> bool:
         cfg = self.config(n_tokens)
@@ -62,7 +65,8 @@ class Policy:
     def describe(self) -> dict:
         return {"name": self.name, "budget": self.budget, "budget_fraction": self.fraction,
                 "granularity": self.granularity, "pool": self.pool, "kernel": self.kernel,
-                "window": self.window, "sinks": self.sinks, "merge": self.merge, "kv_dtype": self.kv_dtype}
+                "window": self.window, "sinks": self.sinks, "merge": self.merge, "allocation": self.allocation,
+                "kv_dtype": self.kv_dtype}
 
     def with_kv_dtype(self, kv_dtype: str) -> "Policy":
         """This policy over a cache stored as `kv_dtype` (the name gains `+<dtype>`)."""
@@ -76,10 +80,11 @@ FULL = Policy("full")
 
 def snapkv(budget: int | None = None, fraction: int | None = None, granularity: str = DEFAULT.granularity,
            pool: str = DEFAULT.pool, kernel: int = DEFAULT.kernel, window: int = DEFAULT.window,
-           sinks: int = DEFAULT.sinks, merge: int = 0) -> Policy:
+           sinks: int = DEFAULT.sinks, merge: int = 0, allocation: str = "uniform") -> Policy:
     b = f"L/{fraction}" if fraction is not None else str(budget)
-    name = f"snapkv-b{b}-{granularity}-{pool}-k{kernel}-w{window}-s{sinks}" + (f"-m{merge}" if merge else "")
-    return Policy(name, budget, fraction, granularity, pool, kernel, window, sinks, merge)
+    name = (f"snapkv-b{b}-{granularity}-{pool}-k{kernel}-w{window}-s{sinks}" + (f"-m{merge}" if merge else "")
+            + ("-pyramid" if allocation == "pyramid" else ""))
+    return Policy(name, budget, fraction, granularity, pool, kernel, window, sinks, merge, allocation)
 
 
 def parse_policy(name: str) -> Policy:
@@ -106,7 +111,7 @@ def parse_policy(name: str) -> Policy:
     if fraction is not None and fraction < 1:
         raise EngineError(f"policy {name!r}: budget fraction L/{fraction} must divide by at least 1")
     p = snapkv(None if fraction else int(b), fraction, m["gran"], m["pool"], int(m["kernel"]),
-               int(m["window"]), int(m["sinks"]), int(m["merge"] or 0))
+               int(m["window"]), int(m["sinks"]), int(m["merge"] or 0), "pyramid" if m["pyramid"] else "uniform")
     try:
         p.config(10 ** 6)                           # validates kernel, window, budget vs window + sinks
     except ConfigError as e:

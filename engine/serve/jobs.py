@@ -20,7 +20,8 @@ from ..snapkv import SnapKvConfig, check_values
 from .protocol import KV_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest
 from .sequence import Job
 
-SNAPKV_KEYS = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens", "merge")
+SNAPKV_KEYS = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens", "merge",
+               "allocation")
 
 
 def completion_job(model, req: CompletionRequest) -> Job:

@@ -25,6 +25,7 @@ KV_FIELDS = {
     "kv_granularity": "snapkv_granularity",
     "kv_min_tokens": "snapkv_min_tokens",
     "kv_merge": "snapkv_merge",
+    "kv_allocation": "snapkv_allocation",
 }
 
 
@@ -65,6 +66,7 @@ class _Common(_Body):
     kv_granularity: str | None = None
     kv_min_tokens: int | None = None
     kv_merge: int | None = None
+    kv_allocation: str | None = None
     kv_dtype: str | None = None
 
 

@@ -5,7 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import engine
-from engine.snapkv import SnapKvConfig
+from engine.snapkv import SnapKvConfig, SnapKvSelector
 from _backends import nmse
 from tiny_gguf import write_tiny_gguf
 
@@ -107,6 +107,23 @@ def test_compaction_lengths_positions_and_keep_sets(models, granularity):
     # decode continues at the logical position
     m.forward.decode(5, cache)
     assert (cache.layers[0].length, cache.logical_length) == (97, 201)
+
+
+def test_pyramid_layer_budgets_free_pages_per_layer(models):
+    """allocation="pyramid": each layer keeps its own budget (falling with depth, the
+    same total as uniform), holds only the pages of those rows, and decodes on."""
+    m = engine.load(models["llama-q8"], backend="cpu", prefill_chunk=64)
+    m.forward.page_size = 16
+    cfg = policy(budget=64, allocation="pyramid")
+    cache, _ = m.prefill(PROMPT[:200], snapkv=cfg)
+    budgets = SnapKvSelector(cfg).layer_budgets(m.config.n_layers, 200)
+    lengths = [layer.length for layer in cache.layers]
+    assert lengths == budgets and sum(lengths) == 64 * m.config.n_layers and lengths[0] > lengths[-1]
+    assert [layer.n_pages for layer in cache.layers] == [-(-b // 16) for b in budgets]
+    for layer in m.cache_stats()["layers"]:
+        assert (layer["keep"][:, -16:] == np.arange(184, 200)).all()
+    m.forward.decode(5, cache)
+    assert [layer.length for layer in cache.layers] == [b + 1 for b in budgets]
 
 
 def test_chunked_and_unchunked_prefill_select_the_same_rows(models):

@@ -496,6 +496,7 @@ def test_bad_requests_get_openai_shaped_400s(served):
         (json.dumps(dict(ok, kv_budget=-1)).encode(), "kv_budget"),
         (json.dumps(dict(ok, kv_pool="median")).encode(), "kv_pool"),
         (json.dumps(dict(ok, kv_merge=-1)).encode(), "kv_merge"),
+        (json.dumps(dict(ok, kv_allocation="ragged")).encode(), "kv_allocation"),
         (json.dumps(dict(ok, kv_budegt=100)).encode(), "kv_budegt"),
         (json.dumps(dict(ok, kv_dtype="q2")).encode(), "kv_dtype"),
         (json.dumps(dict(ok, prompt="word " * (CTX + 10))).encode(), "prompt"),   # longer than the context

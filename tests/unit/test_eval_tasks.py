@@ -129,6 +129,8 @@ def test_policy_names():
     assert m.merge == 64 and m.config(16000).merge == 64 and m.kv_dtype == "tq4"
     assert m.name == "snapkv-b2048-head-avg-k31-w32-s4-m64+tq4" and m.describe()["merge"] == 64
     assert parse_policy("snapkv-bL/8-head-avg-k31-w32-s4-m64").config(100).budget == 101   # room for the merge
+    pyr = parse_policy("snapkv-b1024-head-avg-k31-w32-s4-m64-pyramid")
+    assert pyr.config(9000).allocation == "pyramid" and pyr.merge == 64 and pyr.name.endswith("-m64-pyramid")
     for bad in ("snapkv-b64-head-avg-k5-w64-s4", "snapkv-b512-head-avg-k4-w64-s4", "snapkv-b512-row-avg-k5-w64-s4",
                 "lru-512", "snapkv-b100-head-avg-k31-w32-s4-m64", "snapkv-b512-head-avg-k5-w64-s4-m"):
         with pytest.raises(EngineError):

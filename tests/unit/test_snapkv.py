@@ -416,3 +416,40 @@ def test_config_is_frozen_and_validate_is_public():
     with pytest.raises(ConfigError):
         dataclasses.replace(cfg, budget=10)
     assert SnapKvConfig(budget=np.int64(100), window=8).budget == 100
+
+
+# -- layer budgets (allocation) ------------------------------------------------------
+@pytest.mark.parametrize("budget,merge,n_layers", [(1024, 0, 30), (2048, 64, 3), (96, 0, 2), (300, 16, 7)])
+def test_pyramid_budgets_keep_the_total_and_fall_with_depth(budget, merge, n_layers):
+    """PyramidKV as kvpress sizes it: the voted rows fall linearly from 2F - F/20 to F/20
+    (F = budget - sinks - recency - merge), summing to n_layers x budget exactly."""
+    cfg = SnapKvConfig(budget=budget, merge=merge, allocation="pyramid")
+    got = SnapKvSelector(cfg).layer_budgets(n_layers, 10 ** 6)
+    fixed = cfg.sinks + cfg.recent + merge
+    free = budget - fixed
+    assert sum(got) == n_layers * budget
+    assert all(a >= b for a, b in zip(got, got[1:])) and got[0] > got[-1]
+    assert abs(got[0] - fixed - (2 * free - free / 20)) <= 1 and abs(got[-1] - fixed - free / 20) <= 1
+    assert SnapKvSelector(dataclasses.replace(cfg, allocation="uniform")).layer_budgets(n_layers, 10 ** 6) == \
+        [budget] * n_layers
+
+
+def test_pyramid_keeps_a_whole_short_prompt_in_its_first_layers():
+    """A layer whose budget passes the prompt keeps every row (the total then falls short
+    of n_layers x budget, never above it)."""
+    cfg = SnapKvConfig(budget=600, allocation="pyramid", min_tokens=0)
+    sel = SnapKvSelector(cfg)
+    L = 800
+    budgets = sel.layer_budgets(4, L)
+    assert budgets[0] == L and sum(budgets) < 4 * 600
+    votes = [np.random.default_rng(i).random((2, L - cfg.window)) for i in range(4)]
+    keeps = sel.keep_from_model_votes(votes, L)
+    assert [k.shape for k in keeps] == [(2, b) for b in budgets]
+    assert (keeps[0] == np.arange(L)).all()
+
+
+def test_allocation_is_validated():
+    with pytest.raises(ConfigError, match="allocation must be one of uniform, pyramid"):
+        SnapKvConfig(allocation="adaptive")
+    with pytest.raises(ConfigError, match="pyramid needs keep sets per layer or head"):
+        SnapKvConfig(allocation="pyramid", granularity="global")
