@@ -1,11 +1,12 @@
 """Child process of test_vulkan_sync.py (validation layers are chosen when Vulkan
 starts, so they need a process of their own).
 
-    python _vulkan_sync_run.py MODEL.gguf barrier|submit|none [KV_DTYPE]
+    python _vulkan_sync_run.py MODEL.gguf barrier|submit|none [KV_DTYPE] [MERGE]
 
 Runs the model on Vulkan with device-local buffers and split decode attention, as on a
 GPU, with the given inter-dispatch sync and KV row format (default bf16; e.g. tq4/tq3):
-prefill, SnapKV compaction, a cache branch, decode. Prints one JSON line with the greedy tokens, the
+prefill, SnapKV compaction (with MERGE > 0 that many merged rows: their writes and the
+attention bias buffer), a cache branch, decode. Prints one JSON line with the greedy tokens, the
 last logits, and whether the Khronos validation layer's library is loaded."""
 import json
 import sys
@@ -35,6 +36,7 @@ def run_sequence(model) -> dict:
 def main() -> None:
     path, mode = sys.argv[1], sys.argv[2]
     kv_dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
+    merge = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     if mode == "submit":
         vk_backend.OpGlobalBarrier = None                 # as if the extension were not built
 
@@ -48,7 +50,7 @@ def main() -> None:
 
     backends.get_backend = get_backend
     model = engine.load(path, backend="vulkan", snapkv_budget=24, snapkv_window=8, snapkv_min_tokens=16,
-                        kv_dtype=kv_dtype)
+                        kv_dtype=kv_dtype, snapkv_merge=merge)
     assert model.backend._sync == (None if mode == "none" else mode), model.backend._sync
     with open("/proc/self/maps") as f:
         layer = "libVkLayer_khronos_validation" in f.read()
