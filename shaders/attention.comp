@@ -5,7 +5,7 @@
 // last `window` of them (sliding-window layers): rows below are never read, and the
 // row loop starts at the window, so a decode step costs O(window). Decode is n = 1
 // with start_row = n_rows - 1. GQA: query head h reads KV head h / (n_q_heads / n_kv).
-// One workgroup per (query head, query); rows are processed in tiles of 64 with
+// One workgroup per (query head, query) (but see GROUP and QPW); rows in tiles of 64 with
 // an online softmax (running max M, running sum L, per-thread V accumulators),
 // so no scores ever leave shared memory. Grid: (n_q_heads, n, 1).
 // tq keys: Q holds the rotated queries R q (kv_rotate); tq values: O receives the
@@ -18,6 +18,10 @@
 // GROUP (specialization constant 0, default 1): a workgroup serves the GROUP query heads
 // of one KV head (grouped-query attention), reading each K/V row once for all of them;
 // the grid's x is then the KV head. GROUP is 1 or n_q_heads / n_kv (<= MAX_GROUP).
+// QPW (specialization constant 1, default 1; prefill): a workgroup also serves QPW
+// consecutive queries, so each K/V row it reads serves GROUP * QPW query vectors
+// (<= MAX_GROUP); vector v is query t0 + v / GROUP, head h0 + v % GROUP, each masked to
+// its own causal (and window) range. Grid: (.., ceil(n / QPW), 1).
 // Row bias (merged rows' log-counts): row r of KV head kv adds RB[bias_off + kv * bias_stride + r]
 // to its scaled score when r < n_bias (rows >= n_bias add 0; n_bias = 0 binds a dummy buffer).
 #extension GL_GOOGLE_include_directive : require
@@ -38,12 +42,14 @@ layout(push_constant) uniform P {
 #define KV_READ_K
 #define KV_READ_V
 layout(constant_id = 0) const uint GROUP = 1u;
+layout(constant_id = 1) const uint QPW = 1u;
+#define NV (GROUP * QPW)                 // query vectors per workgroup
 #define KQ(qo, i) qs[(qo) + (i)]
-shared float qs[GROUP * 256u];           // MAX_DIM (kv.glsl) per head: declared before k_dot reads it
+shared float qs[NV * 256u];              // MAX_DIM (kv.glsl) per vector: declared before k_dot reads it
 #include "kv.glsl"
 
-shared float ps[GROUP * TILE];
-shared float red[GROUP * TILE];
+shared float ps[NV * TILE];
+shared float red[NV * TILE];
 
 void main() {
     uint tid = gl_LocalInvocationID.x;
@@ -52,48 +58,58 @@ void main() {
     uint kvh = GROUP > 1u ? gl_WorkGroupID.x : gl_WorkGroupID.x / (pc.n_q_heads / pc.n_kv);
     uint h0 = GROUP > 1u ? gl_WorkGroupID.x * GROUP : gl_WorkGroupID.x;      // first query head served
 #ifdef SPLIT
-    uint t = 0u;
+    uint t0 = 0u, nq = 1u;
     uint end = pc.start_row + 1u;
     uint first = pc.window != 0u && end > pc.window ? end - pc.window : 0u;
     uint span = (end - first + SPLIT - 1u) / SPLIT;
     uint lo = min(first + gl_WorkGroupID.y * span, end);
     uint n_vis = min(lo + span, end);                                // rows lo .. n_vis-1
 #else
-    uint t = gl_WorkGroupID.y;
-    uint n_vis = pc.start_row + t + 1u;                              // rows lo .. n_vis-1
-    uint lo = pc.window != 0u && n_vis > pc.window ? n_vis - pc.window : 0u;
+    uint t0 = gl_WorkGroupID.y * QPW;
+    uint nq = min(QPW, pc.n - t0);                                   // queries t0 .. t0+nq-1
+    uint n_vis = pc.start_row + t0 + nq;                             // rows lo .. n_vis-1 (the last query's)
+    uint first = pc.start_row + t0 + 1u;                             // the first query's rows, its lowest
+    uint lo = pc.window != 0u && first > pc.window ? first - pc.window : 0u;
 #endif
     float scale = uintBitsToFloat(pc.scale_bits);
-    uint qo = pc.q_off + t * pc.q_stride + h0 * hd;
-    for (uint g = 0u; g < GROUP; g++)
-        for (uint i = tid; i < hd; i += 64u) qs[g * 256u + i] = Q[qo + g * hd + i] * scale;
+    for (uint v = 0u; v < NV; v++) {
+        uint q = v / GROUP;
+        uint qo = pc.q_off + (t0 + min(q, nq - 1u)) * pc.q_stride + (h0 + v % GROUP) * hd;
+        for (uint i = tid; i < hd; i += 64u) qs[v * 256u + i] = Q[qo + i] * scale;
+    }
     kv_tables_init(tid);
     barrier();
 
-    float M[GROUP], L[GROUP], s[GROUP];
-    vec4 acc[GROUP];                              // values 4 tid .. 4 tid + 3 of each head
-    for (uint g = 0u; g < GROUP; g++) {
-        M[g] = -1.0 / 0.0;
-        L[g] = 0.0;
-        acc[g] = vec4(0.0);
+    float M[NV], L[NV], s[NV];
+    vec4 acc[NV];                                 // values 4 tid .. 4 tid + 3 of each vector
+    for (uint v = 0u; v < NV; v++) {
+        M[v] = -1.0 / 0.0;
+        L[v] = 0.0;
+        acc[v] = vec4(0.0);
     }
     bool owns = 4u * tid < hd;
     for (uint base = lo; base < n_vis; base += TILE) {
         uint r = base + tid;
         uint kr = r < n_vis ? kv_row(uint(PT[r / pc.page_size]), kvh, r % pc.page_size, pc.n_kv, pc.page_size, k_rb) : 0u;
         float rb = r < pc.n_bias ? RB[pc.bias_off + kvh * pc.bias_stride + r] : 0.0;
-        for (uint g = 0u; g < GROUP; g++) {
-            s[g] = r < n_vis ? k_dot(kr, g * 256u) + rb : -1.0 / 0.0;
-            red[g * TILE + tid] = s[g];
+        for (uint v = 0u; v < NV; v++) {
+#ifdef SPLIT
+            bool vis = r < n_vis;                                    // the span's rows
+#else
+            uint last = pc.start_row + t0 + v / GROUP;               // this vector's query row
+            bool vis = v / GROUP < nq && r <= last && (pc.window == 0u || r + pc.window > last);
+#endif
+            s[v] = vis ? k_dot(kr, v * 256u) + rb : -1.0 / 0.0;
+            red[v * TILE + tid] = s[v];
         }
         barrier();
         for (uint w = TILE / 2u; w > 0u; w >>= 1) {
             if (tid < w)
-                for (uint g = 0u; g < GROUP; g++) red[g * TILE + tid] = max(red[g * TILE + tid], red[g * TILE + tid + w]);
+                for (uint v = 0u; v < NV; v++) red[v * TILE + tid] = max(red[v * TILE + tid], red[v * TILE + tid + w]);
             barrier();
         }
-        float m_new[GROUP];
-        for (uint g = 0u; g < GROUP; g++) m_new[g] = max(M[g], red[g * TILE]);
+        float m_new[NV];
+        for (uint v = 0u; v < NV; v++) m_new[v] = max(M[v], red[v * TILE]);
         barrier();
 #ifdef V_ROW_SCALE
         float vs = r < n_vis ? v_row_scale(kv_row(uint(PT[r / pc.page_size]), kvh, r % pc.page_size, pc.n_kv,
@@ -101,22 +117,22 @@ void main() {
 #else
         float vs = 1.0;
 #endif
-        for (uint g = 0u; g < GROUP; g++) {
-            float p_ = r < n_vis ? exp(s[g] - m_new[g]) : 0.0;
-            ps[g * TILE + tid] = p_ * vs;
-            red[g * TILE + tid] = p_;
+        for (uint v = 0u; v < NV; v++) {                             // masked (-inf) scores weigh 0
+            float p_ = isinf(s[v]) ? 0.0 : exp(s[v] - m_new[v]);
+            ps[v * TILE + tid] = p_ * vs;
+            red[v * TILE + tid] = p_;
         }
         barrier();
         for (uint w = TILE / 2u; w > 0u; w >>= 1) {
             if (tid < w)
-                for (uint g = 0u; g < GROUP; g++) red[g * TILE + tid] += red[g * TILE + tid + w];
+                for (uint v = 0u; v < NV; v++) red[v * TILE + tid] += red[v * TILE + tid + w];
             barrier();
         }
-        for (uint g = 0u; g < GROUP; g++) {
-            float alpha = exp(M[g] - m_new[g]);
-            L[g] = L[g] * alpha + red[g * TILE];
-            M[g] = m_new[g];
-            acc[g] *= alpha;
+        for (uint v = 0u; v < NV; v++) {                             // nothing seen yet: stays 0
+            float alpha = isinf(m_new[v]) ? 1.0 : exp(M[v] - m_new[v]);
+            L[v] = L[v] * alpha + red[v * TILE];
+            M[v] = m_new[v];
+            acc[v] *= alpha;
         }
         uint m = min(TILE, n_vis - base);
         if (owns) {
@@ -124,12 +140,12 @@ void main() {
                 uint rr = base + j;
                 vec4 vv = v_load4(kv_row(uint(PT[rr / pc.page_size]), kvh, rr % pc.page_size, pc.n_kv,
                                          pc.page_size, v_rb), tid);
-                for (uint g = 0u; g < GROUP; g++) acc[g] += ps[g * TILE + j] * vv;
+                for (uint v = 0u; v < NV; v++) acc[v] += ps[v * TILE + j] * vv;
             }
         }
         barrier();
     }
-    for (uint g = 0u; g < GROUP; g++) {
+    for (uint g = 0u; g < GROUP; g++) {     // SPLIT: QPW = 1, vector g
 #ifdef SPLIT
         uint po = ((h0 + g) * SPLIT + gl_WorkGroupID.y) * (hd + 2u);
         for (uint i = 0u; i < 4u; i++)
@@ -139,9 +155,12 @@ void main() {
             O[po + hd + 1u] = L[g];
         }
 #else
-        uint oo = pc.o_off + t * pc.o_stride + (h0 + g) * hd + 4u * tid;
-        for (uint i = 0u; i < 4u; i++)
-            if (4u * tid + i < hd) O[oo + i] = acc[g][i] / L[g];
+        for (uint q = 0u; q < nq; q++) {
+            uint v = q * GROUP + g;
+            uint oo = pc.o_off + (t0 + q) * pc.o_stride + (h0 + g) * hd + 4u * tid;
+            for (uint i = 0u; i < 4u; i++)
+                if (4u * tid + i < hd) O[oo + i] = acc[v][i] / L[v];
+        }
 #endif
     }
 }

@@ -550,7 +550,8 @@ class VulkanBackend:
         defines = shaders.kv_defines(k_dtype, v_dtype)
         group = n_q_heads // n_kv if n_q_heads // n_kv <= shaders.MAX_GROUP else 1   # heads per workgroup
         workgroups = n_q_heads // group                    # one per KV head, or per query head
-        spec = (group,) if group > 1 else ()
+        qpw = min(shaders.MAX_GROUP // group, n)           # queries per workgroup: a K/V row read serves all
+        spec = (group, qpw) if group * qpw > 1 else ()
         splits = self.decode_splits if n == 1 else 1
         if splits > 1:                                     # flash-decoding: spans, then a merge
             part = self._kept_scratch("partials", n_q_heads * splits * (head_dim + 2))
@@ -562,7 +563,7 @@ class VulkanBackend:
         else:
             self._dispatch("attention", defines,
                            [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, o.buffer, bias_buf],
-                           (workgroups, n, 1), push, spec)
+                           (workgroups, -(-n // qpw), 1), push, spec)
         if o is not out:                                   # sum_j p_j y_j back from the values' basis
             self._rotate(o, out, n_q_heads, head_dim, back=True)
 
