@@ -13,7 +13,7 @@ summary, a broad head gets most of their mass back. A merged row with count c
 that is dropped again counts c times in the next merge (its bias is log c).
 
 Cost: one pass of `iters` Lloyd iterations over the dropped rows' keys per KV
-head (for 14,000 rows of 256 dims and 64 clusters about 0.2 s here).
+head (for 14,000 rows of 256 dims and 64 clusters about 1 s on this 2-core machine).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ def kmeans(x: np.ndarray, w: np.ndarray, k: int, iters: int = ITERS, seed: int =
     fixed seed; a cluster left empty is re-seeded with the row farthest from its centre."""
     rng = np.random.default_rng(seed)
     centres = x[rng.choice(x.shape[0], k, replace=False)]
-    assign = np.zeros(x.shape[0], dtype=np.int64)
     x2 = (x * x).sum(axis=1)
     for _ in range(iters):
         d2 = x2[:, None] - 2.0 * (x @ centres.T) + (centres * centres).sum(axis=1)[None, :]
