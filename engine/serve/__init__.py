@@ -3,8 +3,8 @@
     protocol.py   the wire format: pydantic request bodies, response/chunk/error shapes
     jobs.py       a validated request -> Job (prompt ids, sampling, SnapKV policy)
     sequence.py   one request's generation as steps (prefill, then one token per step)
-    scheduler.py  the worker thread: FIFO queue, admission by pages, chunked prefill,
-                  batched decode, cancel
+    scheduler.py  the worker thread: FIFO queue, admission by pages, preemption,
+                  chunked prefill, batched decode, cancel
     app.py        FastAPI routes: JSON and server-sent events over the scheduler
     cli.py        the `engine serve` sub-command
 

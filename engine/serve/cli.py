@@ -21,7 +21,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests decoded together in one batch (default 4)")
     p.add_argument("--kv-pool-tokens", dest="kv_pool_tokens", type=int,
                    help="positions of KV pages shared by all requests (default: --parallel whole contexts); "
-                        "a request waits until its prompt + max_tokens fit")
+                        "a request waits until its prompt fits; when pages run short the newest running "
+                        "request is preempted and resumes later")
     p.add_argument("--prompt-cache", dest="prompt_cache", type=int, default=4,
                    help="caches of the last N finished requests kept in the pool, so a request that "
                         "extends one (the next chat turn) runs only its new tokens (default 4; 0 = off)")

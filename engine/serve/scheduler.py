@@ -16,11 +16,15 @@ compute. Each worker iteration is one *step*:
 
 Memory: the caches of all requests take pages from one shared PagePool per KV row
 format (`pool_tokens` positions' worth of pages; by default `max_running` whole
-contexts). A request is admitted only when the most pages it can come to hold
-(prompt + max_tokens, see Sequence.pages_needed) fit beside what the running
-requests may still take, so no request ever finds the pool empty mid-decode;
-eviction shrinks a request's reservation as soon as its prompt is compacted. One
-that could never fit fails with 400; one that does not fit yet waits (FIFO).
+contexts). A request is admitted when the pages of its prompt and its next token
+fit beside what the running requests hold and need for their next step (a
+reservation of HORIZON tokens, see Sequence.pages_needed; eviction shrinks it once
+the prompt is compacted). Before every step the running requests' next step must
+fit: if it does not, kept caches go first, then the request that arrived last is
+preempted (its pages return; it waits at the head of the queue and resumes by
+prefilling its prompt and generated tokens again), so no request finds the pool
+empty mid-step and the oldest always progress. One that could never fit (prompt +
+max_tokens beyond the pool) fails with 400; one that does not fit yet waits (FIFO).
 
 Admission: at most `max_running + max_queue` requests are held (running plus
 waiting); `submit` raises QueueFull beyond that (the HTTP layer answers 503).
@@ -35,6 +39,9 @@ from collections import deque
 from ..errors import EngineError
 from ..kv.paged import KvCacheError
 from .sequence import Failed, Job, Sequence
+
+
+HORIZON = 1    # generated tokens a running request's reservation covers: its next step
 
 
 class QueueFull(Exception):
@@ -71,7 +78,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "preempted": 0}
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -124,7 +131,8 @@ class Scheduler:
             running = [{"id": h.id, "state": h.sequence.state if h.sequence else "admitted",
                         "prompt_tokens": len(h.job.ids),
                         "completion_tokens": len(h.sequence.tokens) if h.sequence else 0,
-                        "pages_reserved": h.sequence.pages_needed() if h.sequence else 0,
+                        "pages_reserved": h.sequence.pages_needed(horizon=HORIZON) if h.sequence else 0,
+                        "preemptions": h.sequence.preemptions if h.sequence else 0,
                         "cancelled": h.cancelled} for h in self._running]
             waiting = len(self._waiting)
             pools = {name: {"pages": p.n_pages, "pages_used": p.n_pages - p.free_pages,
@@ -147,6 +155,7 @@ class Scheduler:
                     self._drop_all()
                     return
                 self._retire_cancelled()
+                self._make_room()
                 admitted = self._admit()
                 running = list(self._running)
             for h, failure in admitted:         # could never be admitted: answered outside the lock
@@ -165,20 +174,19 @@ class Scheduler:
 
     def _admit(self) -> list:
         """(lock held) Admit waiting requests in order while they fit: a running slot and
-        the pages they may come to hold, kept caches dropped oldest first to make room
+        the pages of their prompt and next token, kept caches dropped oldest first to make room
         (with nothing running, any request that can fit at all does). A request starts
         from the kept cache sharing its longest prefix, if any. Returns [(handle, Failed)]
         of requests that cannot be admitted, taken off the queue, counted as failed."""
         never = []
         while self._waiting and len(self._running) < self.max_running:
             h = self._waiting[0]
-            seq = Sequence(self.model, h.job, h.emit)
+            seq = h.sequence or Sequence(self.model, h.job, h.emit)     # a preempted one resumes
             try:
                 pool = self._pool(h.job.kv_dtype)   # made on first use: may fail (memory)
                 reused = self._reuse(seq, pool)
                 if seq.cache is None:
                     seq.allocate(pool)          # no pages yet: they come as rows arrive
-                need = seq.pages_needed()
             except Exception as e:
                 seq.release()                   # a reused cache's pages go back
                 self._waiting.popleft()
@@ -186,22 +194,24 @@ class Scheduler:
                 never.append((h, _failure(e)))
                 continue
             segments = range(len(pool.segments))
-            need = [seq.pages_needed(k) for k in segments]
-            if any(n > pool.segments[k].n_pages for k, n in zip(segments, need)):
+            if any(seq.pages_needed(k) > pool.segments[k].n_pages for k in segments):
                 seq.release()
                 self._waiting.popleft()
                 self.counts["failed"] += 1
-                never.append((h, Failed(400, f"this request may need {sum(need)} KV pages ({len(h.job.ids)} prompt "
+                never.append((h, Failed(400, f"this request may need {seq.pages_needed()} KV pages ({len(h.job.ids)} prompt "
                                              f"tokens + max_tokens {h.job.params.max_tokens}) but the server's "
                                              f"pool holds {pool.n_pages} (--kv-pool-tokens {self.pool_tokens}): "
                                              f"lower max_tokens or raise --kv-pool-tokens")))
                 continue
+            need = [seq.pages_needed(k, HORIZON) for k in segments]
             while self._short(pool, need) and self._drop_kept(pool):
                 pass
             if self._short(pool, need):
                 if reused is not None:          # back on the shelf (truncated) for later
                     self._kept.append((reused[:seq.cached_tokens], seq.cache))
-                    seq.cache = None
+                else:
+                    seq.cache.release()
+                seq.cache, seq.cached_tokens = None, 0
                 break                           # FIFO: the head waits for pages, nothing overtakes it
             self._waiting.popleft()
             h.sequence = seq
@@ -249,16 +259,36 @@ class Scheduler:
         while len(self._kept) > self.prompt_cache:
             self._kept.pop(0)[1].release()
 
-    def _short(self, pool, need: list[int]) -> bool:
+    def _short(self, pool, need: list[int] | None = None) -> bool:
         """Whether some segment of `pool` lacks room for `need` (pages per segment) beside
-        what the running requests may come to hold and the kept caches hold."""
+        what the running requests hold and need for their next step and the kept caches
+        hold."""
         for k, seg in enumerate(pool.segments):
-            held = sum(r.sequence.pages_needed(k) for r in self._running
+            held = sum(r.sequence.pages_needed(k, HORIZON) for r in self._running
                        if r.sequence.cache is not None and r.sequence.cache.pool is pool)
             kept = sum(c.pages_held(k) for _, c in self._kept if c.pool is pool)
-            if held + need[k] + kept > seg.n_pages:
+            if held + (need[k] if need else 0) + kept > seg.n_pages:
                 return True
         return False
+
+    def _make_room(self) -> None:
+        """(lock held) Make the next step of the running requests fit their pools: drop
+        kept caches, oldest first, then preempt the running request that arrived last
+        (back to the head of the queue) until it does. A request alone always fits: it
+        was admitted only if its prompt and max_tokens fit the pool."""
+        for pool in {id(h.sequence.cache.pool): h.sequence.cache.pool for h in self._running
+                     if h.sequence.cache is not None}.values():
+            while self._short(pool):
+                if self._drop_kept(pool):
+                    continue
+                users = [h for h in self._running if h.sequence.cache is not None and h.sequence.cache.pool is pool]
+                if len(users) < 2:
+                    break
+                last = max(users, key=lambda h: h.submitted)
+                last.sequence.preempt()
+                self._running.remove(last)
+                self._waiting.appendleft(last)
+                self.counts["preempted"] += 1
 
     def _drop_kept(self, pool) -> bool:
         """Release the oldest kept cache of `pool`; False when there is none."""

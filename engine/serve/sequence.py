@@ -69,6 +69,7 @@ class Sequence:
         self._eot = model.tokenizer.eot_ids
         self._steps = None                      # the prefill generator while the prompt runs
         self.cached_tokens = 0                  # prompt tokens reused from an earlier request's cache
+        self.preemptions = 0                    # times its pages were taken back for older requests
 
     # -- steps ------------------------------------------------------------------------------
     def allocate(self, pool=None) -> None:
@@ -88,40 +89,75 @@ class Sequence:
         tokens that went through the model); only meaningful without eviction."""
         return (list(self.job.ids) + self.tokens)[:self.cache.logical_length]
 
-    def pages_needed(self, segment: int | None = None) -> int:
+    def pages_needed(self, segment: int | None = None, horizon: int | None = None) -> int:
         """The most pages this sequence can still come to hold: its cache now plus every
-        prompt row not yet run and every token it may still generate (the admission
-        reservation; it shrinks when eviction compacts the prompt); in one segment of
-        the pool only, when `segment` is given."""
+        prompt row not yet run and every token it may still generate, or only the next
+        `horizon` of those tokens (what the scheduler reserves: eviction shrinks it once
+        the prompt is compacted); in one segment of the pool only, when `segment` is given."""
         if self.cache is None:
             return 0
-        prompt_left = len(self.job.ids) - self.cache.logical_length if self.state == "new" else 0
-        ahead = prompt_left + self.job.params.max_tokens - len(self.tokens)
-        return self.cache.pages_needed(max(ahead, 0), segment)
+        prompt_left = self._prefill_tokens() - self.cache.logical_length if self.state == "new" else 0
+        ahead = max(self.job.params.max_tokens - len(self.tokens), 0)
+        if horizon is not None:
+            ahead = min(ahead, horizon)
+        return self.cache.pages_needed(prompt_left + ahead, segment)
+
+    def _prefill_tokens(self) -> int:
+        """Positions the prefill runs to: the prompt, and after a preemption the tokens
+        generated before it."""
+        return len(self.job.ids) + len(self.tokens)
 
     def prefill_step(self) -> bool:
         """Run the next prompt chunk (allocating the cache first if needed); after the
         last one, apply the eviction policy. True once the prompt is done."""
         if self.cache is None:
             self.allocate()
-        if self._steps is None:                 # the prompt past what a reused cache holds
-            self._steps = self.model.forward.prefill_steps(self.job.ids[self.cached_tokens:], self.cache,
-                                                           snapkv=self.job.snapkv,
-                                                           compact_continued=self.cached_tokens > 0)
+        if self._steps is None:
+            self._steps = self._prompt_steps()
         done, total = next(self._steps)
         if done < total:
             return False
         try:                                    # the last chunk ran: eviction, then the logits
             next(self._steps)
         except StopIteration as end:
-            self.logits = end.value
+            logits = end.value
         self._steps = None
+        if self.tokens:                         # resumed: sampling goes on from the logits it had
+            self.state = "decode"
+            return True
+        self.logits = logits
         eviction = self.cache.eviction
         self.kv_bytes = self.cache.bytes
         self.kv_bytes_full = eviction["bytes_before"] if eviction else self.kv_bytes
         self.kv_policy = eviction["policy"] if eviction else None
         self.state = "decode"
         return True
+
+    def _prompt_steps(self):
+        """The prefill as one generator of (done, total): the prompt past what a reused
+        cache holds (evicted as a whole, as a fresh prefill would be), then after a
+        preemption the tokens generated before it, run as a continuation (no eviction),
+        so the cache is again the one the request had."""
+        forward, prompt = self.model.forward, self.job.ids[self.cached_tokens:]
+        total = len(prompt) + len(self.tokens)
+        logits = yield from _progress(forward.prefill_steps(prompt, self.cache, snapkv=self.job.snapkv,
+                                                            compact_continued=self.cached_tokens > 0), 0, total)
+        if self.tokens:
+            logits = yield from _progress(forward.prefill_steps(self.tokens, self.cache), len(prompt), total)
+        return logits
+
+    def preempt(self) -> None:
+        """Give the cache's pages back mid-request (the scheduler needs them for older
+        requests). The request resumes later by prefilling its prompt and the tokens it
+        has generated again (recompute, as vLLM preempts); its sampler, stop matcher,
+        text already sent and the logits of its next token are kept."""
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+        if self.cache is not None:
+            self.cache.release()
+        self.cache, self.cached_tokens, self.state = None, 0, "new"
+        self.preemptions += 1
 
     def next_token(self) -> int | None:
         """Sample from the current logits and handle what the token means. Returns the
@@ -172,3 +208,14 @@ class Sequence:
             self.cache.release()
         self.cache, self.logits = None, None
         self.state = "done"
+
+
+def _progress(steps, before: int, total: int):
+    """Re-count a prefill generator's (done, n) progress as (before + done, total); its
+    return value (the logits) passes through."""
+    while True:
+        try:
+            done, _ = next(steps)
+        except StopIteration as end:
+            return end.value
+        yield before + done, total

@@ -407,49 +407,62 @@ def test_scheduler_batches_running_requests(tiny_llama):
     assert set(s["kv_pools"]) == {"bf16", "tq4"} and all(p["pages_used"] == 0 for p in s["kv_pools"].values())
 
 
-def test_admission_waits_for_pages_and_refuses_what_never_fits(tiny_llama):
-    """A pool of 128 positions (two 64-row pages per layer): two requests that each may
-    need all of it run one after the other (the second waits, FIFO), and one that needs
-    more than the whole pool fails with 400 at once; pages never run out mid-decode."""
+def test_pages_run_short_preempt_the_newest_request_and_refuse_what_never_fits(tiny_llama):
+    """A pool of 128 positions (two 64-row pages per layer): two requests of 60 prompt +
+    20 generated rows each start together (a reservation covers the next step, not all
+    of max_tokens); when both need their second page, the newer one is preempted, waits,
+    and resumes by prefilling its prompt and tokens again after the older finishes;
+    both answers equal generate's alone, with eviction too. One that needs more than the
+    whole pool fails with 400 at once. The pool is never over-committed."""
     from engine.generate import SamplingParams
     from engine.serve.scheduler import Scheduler
-    from engine.serve.sequence import Failed, Finished, Job
+    from engine.serve.sequence import Delta, Failed, Finished, Job
 
     model = engine.load(tiny_llama, snapkv_budget=0)
     sched = Scheduler(model, max_queue=4, max_running=4, pool_tokens=128)
     pool_pages = model.new_pool(128).n_pages
-    events, done = {}, threading.Semaphore(0)
-    peak = []
+    evict = SnapKvConfig(budget=40, window=8, sinks=2, min_tokens=16)
+    reqs = {"a": (list(range(3, 63)), None), "b": (list(range(5, 65)), None),
+            "c": (list(range(9, 69)), evict), "never": (list(range(3, 123)), None)}
+    want = {name: model.generate(ids, max_tokens=20, ignore_eos=True, snapkv=snap or False).text
+            for name, (ids, snap) in reqs.items() if name != "never"}
+    events, texts, done = {}, dict.fromkeys(reqs, ""), threading.Semaphore(0)
+    steps = []
     real = model.forward.decode_batch
 
     def decode_batch(tokens, caches):
-        s = sched.state()
-        peak.append((len(caches), s["kv_pools"]["bf16"]["pages_used"]))
+        steps.append((len(caches), sched.state()["kv_pools"]["bf16"]["pages_used"]))
         return real(tokens, caches)
 
     model.forward.decode_batch = decode_batch
 
     def emit_for(name):
         def emit(event):
-            if isinstance(event, (Finished, Failed)):
+            if isinstance(event, Delta):
+                texts[name] += event.text
+            else:
                 events[name] = event
                 done.release()
         return emit
 
     p = SamplingParams(max_tokens=20, ignore_eos=True)
-    sched.submit(Job(list(range(3, 63)), p, None), emit_for("a"))            # 60 + 20 rows: 2 pages a layer
-    sched.submit(Job(list(range(5, 65)), p, None), emit_for("b"))            # does not fit beside a: waits
-    sched.submit(Job(list(range(3, 123)), p, None), emit_for("never"))       # 120 + 20 rows: 3 pages a layer
+    for name, (ids, snap) in reqs.items():          # a, b: 80 rows (2 pages a layer) each
+        sched.submit(Job(ids, p, snap), emit_for(name))     # never: 140 rows, 3 pages
     sched.start()
     try:
-        assert all(done.acquire(timeout=WAIT_S) for _ in range(3))
+        assert all(done.acquire(timeout=WAIT_S) for _ in reqs)
     finally:
         sched.stop()
-    assert isinstance(events["a"], Finished) and isinstance(events["b"], Finished)
     assert isinstance(events["never"], Failed) and events["never"].status == 400
     assert "--kv-pool-tokens 128" in events["never"].message
-    assert max(n for n, _ in peak) == 1                    # a and b never decoded together
-    assert max(used for _, used in peak) <= pool_pages
+    for name in want:
+        assert isinstance(events[name], Finished) and events[name].usage["completion_tokens"] == 20
+        assert texts[name] == want[name], name
+    assert events["c"].usage["kv_policy"]                 # c's prompt was evicted
+    assert sched.counts["preempted"] >= 1 and sched.counts["completed"] == 3
+    assert max(n for n, _ in steps) >= 2                  # they did decode together
+    assert max(used for _, used in steps) <= pool_pages
+    assert sched.state()["kv_pools"]["bf16"]["pages_used"] == 0
 
 
 def test_an_engine_error_fails_one_request_not_the_server(served):
