@@ -272,7 +272,7 @@ class ForwardPass:
             kv, seg = cache.layers[li], cache.pool.segment_index(li)
             if seg not in hosts:
                 hosts[seg] = (self.backend.download(kv.pool.k_pages), self.backend.download(kv.pool.v_pages))
-            rows = [read_rows(pages, kv._table, kv.length, dtype, self.cfg.head_dim)
+            rows = [read_rows(pages, kv.host_table, kv.length, dtype, self.cfg.head_dim)
                     for pages, dtype in zip(hosts[seg], (cache.k_dtype, cache.v_dtype))]
             out.append(merged_rows(*rows, kv.row_bias, np.broadcast_to(keep, (rows[0].shape[0], keep.shape[-1])),
                                    n_merge))

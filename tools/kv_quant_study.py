@@ -45,7 +45,7 @@ def cached_rows(cache, layer: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]
     lc = cache.layers[layer]
     pool = lc.pool                                  # the layer's segment of the cache's pool
     rows = np.arange(n_rows)
-    pages = np.asarray(lc._table)[rows // pool.page_size]
+    pages = np.asarray(lc.host_table)[rows // pool.page_size]
     k = bf16_to_f32(np.asarray(pool.k_pages)[pages, :, rows % pool.page_size])     # [n, kv, d]
     v = bf16_to_f32(np.asarray(pool.v_pages)[pages, :, rows % pool.page_size])
     return k.transpose(1, 0, 2), v.transpose(1, 0, 2)

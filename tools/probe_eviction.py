@@ -38,7 +38,7 @@ NEEDLE_ROWS = 30
 def last_query_mass(cache, capture, li: int, keep: np.ndarray, scale: float, n_rows: int) -> list[float]:
     """Per query head: attention mass of the last prompt query on the kept rows."""
     pool = cache.pool
-    k = read_rows(pool.backend.download(cache.layers[li].pool.k_pages), cache.layers[li]._table, n_rows, cache.k_dtype,
+    k = read_rows(pool.backend.download(cache.layers[li].pool.k_pages), cache.layers[li].host_table, n_rows, cache.k_dtype,
                   pool.head_dim)                                   # f64 [n_kv, n_rows, head_dim]
     q = capture.q[li, :, -1]                                       # [n_heads, head_dim]
     group = q.shape[0] // pool.n_kv_heads

@@ -306,6 +306,11 @@ class PagedKvCache:
         self.last_keep = None
         self._set_bias(None)
 
+    @property
+    def host_table(self) -> np.ndarray:
+        """The host copy of the page table, int32 [max_pages_in_context] (read only)."""
+        return self._table
+
     def page_table(self):
         """Backend int32 [max_pages_in_context] page table: uploaded once, then updated in
         place when pages change (one device buffer for the cache's life, so the pipelines
