@@ -31,6 +31,10 @@ A layer's rows are addressed through its page table:
     page_table: int32 [max_pages_per_layer]   physical row r lives in page
     page_table[r // page_size] at offset r % page_size.
 
+A backend whose kernels take per-thread settings (the CPU backend's thread count:
+numba's is per calling thread) has `bind_thread()`, which a thread other than the
+one that loaded the model (a server's worker) calls before it runs the model.
+
 A backend that lacks an op fails at load naming it (`check_complete`); it never
 runs the op somewhere else quietly.
 """

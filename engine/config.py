@@ -74,7 +74,7 @@ SETTINGS = (
     Spec("backend", "SHARPI_BACKEND", "--backend", _choice("cpu", "vulkan", "cuda", "reference", "auto"),
          "cpu", "compute backend; auto picks CUDA, then a Vulkan GPU, then CPU"),
     Spec("threads", "SHARPI_THREADS", "--threads", _optional_int(1), None,
-         "CPU threads for numba kernels (default: all cores)"),
+         "CPU threads for the kernels and BLAS (default: all cores)"),
     Spec("ctx", "SHARPI_CTX", "--ctx", _optional_int(1), None,
          "context size in tokens (default: the model's trained context)"),
     Spec("prefill_chunk", "SHARPI_PREFILL_CHUNK", "--prefill-chunk", _int(1), 256,

@@ -24,9 +24,20 @@ class CpuBackend:
     kv_dtypes = KV_DTYPES
 
     def __init__(self, threads: int | None = None):
+        self.threads = threads
         if threads:
+            # sgemm (prefill mat-mats and attention) runs on the BLAS's own threads, all
+            # cores by default: held to the same count (process-wide)
+            from threadpoolctl import threadpool_limits
+            threadpool_limits(threads, user_api="blas")
+        self.bind_thread()
+
+    def bind_thread(self) -> None:
+        """Apply `threads` to the numba kernels run from the calling thread (numba's
+        count is per thread: a server's worker thread would otherwise use all cores)."""
+        if self.threads:
             import numba
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
 
     # -- memory ---------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):

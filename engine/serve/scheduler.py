@@ -147,6 +147,9 @@ class Scheduler:
 
     # -- the worker -----------------------------------------------------------------------
     def _run(self) -> None:
+        bind = getattr(self.model.backend, "bind_thread", None)   # per-thread settings (CPU threads)
+        if bind is not None:
+            bind()
         while True:
             with self._cv:
                 while not self._stopping and not self._waiting and not self._running:
