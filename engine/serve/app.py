@@ -65,6 +65,7 @@ def served_names(model_path: str, name: str) -> set[str]:
 def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
     model = scheduler.model
     names = served_names(model.path, model_id)
+    token_bytes = model.tokenizer.token_bytes
     created = protocol.now()
 
     @contextlib.asynccontextmanager
@@ -153,12 +154,19 @@ def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(sub, rid, chat, include_usage), media_type="text/event-stream",
+            return StreamingResponse(_sse(sub, rid, chat, include_usage, job.logprobs is not None),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, sub, rid, chat)
+        return await _collect(request, sub, rid, chat, job.logprobs is not None)
 
-    async def _collect(request: Request, sub: Submission, rid: str, chat: bool):
+    def _logprobs(entries, chat: bool, offset: int = 0) -> dict:
+        if chat:
+            return protocol.chat_logprobs(entries, token_bytes)
+        return protocol.completion_logprobs(entries, token_bytes, offset)
+
+    async def _collect(request: Request, sub: Submission, rid: str, chat: bool, logprobs: bool):
         parts: list[str] = []
+        entries: list = []
         try:
             while True:
                 try:
@@ -169,21 +177,30 @@ def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
                     continue
                 if isinstance(event, Delta):
                     parts.append(event.text)
+                    entries += event.logprobs
                 elif isinstance(event, Finished):
                     make = protocol.chat_completion if chat else protocol.completion
-                    return make(rid, model_id, protocol.now(), "".join(parts), event.finish_reason, event.usage)
+                    lp = _logprobs(entries + list(event.logprobs), chat) if logprobs else None
+                    return make(rid, model_id, protocol.now(), "".join(parts), event.finish_reason, event.usage, lp)
                 elif isinstance(event, Failed):
                     raise ApiError(event.status, event.message)
         finally:
             sub.close()
 
-    async def _sse(sub: Submission, rid: str, chat: bool, include_usage: bool):
+    async def _sse(sub: Submission, rid: str, chat: bool, include_usage: bool, logprobs: bool):
         t = protocol.now()
+        offset = 0                          # completions' text_offset runs across chunks
 
-        def chunk(text: str, reason: str | None) -> dict:
+        def chunk(text: str, reason: str | None, entries=()) -> dict:
+            nonlocal offset
+            lp = None
+            if logprobs and entries:
+                lp = _logprobs(entries, chat, offset)
+                if not chat:
+                    offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if chat:
-                return protocol.chat_chunk(rid, model_id, t, {"content": text} if text else {}, reason)
-            return protocol.completion_chunk(rid, model_id, t, text, reason)
+                return protocol.chat_chunk(rid, model_id, t, {"content": text} if text else {}, reason, lp)
+            return protocol.completion_chunk(rid, model_id, t, text, reason, lp)
 
         try:
             if chat:
@@ -191,9 +208,9 @@ def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
             while True:
                 event = await sub.next()
                 if isinstance(event, Delta):
-                    yield _event(chunk(event.text, None))
+                    yield _event(chunk(event.text, None, event.logprobs))
                 elif isinstance(event, Finished):
-                    yield _event(chunk("", event.finish_reason))
+                    yield _event(chunk("", event.finish_reason, event.logprobs))
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
                         yield _event(protocol.usage_chunk(rid, model_id, t, obj, event.usage))

@@ -20,6 +20,7 @@ from ..snapkv import SnapKvConfig, check_values
 from .protocol import KV_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest
 from .sequence import Job
 
+MAX_TOP_LOGPROBS = 20      # alternatives per token (OpenAI's chat limit; vLLM's default)
 SNAPKV_KEYS = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens", "merge",
                "allocation")
 
@@ -32,16 +33,14 @@ def completion_job(model, req: CompletionRequest) -> Job:
         raise ApiError(400, "suffix is not supported", "suffix")
     if req.best_of not in (None, 1):
         raise ApiError(400, "best_of must be 1: one choice per request is supported", "best_of")
-    if req.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported", "logprobs")
     ids = _completion_ids(model, req.prompt)
-    return _job(model, req, ids, req.max_tokens, "prompt")
+    return _job(model, req, ids, req.max_tokens, _top_logprobs(req.logprobs, "logprobs"))
 
 
 def chat_job(model, req: ChatCompletionRequest) -> Job:
     _check_supported(req)
-    if req.logprobs or req.top_logprobs:
-        raise ApiError(400, "logprobs are not supported", "logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if req.tools:
         raise ApiError(400, "tools are not supported", "tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
@@ -56,7 +55,8 @@ def chat_job(model, req: ChatCompletionRequest) -> Job:
         raise ApiError(400, str(e), "messages") from None
     ids = _checked_ids(model, _encode(model, text, "messages"), "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return _job(model, req, ids, max_tokens, "messages")
+    logprobs = _top_logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
+    return _job(model, req, ids, max_tokens, logprobs)
 
 
 # -- parts ---------------------------------------------------------------------------------------
@@ -106,7 +106,13 @@ def _checked_ids(model, ids: list[int], param: str) -> list[int]:
     return ids
 
 
-def _job(model, req, ids: list[int], max_tokens: int | None, prompt_param: str) -> Job:
+def _top_logprobs(k: int | None, param: str) -> int | None:
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", param)
+    return k
+
+
+def _job(model, req, ids: list[int], max_tokens: int | None, logprobs: int | None) -> Job:
     if max_tokens is None:                       # chat's default: until the context is full
         max_tokens = max(model.ctx - len(ids), 1)
     try:
@@ -122,7 +128,7 @@ def _job(model, req, ids: list[int], max_tokens: int | None, prompt_param: str) 
             kv_dtypes_for(kv_dtype, model.backend, model.config)
         except EngineError as e:
             raise ApiError(400, str(e), "kv_dtype") from None
-    return Job(ids=ids, params=params, snapkv=snapkv_policy(model, req), kv_dtype=kv_dtype)
+    return Job(ids=ids, params=params, snapkv=snapkv_policy(model, req), kv_dtype=kv_dtype, logprobs=logprobs)
 
 
 def _param_of(message: str, default: str) -> str:

@@ -107,27 +107,58 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def completion(rid: str, model: str, created: int, text: str, finish_reason: str, usage: dict) -> dict:
+def completion(rid: str, model: str, created: int, text: str, finish_reason: str, usage: dict,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_completion(rid: str, model: str, created: int, text: str, finish_reason: str, usage: dict) -> dict:
+def chat_completion(rid: str, model: str, created: int, text: str, finish_reason: str, usage: dict,
+                    logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
+                         "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+# -- logprobs: Sequence's (id, logprob, ((id, logprob), ...)) entries in OpenAI's shapes ---------
+def _token_text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def completion_logprobs(entries, token_bytes, offset: int = 0) -> dict:
+    """The completions API's object: tokens, token_logprobs, top_logprobs (dicts by token
+    text) and text_offset (where each token's text starts, counting from `offset`)."""
+    tokens, offsets = [], []
+    for tid, _, _ in entries:
+        offsets.append(offset)
+        tokens.append(_token_text(token_bytes(tid)))
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{_token_text(token_bytes(i)): lp for i, lp in top} for _, _, top in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries, token_bytes) -> dict:
+    """The chat API's object: content = [{token, logprob, bytes, top_logprobs}]."""
+    def item(tid: int, lp: float) -> dict:
+        data = token_bytes(tid)
+        return {"token": _token_text(data), "logprob": lp, "bytes": list(data)}
+    return {"content": [{**item(tid, lp), "top_logprobs": [item(i, l) for i, l in top]} for tid, lp, top in entries],
+            "refusal": None}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, usage: dict) -> dict:

@@ -26,18 +26,39 @@ class Job:
     params: SamplingParams
     snapkv: SnapKvConfig | None    # this request's eviction policy (None: full cache)
     kv_dtype: str | None = None    # KV row format of its cache (None: the model's)
+    logprobs: int | None = None    # None: no logprobs; k: each token's logprob and its k likeliest
+
+
+# A generated token's logprobs (when the job asks): its id, its log-probability under
+# the model's distribution (log-softmax of the logits, before temperature, top-k and
+# top-p), and the k likeliest tokens as ((id, logprob), ...), likeliest first.
+TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
+    z = logits.astype(np.float64)
+    m = z.max()
+    lse = m + np.log(np.exp(z - m).sum())
+    k = min(k, z.size)
+    top = np.argpartition(-z, k - 1)[:k] if k else np.empty(0, dtype=np.int64)
+    top = top[np.argsort(-z[top], kind="stable")]
+    def lp(i):                                  # OpenAI's floor for -inf, which JSON cannot carry
+        return max(float(z[i] - lse), -9999.0)
+    return token, lp(token), tuple((int(i), lp(i)) for i in top)
 
 
 # -- events, sent from the worker thread to the request's consumer ---------------------------
 @dataclass(frozen=True)
 class Delta:
     text: str                      # new output text (never a possible start of a stop string)
+    logprobs: tuple[TokenLogprob, ...] = ()   # the tokens sampled since the last event, if asked
 
 
 @dataclass(frozen=True)
 class Finished:
     finish_reason: str             # "stop" (end of turn or stop string) | "length" (max_tokens or context)
     usage: dict                    # prompt/completion/total tokens and the KV bytes (see Sequence.usage)
+    logprobs: tuple[TokenLogprob, ...] = ()   # logprobs of tokens no Delta carried (text cut by a stop)
 
 
 @dataclass(frozen=True)
@@ -70,6 +91,7 @@ class Sequence:
         self._steps = None                      # the prefill generator while the prompt runs
         self.cached_tokens = 0                  # prompt tokens reused from an earlier request's cache
         self.preemptions = 0                    # times its pages were taken back for older requests
+        self._logprobs: list = []               # logprobs of tokens not yet sent with an event
 
     # -- steps ------------------------------------------------------------------------------
     def allocate(self, pool=None) -> None:
@@ -168,9 +190,11 @@ class Sequence:
         if not p.ignore_eos and token in self._eot:
             return self._finish("stop")
         self.tokens.append(token)
+        if self.job.logprobs is not None:
+            self._logprobs.append(token_logprob(self.logits, token, self.job.logprobs))
         piece, stopped = self._stopper.feed(self._decoder.push(token))
         if piece:
-            self.emit(Delta(piece))
+            self.emit(Delta(piece, self._take_logprobs()))
         if stopped:
             return self._finish("stop", flush=False)
         if len(self.tokens) >= p.max_tokens or self.cache.logical_length >= self.cache.max_rows:
@@ -186,10 +210,14 @@ class Sequence:
         if flush:
             rest = self._stopper.feed(self._decoder.flush())[0] + self._stopper.flush()
             if rest:
-                self.emit(Delta(rest))
-        self.finished = Finished(reason, self.usage())
+                self.emit(Delta(rest, self._take_logprobs()))
+        self.finished = Finished(reason, self.usage(), self._take_logprobs())
         self.state = "done"                     # the scheduler keeps or releases the cache
         return None
+
+    def _take_logprobs(self) -> tuple:
+        taken, self._logprobs = tuple(self._logprobs), []
+        return taken
 
     def usage(self) -> dict:
         """OpenAI's token counts plus ours: KV bytes of the prompt before and after eviction."""

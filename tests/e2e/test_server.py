@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -254,6 +255,59 @@ def test_stop_strings(served, reference):
     near = full[k:k + 3] + "\x01never"
     text, reason, _ = stream_text(c.completions.create(stop=near, stream=True, **common), chat=False)
     assert (text, reason) == (full, "length")
+
+
+def test_logprobs(served, reference):
+    """Completions (`logprobs: k`) and chat (`logprobs: true, top_logprobs: k`), plain and
+    streamed: one entry per generated token, the token's log-probability under the model
+    (log-softmax of the logits, checked against the engine's own for the first token),
+    its k likeliest alternatives (greedy: the chosen token first), token texts that add
+    up to the answer; out-of-range values give 400s."""
+    c = served.client()
+    prompt = "The capital of France is"
+    model = reference.model
+    _, logits = model.prefill(reference.tokenize(prompt), snapkv=False)
+    z = logits.astype(np.float64)
+    log_softmax = z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=6, temperature=0)
+    r = c.completions.create(logprobs=3, **kw)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == r.usage.completion_tokens
+    first = int(np.argmax(z))
+    assert lp.tokens[0] == model.tokenizer.token_bytes(first).decode()
+    assert abs(lp.token_logprobs[0] - log_softmax[first]) < 1e-4
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and value <= 0 and max(top.values()) == value and top[tok] == value
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = [ch for ch in c.completions.create(logprobs=3, stream=True, **kw) if ch.choices]
+    streamed = [e for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    assert [o for ch in chunks if ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset] == lp.text_offset
+    assert c.completions.create(**kw).choices[0].logprobs is None
+
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ckw = dict(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=8, temperature=0)
+    r = c.chat.completions.create(logprobs=True, top_logprobs=2, **ckw)
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert bytes(e.bytes).decode() == e.token and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
+        assert e.top_logprobs[1].logprob <= e.logprob
+    stream = c.chat.completions.create(logprobs=True, stream=True, **ckw)
+    entries = [e for ch in stream if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in content]       # (its prompt partly from the cache)
+    assert np.allclose([e.logprob for e in entries], [e.logprob for e in content], atol=1e-2)
+    assert all(e.top_logprobs == [] for e in entries)
+    assert c.chat.completions.create(**ckw).choices[0].logprobs is None
+
+    for path, body, param in [("/v1/completions", dict(kw, logprobs=21), "logprobs"),
+                              ("/v1/completions", dict(kw, logprobs=-1), "logprobs"),
+                              ("/v1/chat/completions", dict(ckw, top_logprobs=2), "top_logprobs"),
+                              ("/v1/chat/completions", dict(ckw, logprobs=True, top_logprobs=99), "top_logprobs")]:
+        status, answer = served.post_raw(path, json.dumps(body).encode())
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
 
 def test_per_request_kv_budget(served, reference):
