@@ -205,10 +205,12 @@ class ForwardPass:
                 on_chunk(done, total)
 
     def prefill_steps(self, ids, cache: KvCache, all_logits: bool = False,
-                      snapkv: SnapKvConfig | None = None, compact_continued: bool = False):
+                      snapkv: SnapKvConfig | None = None, compact_continued: bool = False, on_logits=None):
         """`prefill` one chunk at a time: a generator that yields (done, total) prompt
         tokens after each chunk and returns the logits (StopIteration.value). Other
-        caches may run forward steps between chunks (a server interleaves decode)."""
+        caches may run forward steps between chunks (a server interleaves decode).
+        `on_logits(start, logits)`: every chunk's logits, f32 [chunk rows, vocab] of
+        prompt positions start.., handed over and not kept (a prompt's logprobs)."""
         ids = np.asarray(ids, dtype=np.int32)
         if self._prefill_scratch is None:
             self._prefill_scratch = Scratch(self.backend, self.cfg, self.chunk)
@@ -224,8 +226,13 @@ class ForwardPass:
             part = ids[start:start + self.chunk]
             s = self._prefill_scratch if len(part) > 1 else self._decode_scratch
             self._forward(part, [(cache, len(part))], s, capture)
-            if all_logits:
-                out.append(self._head(s, len(part), all_rows=True))
+            if all_logits or on_logits is not None:
+                rows = self._head(s, len(part), all_rows=True)
+                if on_logits is not None:
+                    on_logits(start, rows)
+                    logits = rows[-1]
+                if all_logits:
+                    out.append(rows)
             elif start + self.chunk >= len(ids):
                 logits = self._head(s, len(part))
             self.backend.submit()            # one submission per chunk, none runs for a whole prompt

@@ -159,10 +159,8 @@ def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _collect(request, sub, rid, chat, job.logprobs is not None)
 
-    def _logprobs(entries, chat: bool, offset: int = 0) -> dict:
-        if chat:
-            return protocol.chat_logprobs(entries, token_bytes)
-        return protocol.completion_logprobs(entries, token_bytes, offset)
+    def _logprobs(entries, chat: bool) -> dict:
+        return (protocol.chat_logprobs if chat else protocol.completion_logprobs)(entries, token_bytes)
 
     async def _collect(request: Request, sub: Submission, rid: str, chat: bool, logprobs: bool):
         parts: list[str] = []
@@ -189,15 +187,9 @@ def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
 
     async def _sse(sub: Submission, rid: str, chat: bool, include_usage: bool, logprobs: bool):
         t = protocol.now()
-        offset = 0                          # completions' text_offset runs across chunks
 
         def chunk(text: str, reason: str | None, entries=()) -> dict:
-            nonlocal offset
-            lp = None
-            if logprobs and entries:
-                lp = _logprobs(entries, chat, offset)
-                if not chat:
-                    offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            lp = _logprobs(entries, chat) if logprobs and entries else None
             if chat:
                 return protocol.chat_chunk(rid, model_id, t, {"content": text} if text else {}, reason, lp)
             return protocol.completion_chunk(rid, model_id, t, text, reason, lp)

@@ -27,14 +27,14 @@ SNAPKV_KEYS = ("budget", "window", "sinks", "recency", "kernel", "pool", "granul
 
 def completion_job(model, req: CompletionRequest) -> Job:
     _check_supported(req)
-    if req.echo:
-        raise ApiError(400, "echo is not supported", "echo")
     if req.suffix is not None:
         raise ApiError(400, "suffix is not supported", "suffix")
     if req.best_of not in (None, 1):
         raise ApiError(400, "best_of must be 1: one choice per request is supported", "best_of")
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
     ids = _completion_ids(model, req.prompt)
-    return _job(model, req, ids, req.max_tokens, _top_logprobs(req.logprobs, "logprobs"))
+    return _job(model, req, ids, req.max_tokens, _top_logprobs(req.logprobs, "logprobs"), echo=req.echo)
 
 
 def chat_job(model, req: ChatCompletionRequest) -> Job:
@@ -112,7 +112,7 @@ def _top_logprobs(k: int | None, param: str) -> int | None:
     return k
 
 
-def _job(model, req, ids: list[int], max_tokens: int | None, logprobs: int | None) -> Job:
+def _job(model, req, ids: list[int], max_tokens: int | None, logprobs: int | None, echo: bool = False) -> Job:
     if max_tokens is None:                       # chat's default: until the context is full
         max_tokens = max(model.ctx - len(ids), 1)
     try:
@@ -128,7 +128,8 @@ def _job(model, req, ids: list[int], max_tokens: int | None, logprobs: int | Non
             kv_dtypes_for(kv_dtype, model.backend, model.config)
         except EngineError as e:
             raise ApiError(400, str(e), "kv_dtype") from None
-    return Job(ids=ids, params=params, snapkv=snapkv_policy(model, req), kv_dtype=kv_dtype, logprobs=logprobs)
+    return Job(ids=ids, params=params, snapkv=snapkv_policy(model, req), kv_dtype=kv_dtype, logprobs=logprobs,
+               echo=echo)
 
 
 def _param_of(message: str, default: str) -> str:

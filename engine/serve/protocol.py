@@ -75,7 +75,7 @@ TokenIds = list[int]
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
-    max_tokens: int | None = Field(16, ge=1)                        # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)          # OpenAI's default; 0 with echo: score the prompt
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -139,17 +139,15 @@ def _token_text(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def completion_logprobs(entries, token_bytes, offset: int = 0) -> dict:
+def completion_logprobs(entries, token_bytes) -> dict:
     """The completions API's object: tokens, token_logprobs, top_logprobs (dicts by token
-    text) and text_offset (where each token's text starts, counting from `offset`)."""
-    tokens, offsets = [], []
-    for tid, _, _ in entries:
-        offsets.append(offset)
-        tokens.append(_token_text(token_bytes(tid)))
-        offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{_token_text(token_bytes(i)): lp for i, lp in top} for _, _, top in entries],
-            "text_offset": offsets}
+    text; null for an echoed prompt's first token) and text_offset (where each token's
+    text starts in the choice's text)."""
+    return {"tokens": [_token_text(token_bytes(tid)) for tid, _, _, _ in entries],
+            "token_logprobs": [lp for _, _, lp, _ in entries],
+            "top_logprobs": [None if top is None else {_token_text(token_bytes(i)): lp for i, lp in top}
+                             for _, _, _, top in entries],
+            "text_offset": [offset for _, offset, _, _ in entries]}
 
 
 def chat_logprobs(entries, token_bytes) -> dict:
@@ -157,7 +155,8 @@ def chat_logprobs(entries, token_bytes) -> dict:
     def item(tid: int, lp: float) -> dict:
         data = token_bytes(tid)
         return {"token": _token_text(data), "logprob": lp, "bytes": list(data)}
-    return {"content": [{**item(tid, lp), "top_logprobs": [item(i, l) for i, l in top]} for tid, lp, top in entries],
+    return {"content": [{**item(tid, lp), "top_logprobs": [item(i, l) for i, l in top]}
+                        for tid, _, lp, top in entries],
             "refusal": None}
 
 

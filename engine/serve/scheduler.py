@@ -228,6 +228,8 @@ class Scheduler:
         token is left to run, and when the request's policy evicts the prompt, its whole
         observation window, so eviction sees the prompt as a fresh prefill would."""
         job, best, n_best = seq.job, None, 0
+        if job.echo and job.logprobs is not None:   # every prompt token is scored: run them all
+            return None
         limit = len(job.ids) - 1
         if job.snapkv is not None and len(job.ids) >= job.snapkv.window and job.snapkv.compacts(len(job.ids)):
             limit = len(job.ids) - job.snapkv.window

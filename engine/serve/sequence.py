@@ -27,15 +27,17 @@ class Job:
     snapkv: SnapKvConfig | None    # this request's eviction policy (None: full cache)
     kv_dtype: str | None = None    # KV row format of its cache (None: the model's)
     logprobs: int | None = None    # None: no logprobs; k: each token's logprob and its k likeliest
+    echo: bool = False             # the output starts with the prompt (and its tokens' logprobs)
 
 
-# A generated token's logprobs (when the job asks): its id, its log-probability under
-# the model's distribution (log-softmax of the logits, before temperature, top-k and
-# top-p), and the k likeliest tokens as ((id, logprob), ...), likeliest first.
-TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
+# A token's logprobs (when the job asks): its id, where its text starts in the output,
+# its log-probability under the model's distribution (log-softmax of the logits, before
+# temperature, top-k and top-p), and the k likeliest tokens as ((id, logprob), ...),
+# likeliest first. An echoed prompt's first token has None for both (nothing predicts it).
+TokenLogprob = tuple[int, int, float | None, tuple[tuple[int, float], ...] | None]
 
 
-def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
+def token_logprob(logits: np.ndarray, token: int, k: int, offset: int) -> TokenLogprob:
     z = logits.astype(np.float64)
     m = z.max()
     lse = m + np.log(np.exp(z - m).sum())
@@ -44,7 +46,7 @@ def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
     top = top[np.argsort(-z[top], kind="stable")]
     def lp(i):                                  # OpenAI's floor for -inf, which JSON cannot carry
         return max(float(z[i] - lse), -9999.0)
-    return token, lp(token), tuple((int(i), lp(i)) for i in top)
+    return token, offset, lp(token), tuple((int(i), lp(i)) for i in top)
 
 
 # -- events, sent from the worker thread to the request's consumer ---------------------------
@@ -92,6 +94,8 @@ class Sequence:
         self.cached_tokens = 0                  # prompt tokens reused from an earlier request's cache
         self.preemptions = 0                    # times its pages were taken back for older requests
         self._logprobs: list = []               # logprobs of tokens not yet sent with an event
+        self._text_len = 0                      # characters of output decoded so far (text offsets)
+        self._echo: str | None = None           # the echoed prompt's text, until it is sent
 
     # -- steps ------------------------------------------------------------------------------
     def allocate(self, pool=None) -> None:
@@ -144,6 +148,10 @@ class Sequence:
         except StopIteration as end:
             logits = end.value
         self._steps = None
+        if self._echo is not None:
+            self._text_len = len(self._echo)
+            self.emit(Delta(self._echo, self._take_logprobs()))
+            self._echo = None
         if self.tokens:                         # resumed: sampling goes on from the logits it had
             self.state = "decode"
             return True
@@ -162,11 +170,37 @@ class Sequence:
         so the cache is again the one the request had."""
         forward, prompt = self.model.forward, self.job.ids[self.cached_tokens:]
         total = len(prompt) + len(self.tokens)
+        on_logits = None
+        if self.job.echo and not self.tokens:   # (not again after a preemption: it was sent)
+            on_logits = self._echo_prompt()
         logits = yield from _progress(forward.prefill_steps(prompt, self.cache, snapkv=self.job.snapkv,
-                                                            compact_continued=self.cached_tokens > 0), 0, total)
+                                                            compact_continued=self.cached_tokens > 0,
+                                                            on_logits=on_logits), 0, total)
         if self.tokens:
             logits = yield from _progress(forward.prefill_steps(self.tokens, self.cache), len(prompt), total)
         return logits
+
+    def _echo_prompt(self):
+        """Decode the prompt as the output's start; with logprobs, return the prefill's
+        logits callback that scores each prompt token from the position before it."""
+        ids, k = self.job.ids, self.job.logprobs
+        decoder, offsets, parts, n = self.model.tokenizer.stream(), [], [], 0
+        for t in ids:
+            offsets.append(n)
+            parts.append(decoder.push(t))
+            n += len(parts[-1])
+        parts.append(decoder.flush())
+        self._echo = "".join(parts)
+        if k is None:
+            return None
+        self._logprobs.append((ids[0], 0, None, None))
+
+        def on_logits(start: int, logits: np.ndarray) -> None:
+            for j, row in enumerate(logits):
+                i = start + j + 1                   # the prompt token this row predicts
+                if i < len(ids):
+                    self._logprobs.append(token_logprob(row, ids[i], k, offsets[i]))
+        return on_logits
 
     def preempt(self) -> None:
         """Give the cache's pages back mid-request (the scheduler needs them for older
@@ -186,13 +220,17 @@ class Sequence:
         token to run through the model next, or None when the sequence has finished
         (then `finished` is set; the cache stays until release())."""
         p = self.job.params
+        if len(self.tokens) >= p.max_tokens:    # max_tokens 0: the prompt alone (echo)
+            return self._finish("length")
         token = self._sampler(self.logits)
         if not p.ignore_eos and token in self._eot:
             return self._finish("stop")
         self.tokens.append(token)
         if self.job.logprobs is not None:
-            self._logprobs.append(token_logprob(self.logits, token, self.job.logprobs))
-        piece, stopped = self._stopper.feed(self._decoder.push(token))
+            self._logprobs.append(token_logprob(self.logits, token, self.job.logprobs, self._text_len))
+        text = self._decoder.push(token)
+        self._text_len += len(text)
+        piece, stopped = self._stopper.feed(text)
         if piece:
             self.emit(Delta(piece, self._take_logprobs()))
         if stopped:

@@ -310,6 +310,46 @@ def test_logprobs(served, reference):
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
 
+def test_echo_scores_the_prompt(served, reference):
+    """`echo` with `logprobs` and `max_tokens` 0 scores a prompt, as evaluation harnesses
+    (lm-evaluation-harness's loglikelihood) ask: the text is the prompt, every token but
+    the first has the log-probability the model gives it after the tokens before it
+    (checked against the engine's own logits), and text_offset locates each token in
+    the text. With tokens to generate, they follow the prompt, as without echo; with
+    eviction, the prompt is scored before it is evicted."""
+    c = served.client()
+    prompt = "The quick brown fox jumps over the lazy dog. The capital of France is"
+    ids = reference.tokenize(prompt)
+    m = reference.model
+    logits = m.forward.prefill(ids, m.new_cache(), all_logits=True).astype(np.float64)
+    log_softmax = logits - (logits.max(1, keepdims=True) +
+                            np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)))
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, temperature=0, echo=True)
+    r = c.completions.create(max_tokens=0, logprobs=1, **kw)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text == prompt and r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [log_softmax[i - 1, ids[i]] for i in range(1, len(ids))]
+    assert np.allclose(lp.token_logprobs[1:], want, atol=1e-3)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert [text[a:b] for a, b in zip(lp.text_offset, lp.text_offset[1:] + [len(text)])] == lp.tokens
+
+    plain = c.completions.create(max_tokens=4, **dict(kw, echo=False)).choices[0].text
+    r = c.completions.create(max_tokens=4, logprobs=2, **kw)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text == prompt + plain and len(lp.tokens) == len(ids) + r.usage.completion_tokens
+    assert lp.text_offset[len(ids)] == len(prompt) and "".join(lp.tokens[len(ids):]) == plain
+    chunks = [ch.choices[0].text for ch in c.completions.create(max_tokens=4, stream=True, **kw) if ch.choices]
+    assert chunks[0] == prompt and "".join(chunks) == prompt + plain
+
+    evicted = c.completions.create(max_tokens=4, extra_body=KV, **dict(kw, prompt=DOC, echo=False)).choices[0].text
+    r = c.completions.create(max_tokens=4, logprobs=0, extra_body=KV, **dict(kw, prompt=DOC))
+    assert r.choices[0].text == DOC + evicted and r.usage.model_extra["kv_policy"]
+    assert len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
+    status, answer = served.post_raw("/v1/completions", json.dumps(dict(kw, echo=False, max_tokens=0)).encode())
+    assert status == 400 and answer["error"]["param"] == "max_tokens"
+
+
 def test_per_request_kv_budget(served, reference):
     want = reference.generate(DOC, max_tokens=8, temperature=0.0, snapkv=KV_POLICY, ignore_eos=True)
     full = reference.generate(DOC, max_tokens=8, temperature=0.0, ignore_eos=True)
