@@ -83,7 +83,9 @@ def cmd_run(args) -> int:
     try:
         for piece in model.stream(prompt, max_tokens=args.n, temperature=args.temp, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat,
-                                  ignore_eos=args.ignore_eos, stats=stats, progress=progress):
+                                  ignore_eos=args.ignore_eos, stats=stats, progress=progress,
+                                  presence_penalty=args.presence_penalty,
+                                  frequency_penalty=args.frequency_penalty):
             if progress is not None:
                 progress.close()
             out.write(piece)
@@ -259,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", dest="top_k", type=int, default=0, help="top-k sampling (0 = off)")
     run.add_argument("--top-p", dest="top_p", type=float, default=1.0, help="nucleus sampling (1 = off)")
     run.add_argument("--seed", type=int, default=None, help="sampling seed")
+    run.add_argument("--presence-penalty", dest="presence_penalty", type=float, default=0.0,
+                     help="subtracted from the logit of every token generated so far (-2..2, default 0)")
+    run.add_argument("--frequency-penalty", dest="frequency_penalty", type=float, default=0.0,
+                     help="subtracted per time a token was generated so far (-2..2, default 0)")
     run.add_argument("--stop", action="append", help="stop string (repeatable)")
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     run.add_argument("--stats", action="store_true", help="print timings and KV-cache sizes to stderr")

@@ -19,6 +19,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()   # stop strings (not included in the output)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0    # OpenAI's: minus this from the logit of every token generated so far
+    frequency_penalty: float = 0.0   # ... and this times the number of times it was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -34,17 +37,50 @@ class SamplingParams:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError("stop strings must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2 <= v <= 2):
+                raise ConfigError(f"{name} must be a number in [-2, 2], got {v!r}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0:
+                raise ConfigError(f"logit_bias: token ids are integers >= 0, got {token!r}")
+            if not (isinstance(bias, (int, float)) and -100 <= bias <= 100):
+                raise ConfigError(f"logit_bias: a bias is a number in [-100, 100], got {bias!r} for token {token}")
 
 
 class Sampler:
-    """Greedy, or temperature with optional top-k / top-p, from a seeded generator."""
+    """Greedy, or temperature with optional top-k / top-p, from a seeded generator;
+    logit_bias and OpenAI's presence / frequency penalties over the tokens it has
+    returned (the generated ones) first."""
 
     def __init__(self, params: SamplingParams):
         self.p = params
         self.rng = np.random.default_rng(params.seed)
+        self.counts: dict[int, int] = {}          # tokens returned so far -> times
+        self._bias = (np.array([t for t, _ in params.logit_bias], dtype=np.int64),
+                      np.array([b for _, b in params.logit_bias], dtype=np.float32))
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits: f32 [vocab] -> token id."""
+        token = self._sample(self._adjusted(logits))
+        self.counts[token] = self.counts.get(token, 0) + 1
+        return token
+
+    def _adjusted(self, logits: np.ndarray) -> np.ndarray:
+        p = self.p
+        penalize = (p.presence_penalty or p.frequency_penalty) and self.counts
+        if not p.logit_bias and not penalize:
+            return logits
+        z = np.array(logits, dtype=np.float32)
+        ids, bias = self._bias
+        np.add.at(z, ids, bias)
+        if penalize:
+            seen = np.fromiter(self.counts, dtype=np.int64, count=len(self.counts))
+            times = np.fromiter(self.counts.values(), dtype=np.float32, count=len(self.counts))
+            z[seen] -= times * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty)
+        return z
+
+    def _sample(self, logits: np.ndarray) -> int:
         p = self.p
         if p.temperature == 0:
             return int(np.argmax(logits))

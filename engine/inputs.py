@@ -84,6 +84,26 @@ def stop_strings(value) -> tuple[str, ...]:
     return out
 
 
+def logit_bias(value, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """logit_bias=None or {token id: bias} (ids as ints or, as JSON sends them, digit
+    strings) -> ((id, bias), ...) with ids in the vocabulary; the bias range is
+    SamplingParams' check."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ConfigError(f"logit_bias must be a mapping of token id to bias, got {type(value).__name__}")
+    out = []
+    for key, bias in value.items():
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, Integral) or not 0 <= key < vocab_size:
+            raise ConfigError(f"logit_bias: {key!r} is not a token id of this vocabulary (0 .. {vocab_size - 1})")
+        if isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (Integral, float)):
+            raise ConfigError(f"logit_bias: the bias of token {key} must be a number, got {bias!r}")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
 def model_path(value):
     """A model path: None (the default model), a str or an os.PathLike."""
     if value is None or isinstance(value, (str, os.PathLike)):

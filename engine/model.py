@@ -242,13 +242,18 @@ class Model:
     def stream(self, prompt, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                chat: bool = False, ignore_eos: bool = False, stats: dict | None = None,
-               snapkv=None, progress=None, kv_dtype: str | None = None) -> Iterator[str]:
+               snapkv=None, progress=None, kv_dtype: str | None = None, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None) -> Iterator[str]:
         """Yield text pieces as they are generated. `stats`, if given, is filled in.
         `snapkv`: None = the model's policy, False = no eviction, or a SnapKvConfig.
         `progress(done, total)`: called after every prefill chunk (prompt tokens).
-        `kv_dtype`: the cache's row format ("tq4", "q8_0/tq4", ...); None = the model's."""
+        `kv_dtype`: the cache's row format ("tq4", "q8_0/tq4", ...); None = the model's.
+        `presence_penalty`, `frequency_penalty` (OpenAI's, over the generated tokens) and
+        `logit_bias` ({token id: bias}) adjust the logits before sampling."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, stop=inputs.stop_strings(stop), ignore_eos=ignore_eos)
+                                top_p=top_p, seed=seed, stop=inputs.stop_strings(stop), ignore_eos=ignore_eos,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                logit_bias=inputs.logit_bias(logit_bias, self.config.vocab_size))
         stats = {} if stats is None else stats
         ids = self._prompt_ids(prompt, chat)
         t0 = time.perf_counter()

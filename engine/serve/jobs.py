@@ -63,11 +63,6 @@ def chat_job(model, req: ChatCompletionRequest) -> Job:
 def _check_supported(req) -> None:
     if req.n != 1:
         raise ApiError(400, f"n must be 1: one choice per request is supported, got {req.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) != 0:
-            raise ApiError(400, f"{name} is not supported (only 0)", name)
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
     unknown = sorted(k for k in (req.model_extra or {}) if k.startswith("kv_"))
     if unknown:
         raise ApiError(400, f"unknown field {unknown[0]!r}: the KV fields are "
@@ -117,8 +112,11 @@ def _job(model, req, ids: list[int], max_tokens: int | None, logprobs: int | Non
         max_tokens = max(model.ctx - len(ids), 1)
     try:
         stop = inputs.stop_strings(req.stop)
+        bias = inputs.logit_bias(req.logit_bias, model.config.vocab_size)
         params = SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_k=req.top_k,
-                                top_p=float(req.top_p), seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+                                top_p=float(req.top_p), seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+                                presence_penalty=float(req.presence_penalty),
+                                frequency_penalty=float(req.frequency_penalty), logit_bias=bias)
     except EngineError as e:
         raise ApiError(400, str(e), _param_of(str(e), "stop")) from None
     kv_dtype = None
@@ -134,7 +132,9 @@ def _job(model, req, ids: list[int], max_tokens: int | None, logprobs: int | Non
 
 def _param_of(message: str, default: str) -> str:
     first = message.split(" ", 1)[0]
-    return first if first in ("max_tokens", "temperature", "top_k", "top_p", "seed") else default
+    first = first.rstrip(":")
+    return first if first in ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty",
+                              "frequency_penalty", "logit_bias") else default
 
 
 def snapkv_policy(model, req) -> SnapKvConfig | None:

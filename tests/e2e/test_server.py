@@ -310,6 +310,22 @@ def test_logprobs(served, reference):
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
 
+def test_logit_bias_and_penalties(served, reference):
+    """OpenAI's logit_bias (token ids as JSON string keys) and presence / frequency
+    penalties give the engine's own answer for the same values."""
+    c = served.client()
+    prompt = "List the days of the week:"
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=8, temperature=0,
+              extra_body={"ignore_eos": True})
+    token = reference.tokenize(" Sunday", add_bos=False)[0]
+    r = c.completions.create(logit_bias={str(token): 100}, **kw)
+    assert r.choices[0].text == reference.model.tokenizer.token_bytes(token).decode() * 8
+    plain = c.completions.create(**kw).choices[0].text
+    for penalties in (dict(frequency_penalty=1.5), dict(presence_penalty=2.0)):
+        want = reference.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True, **penalties).text
+        assert want != plain and c.completions.create(**penalties, **kw).choices[0].text == want
+
+
 def test_echo_scores_the_prompt(served, reference):
     """`echo` with `logprobs` and `max_tokens` 0 scores a prompt, as evaluation harnesses
     (lm-evaluation-harness's loglikelihood) ask: the text is the prompt, every token but
@@ -602,6 +618,11 @@ def test_bad_requests_get_openai_shaped_400s(served):
         (json.dumps(dict(ok, top_p=0)).encode(), "top_p"),
         (json.dumps(dict(ok, max_tokens=0)).encode(), "max_tokens"),
         (json.dumps(dict(ok, n=2)).encode(), "n"),
+        (json.dumps(dict(ok, presence_penalty=3)).encode(), "presence_penalty"),
+        (json.dumps(dict(ok, frequency_penalty=-2.5)).encode(), "frequency_penalty"),
+        (json.dumps(dict(ok, logit_bias={"abc": 1})).encode(), "logit_bias"),
+        (json.dumps(dict(ok, logit_bias={"5": 101})).encode(), "logit_bias"),
+        (json.dumps(dict(ok, logit_bias={"99999999": 1})).encode(), "logit_bias"),
         (json.dumps(dict(ok, stop=[""])).encode(), "stop"),
         (json.dumps(dict(ok, prompt=[1, 10 ** 9])).encode(), "prompt"),
         (json.dumps(dict(ok, prompt=["a", "b"])).encode(), "prompt"),

@@ -26,6 +26,12 @@ def model(tiny_llama):
     (lambda m: m.generate("hi", max_tokens=1, stop=5), "stop must be"),
     (lambda m: m.generate("hi", max_tokens=1, snapkv=1), "snapkv must be"),
     (lambda m: m.generate([1, 2], chat=True, max_tokens=1), "chat message 0"),
+    (lambda m: m.generate("hi", max_tokens=1, presence_penalty=2.5), "presence_penalty must be"),
+    (lambda m: m.generate("hi", max_tokens=1, frequency_penalty=float("nan")), "frequency_penalty must be"),
+    (lambda m: m.generate("hi", max_tokens=1, logit_bias={10**6: 1.0}), "not a token id"),
+    (lambda m: m.generate("hi", max_tokens=1, logit_bias={"x": 1.0}), "not a token id"),
+    (lambda m: m.generate("hi", max_tokens=1, logit_bias={5: 101}), "in \\[-100, 100\\]"),
+    (lambda m: m.generate("hi", max_tokens=1, logit_bias=[(5, 1.0)]), "mapping of token id"),
 ])
 def test_bad_arguments(model, call, needle):
     with pytest.raises(ConfigError, match=needle) as e:
@@ -41,6 +47,27 @@ def test_stop_forms(model):
         cut = full[2:4]
         assert model.generate(ids, max_tokens=6, stop=cut, ignore_eos=True).text == \
             model.generate(ids, max_tokens=6, stop=[cut], ignore_eos=True).text
+
+
+def test_logit_bias_and_penalties(model):
+    """logit_bias moves a token's logit (100: greedy picks it every time, -100: never);
+    a frequency penalty makes greedy decoding avoid what it already said; presence and
+    frequency penalties act only on generated tokens, and the defaults change nothing."""
+    from engine.generate import Sampler, SamplingParams
+    ids = [65, 66, 67]
+    plain = model.generate(ids, max_tokens=12, ignore_eos=True)
+    assert model.generate(ids, max_tokens=12, ignore_eos=True, logit_bias={}, presence_penalty=0.0).tokens == \
+        plain.tokens
+    assert model.generate(ids, max_tokens=5, ignore_eos=True, logit_bias={"70": 100}).tokens == [70] * 5
+    banned = plain.tokens[0]
+    assert banned not in model.generate(ids, max_tokens=12, ignore_eos=True, logit_bias={banned: -100}).tokens
+    logits = np.zeros(8, dtype=np.float32)
+    logits[3], logits[5] = 1.0, 0.9
+    s = Sampler(SamplingParams(frequency_penalty=0.06))
+    assert [s(logits) for _ in range(4)] == [3, 3, 5, 3]       # 1 - 0.06k vs 0.9 - 0.06j
+    s = Sampler(SamplingParams(presence_penalty=0.2))
+    assert [s(logits) for _ in range(3)] == [3, 5, 3]          # both seen: 0.8 vs 0.7
+    assert s.counts == {3: 2, 5: 1}
 
 
 def test_load_arguments(tiny_llama):
