@@ -95,7 +95,8 @@ class Sequence:
         self.preemptions = 0                    # times its pages were taken back for older requests
         self._logprobs: list = []               # logprobs of tokens not yet sent with an event
         self._text_len = 0                      # characters of output decoded so far (text offsets)
-        self._echo: str | None = None           # the echoed prompt's text, until it is sent
+        self._echo: str | None = None           # the echoed prompt's text
+        self._prompt_done = False               # the prompt has run once (a resumed one runs again)
 
     # -- steps ------------------------------------------------------------------------------
     def allocate(self, pool=None) -> None:
@@ -122,16 +123,12 @@ class Sequence:
         the prompt is compacted); in one segment of the pool only, when `segment` is given."""
         if self.cache is None:
             return 0
-        prompt_left = self._prefill_tokens() - self.cache.logical_length if self.state == "new" else 0
+        prefill_to = len(self.job.ids) + len(self.tokens)   # after a preemption, generated tokens too
+        prompt_left = prefill_to - self.cache.logical_length if self.state == "new" else 0
         ahead = max(self.job.params.max_tokens - len(self.tokens), 0)
         if horizon is not None:
             ahead = min(ahead, horizon)
         return self.cache.pages_needed(prompt_left + ahead, segment)
-
-    def _prefill_tokens(self) -> int:
-        """Positions the prefill runs to: the prompt, and after a preemption the tokens
-        generated before it."""
-        return len(self.job.ids) + len(self.tokens)
 
     def prefill_step(self) -> bool:
         """Run the next prompt chunk (allocating the cache first if needed); after the
@@ -148,19 +145,18 @@ class Sequence:
         except StopIteration as end:
             logits = end.value
         self._steps = None
+        self.state = "decode"
+        if self._prompt_done:                   # resumed: sampling goes on from the logits it had
+            return True
+        self._prompt_done = True
         if self._echo is not None:
             self._text_len = len(self._echo)
             self.emit(Delta(self._echo, self._take_logprobs()))
-            self._echo = None
-        if self.tokens:                         # resumed: sampling goes on from the logits it had
-            self.state = "decode"
-            return True
         self.logits = logits
         eviction = self.cache.eviction
         self.kv_bytes = self.cache.bytes
         self.kv_bytes_full = eviction["bytes_before"] if eviction else self.kv_bytes
         self.kv_policy = eviction["policy"] if eviction else None
-        self.state = "decode"
         return True
 
     def _prompt_steps(self):
@@ -171,7 +167,7 @@ class Sequence:
         forward, prompt = self.model.forward, self.job.ids[self.cached_tokens:]
         total = len(prompt) + len(self.tokens)
         on_logits = None
-        if self.job.echo and not self.tokens:   # (not again after a preemption: it was sent)
+        if self.job.echo and not self._prompt_done:     # (not again after a preemption: it was sent)
             on_logits = self._echo_prompt()
         logits = yield from _progress(forward.prefill_steps(prompt, self.cache, snapkv=self.job.snapkv,
                                                             compact_continued=self.cached_tokens > 0,
@@ -184,6 +180,7 @@ class Sequence:
         """Decode the prompt as the output's start; with logprobs, return the prefill's
         logits callback that scores each prompt token from the position before it."""
         ids, k = self.job.ids, self.job.logprobs
+        self._logprobs.clear()                  # (a prefill preempted midway left some)
         decoder, offsets, parts, n = self.model.tokenizer.stream(), [], [], 0
         for t in ids:
             offsets.append(n)
