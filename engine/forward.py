@@ -25,6 +25,9 @@ from .kv.merge import merged_rows
 from .kv.paged import KvCache, PagePool, layer_pages
 from .snapkv import SnapKvConfig, SnapKvSelector
 
+HEAD_ROWS = 16      # prompt rows per output-projection call when every position's logits are
+                    # wanted (on_logits): 16 MiB of f32 logits at Gemma 3's 262,144 tokens
+
 
 @dataclass
 class LayerWeights:
@@ -209,8 +212,9 @@ class ForwardPass:
         """`prefill` one chunk at a time: a generator that yields (done, total) prompt
         tokens after each chunk and returns the logits (StopIteration.value). Other
         caches may run forward steps between chunks (a server interleaves decode).
-        `on_logits(start, logits)`: every chunk's logits, f32 [chunk rows, vocab] of
-        prompt positions start.., handed over and not kept (a prompt's logprobs)."""
+        `on_logits(start, logits)`: every prompt position's logits, f32 [rows, vocab] of
+        positions start.., HEAD_ROWS rows at a time, handed over and not kept (a
+        prompt's logprobs)."""
         ids = np.asarray(ids, dtype=np.int32)
         if self._prefill_scratch is None:
             self._prefill_scratch = Scratch(self.backend, self.cfg, self.chunk)
@@ -226,13 +230,13 @@ class ForwardPass:
             part = ids[start:start + self.chunk]
             s = self._prefill_scratch if len(part) > 1 else self._decode_scratch
             self._forward(part, [(cache, len(part))], s, capture)
-            if all_logits or on_logits is not None:
-                rows = self._head(s, len(part), all_rows=True)
-                if on_logits is not None:
-                    on_logits(start, rows)
-                    logits = rows[-1]
-                if all_logits:
-                    out.append(rows)
+            if all_logits:
+                out.append(self._head(s, len(part), first=0))
+            elif on_logits is not None:          # a few rows at a time: vocab-wide rows are large
+                for r0 in range(0, len(part), HEAD_ROWS):
+                    logits = self._head(s, min(r0 + HEAD_ROWS, len(part)), first=r0)
+                    on_logits(start + r0, logits)
+                logits = logits[-1]
             elif start + self.chunk >= len(ids):
                 logits = self._head(s, len(part))
             self.backend.submit()            # one submission per chunk, none runs for a whole prompt
@@ -307,7 +311,7 @@ class ForwardPass:
             self._batch_scratch = Scratch(self.backend, self.cfg, max(n, 8), logits_rows=max(n, 8))
         s = self._batch_scratch
         self._forward(np.asarray(tokens, dtype=np.int32), [(c, 1) for c in caches], s)
-        return self._head(s, n, all_rows=True)
+        return self._head(s, n, first=0)
 
     # -- the layer graph ------------------------------------------------------------
     def _forward(self, ids: np.ndarray, spans: list, s: Scratch, capture=None) -> None:
@@ -385,11 +389,13 @@ class ForwardPass:
                                 start_row, c.n_heads, self.scale, attn, window=window, **dtypes)
         kv.advance(n)                        # a sliding-window layer returns pages it no longer needs
 
-    def _head(self, s: Scratch, n: int, all_rows: bool = False) -> np.ndarray:
-        """Final norm + output projection: logits of the last row (or of all n rows),
-        into the scratch's logits when they have room."""
+    def _head(self, s: Scratch, n: int, first: int | None = None) -> np.ndarray:
+        """Final norm + output projection: logits f32 [vocab] of row n-1, or [n - first,
+        vocab] of rows first .. n-1, into the scratch's logits when they have room."""
         b, w = self.backend, self.weights
-        first = 0 if all_rows else n - 1
+        all_rows = first is not None
+        if first is None:
+            first = n - 1
         h = s.h[first:n]
         b.rms_norm(s.x[first:n], w.output_norm, self.cfg.norm_eps, h)
         rows = n - first
