@@ -18,17 +18,18 @@ from __future__ import annotations
 
 
 def build_app(model, max_queue: int = 16, model_id: str | None = None, max_running: int = 4,
-              pool_tokens: int | None = None, prompt_cache: int = 4):
+              pool_tokens: int | None = None, prompt_cache: int = 4, api_key: str | None = None):
     """A FastAPI app serving `model`; its scheduler (app.state.scheduler) starts now and
     stops with the app's lifespan. `max_running` requests decode together; their caches
     share a page pool of `pool_tokens` positions (default: max_running whole contexts);
-    the caches of the last `prompt_cache` finished requests are kept for reuse."""
+    the caches of the last `prompt_cache` finished requests are kept for reuse. With
+    `api_key`, requests need `Authorization: Bearer <api_key>` (app.create_app)."""
     from .app import create_app
     from .scheduler import Scheduler
 
     scheduler = Scheduler(model, max_queue=max_queue, max_running=max_running, pool_tokens=pool_tokens,
                           prompt_cache=prompt_cache)
-    app = create_app(scheduler, model_id or default_model_id(model.path))
+    app = create_app(scheduler, model_id or default_model_id(model.path), api_key)
     scheduler.start()
     return app
 

@@ -11,22 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import pathlib
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import jobs, protocol
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .scheduler import QueueFull, Scheduler
 from .sequence import Delta, Failed, Finished
 
 DISCONNECT_POLL_S = 0.25     # how often a waiting non-streaming request checks its client
 CHAT_PAGE = pathlib.Path(__file__).parent / "static" / "chat.html"     # GET /: the chat page
+OPEN_PATHS = ("/", "/health", "/metrics")   # served without the API key (as vLLM does)
 
 
 class Submission:
@@ -62,7 +64,9 @@ def served_names(model_path: str, name: str) -> set[str]:
     return {name, p.name, p.stem, str(p), model_path}
 
 
-def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
+def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) -> FastAPI:
+    """The app over `scheduler`; with `api_key`, every route but OPEN_PATHS needs
+    `Authorization: Bearer <api_key>` (401 otherwise)."""
     model = scheduler.model
     names = served_names(model.path, model_id)
     token_bytes = model.tokenizer.token_bytes
@@ -79,6 +83,19 @@ def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
     app = FastAPI(title="snapkv-engine", description="OpenAI-compatible API with per-request SnapKV eviction",
                   lifespan=lifespan)
     app.state.scheduler = scheduler
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode("utf-8", "replace")
+            if request.url.path not in OPEN_PATHS and not hmac.compare_digest(given, expected):
+                return JSONResponse(protocol.error("invalid or missing API key: send the header "
+                                                   "'Authorization: Bearer <key>' with the server's --api-key",
+                                                   "invalid_request_error", None, "invalid_api_key"),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     # -- errors: always OpenAI's shape ---------------------------------------------------------
     @app.exception_handler(ApiError)
@@ -131,6 +148,25 @@ def create_app(scheduler: Scheduler, model_id: str) -> FastAPI:
     async def state():
         """Extension: what the scheduler holds (running requests, queue, live caches)."""
         return scheduler.state()
+
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus' text format: request and token counters, queue and KV pool gauges."""
+        return PlainTextResponse(protocol.metrics(scheduler.state()), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """Extension (vLLM's and llama.cpp's): text or a chat -> token ids."""
+        _check_model(body.model)
+        ids = await run_in_threadpool(jobs.tokenize, model, body)
+        return {"tokens": ids, "count": len(ids), "max_model_len": model.ctx}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        """Extension: token ids -> text (both vLLM's and llama.cpp's field names)."""
+        _check_model(body.model)
+        text = await run_in_threadpool(jobs.detokenize, model, body)
+        return {"prompt": text, "content": text}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -4,6 +4,7 @@ the engine's model and SnapKV flags, plus mlx-lm's spellings: `--kv-eviction non
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 
@@ -29,6 +30,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", dest="max_queue", type=int, default=16,
                    help="requests that may wait behind the running ones; more get 503 (default 16)")
     p.add_argument("--model-id", dest="model_id", help="the id /v1/models lists (default: the file name)")
+    p.add_argument("--api-key", dest="api_key", default=os.environ.get("SHARPI_API_KEY") or None,
+                   help="requests must send 'Authorization: Bearer KEY' (default: $SHARPI_API_KEY; "
+                        "unset: no key); /, /health and /metrics stay open")
     _add_snapkv_args(p)
     g = p.add_argument_group("mlx-lm spellings")
     g.add_argument("--kv-eviction", dest="kv_eviction", choices=("none", "snapkv"),
@@ -69,7 +73,7 @@ def cmd_serve(args) -> int:
     sock = _listen(args.host, args.port)
     model = Model(model_path_or_default(args.model), settings)
     app = build_app(model, max_queue=args.max_queue, model_id=args.model_id, max_running=args.parallel,
-                    pool_tokens=args.kv_pool_tokens, prompt_cache=args.prompt_cache)
+                    pool_tokens=args.kv_pool_tokens, prompt_cache=args.prompt_cache, api_key=args.api_key)
     host, port = sock.getsockname()[:2]
     policy = model.snapkv.summary() if model.snapkv else "SnapKV off (per request: kv_budget)"
     sched = app.state.scheduler

@@ -45,18 +45,33 @@ def chat_job(model, req: ChatCompletionRequest) -> Job:
         raise ApiError(400, "tools are not supported", "tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise ApiError(400, "response_format other than text is not supported", "response_format")
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
-        messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
-    try:
-        text = model.render_chat(messages)
-    except EngineError as e:
-        raise ApiError(400, str(e), "messages") from None
-    ids = _checked_ids(model, _encode(model, text, "messages"), "messages")
+    ids = _checked_ids(model, _chat_ids(model, req.messages), "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = _top_logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
     return _job(model, req, ids, max_tokens, logprobs)
+
+
+def tokenize(model, req) -> list[int]:
+    """/tokenize: `prompt` or `content` (text, special tokens added unless
+    add_special_tokens / add_special is false) or `messages` (rendered by the chat
+    template, as chat requests are) -> token ids."""
+    given = [name for name in ("prompt", "content", "messages") if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise ApiError(400, "give exactly one of prompt, content (text) or messages (a chat)", "prompt")
+    if req.messages is not None:
+        return _chat_ids(model, req.messages)
+    add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
+    try:
+        return model.tokenize(getattr(req, given[0]), add_bos=False if add is False else None)
+    except EngineError as e:
+        raise ApiError(400, str(e), given[0]) from None
+
+
+def detokenize(model, req) -> str:
+    try:
+        return model.detokenize(req.tokens)
+    except EngineError as e:
+        raise ApiError(400, str(e), "tokens") from None
 
 
 # -- parts ---------------------------------------------------------------------------------------
@@ -67,6 +82,19 @@ def _check_supported(req) -> None:
     if unknown:
         raise ApiError(400, f"unknown field {unknown[0]!r}: the KV fields are "
                        f"{', '.join(list(KV_FIELDS) + ['kv_dtype'])}", unknown[0])
+
+
+def _chat_ids(model, chat_messages) -> list[int]:
+    """Chat messages rendered by the GGUF's chat template -> token ids."""
+    messages = []
+    for m in chat_messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
+        messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+    try:
+        text = model.render_chat(messages)
+    except EngineError as e:
+        raise ApiError(400, str(e), "messages") from None
+    return _encode(model, text, "messages")
 
 
 def _completion_ids(model, prompt) -> list[int]:

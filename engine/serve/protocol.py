@@ -102,6 +102,23 @@ class ChatCompletionRequest(_Common):
     response_format: dict | None = None
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize, vLLM's fields (prompt or messages, add_special_tokens) and llama.cpp's
+    (content, add_special)."""
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize: token ids -> text."""
+    model: str | None = None
+    tokens: TokenIds
+
+
 # -- responses ---------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -174,6 +191,34 @@ def error(message: str, type_: str, param: str | None = None, code: str | None =
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def metrics(state: dict) -> str:
+    """Prometheus' text format of Scheduler.state(): counters and gauges, prefix snapkv_."""
+    lines = []
+
+    def metric(name: str, kind: str, help_: str, samples) -> None:
+        lines.extend([f"# HELP snapkv_{name} {help_}", f"# TYPE snapkv_{name} {kind}"])
+        lines.extend(f"snapkv_{name}{labels} {value}" for labels, value in samples)
+
+    outcomes = ("completed", "cancelled", "failed", "rejected")
+    metric("requests_total", "counter", "Requests that ended, by outcome (rejected: 503, the queue was full).",
+           [(f'{{outcome="{o}"}}', state[o]) for o in outcomes])
+    metric("preemptions_total", "counter", "Running requests whose pages were taken back for older ones.",
+           [("", state["preempted"])])
+    metric("prompt_tokens_total", "counter", "Prompt tokens run through the model (a preempted request's again).",
+           [("", state["prompt_tokens"])])
+    metric("generation_tokens_total", "counter", "Tokens generated.", [("", state["generation_tokens"])])
+    metric("requests_running", "gauge", "Requests admitted (prefilling or decoding).",
+           [("", len(state["running"]))])
+    metric("requests_waiting", "gauge", "Requests queued for admission.", [("", state["waiting"])])
+    metric("kv_bytes_held", "gauge", "KV cache bytes held by running requests.", [("", state["kv_bytes_held"])])
+    pools = state["kv_pools"].items()
+    metric("kv_pool_pages", "gauge", "Pages of each shared KV pool, by row format.",
+           [(f'{{format="{name}"}}', p["pages"]) for name, p in pools])
+    metric("kv_pool_pages_used", "gauge", "Pages in use (running requests and kept caches), by row format.",
+           [(f'{{format="{name}"}}', p["pages_used"]) for name, p in pools])
+    return "\n".join(lines) + "\n"
+
+
 def now() -> int:
     return int(time.time())
 
@@ -181,8 +226,8 @@ def now() -> int:
 class ApiError(Exception):
     """An error answered as OpenAI's JSON: {"error": {message, type, param, code}}."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "server_overloaded",
-             500: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+             503: "server_overloaded", 500: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)

@@ -78,7 +78,8 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "preempted": 0}
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "preempted": 0,
+                       "prompt_tokens": 0, "generation_tokens": 0}
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -307,7 +308,11 @@ class Scheduler:
     def _step(self, running: list[Handle]) -> None:
         prefilling = next((h for h in running if not h.cancelled and h.sequence.state == "new"), None)
         if prefilling is not None:
+            seq = prefilling.sequence
+            before = seq.cache.logical_length if seq.cache is not None else 0
             self._guarded(prefilling, lambda h: h.sequence.prefill_step())
+            if seq.cache is not None:
+                self.counts["prompt_tokens"] += seq.cache.logical_length - before
         decoding = [h for h in running if not h.cancelled and h.sequence.state == "decode"]
         if decoding:
             self._decode(decoding)
@@ -317,11 +322,13 @@ class Scheduler:
         then one batched forward over those still going."""
         live, tokens = [], []
         for h in handles:
+            n = len(h.sequence.tokens)
             try:
                 token = h.sequence.next_token()
             except Exception as e:
                 self._fail(h, e)
                 continue
+            self.counts["generation_tokens"] += len(h.sequence.tokens) - n
             if token is None:
                 with self._cv:
                     self._keep(h.sequence)

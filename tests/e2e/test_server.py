@@ -310,6 +310,68 @@ def test_logprobs(served, reference):
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
 
+def test_tokenize_detokenize_and_metrics(served, reference):
+    """/tokenize and /detokenize (vLLM's and llama.cpp's field names) agree with the
+    engine's tokenizer and chat template; /metrics counts requests and tokens in
+    Prometheus' text format."""
+    text = "Hello world, 12345 ünïcode"
+    ids = reference.tokenize(text)
+    post = lambda path, body: served.post_raw(path, json.dumps(body).encode())      # noqa: E731
+    assert post("/tokenize", {"prompt": text}) == (200, {"tokens": ids, "count": len(ids), "max_model_len": CTX})
+    assert post("/tokenize", {"content": text, "add_special": False})[1]["tokens"] == \
+        reference.tokenize(text, add_bos=False)
+    messages = [{"role": "user", "content": "Name three colors."}]
+    chat_ids = reference.tokenize(reference.model.render_chat(messages))
+    assert post("/tokenize", {"messages": messages})[1]["tokens"] == chat_ids
+    assert post("/detokenize", {"tokens": ids})[1] == {"prompt": reference.model.detokenize(ids),
+                                                       "content": reference.model.detokenize(ids)}
+    for body, param in [({"prompt": "a", "content": "b"}, "prompt"), ({}, "prompt")]:
+        status, answer = post("/tokenize", body)
+        assert status == 400 and answer["error"]["param"] == param
+    status, answer = post("/detokenize", {"tokens": [10 ** 9]})
+    assert status == 400 and answer["error"]["param"] == "tokens"
+
+    before = _metrics(served)
+    r = served.client().completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hi", max_tokens=3,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    after = _metrics(served)
+    assert after['snapkv_requests_total{outcome="completed"}'] == before['snapkv_requests_total{outcome="completed"}'] + 1
+    assert after["snapkv_generation_tokens_total"] - before["snapkv_generation_tokens_total"] == 3
+    assert after["snapkv_prompt_tokens_total"] - before["snapkv_prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["snapkv_requests_running"] == 0 and 'snapkv_kv_pool_pages{format="bf16"}' in after
+
+
+def _metrics(served) -> dict:
+    with urllib.request.urlopen(served.url + "/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        lines = r.read().decode().splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
+
+
+def test_api_key(tiny_llama):
+    """With an API key, /v1 routes (and /state, /tokenize) need `Authorization: Bearer
+    <key>`: the openai client with the key works, without it gets 401 in OpenAI's shape;
+    /health, /metrics and the chat page stay open."""
+    app = build_app(engine.load(tiny_llama, snapkv_budget=0), max_running=1, api_key="s3cret")
+    server = serve_in_thread(app)
+    try:
+        kw = dict(base_url=server.url + "/v1", max_retries=0, timeout=60)
+        good = openai.OpenAI(api_key="s3cret", **kw)
+        assert good.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=2).usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(api_key="wrong", **kw).models.list()
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        for path in ("/state", "/v1/models"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(server.url + path, timeout=10)
+            assert e.value.code == 401
+        for path in ("/health", "/metrics", "/"):
+            with urllib.request.urlopen(server.url + path, timeout=10) as r:
+                assert r.status == 200
+    finally:
+        server.stop()
+
+
 def test_logit_bias_and_penalties(served, reference):
     """OpenAI's logit_bias (token ids as JSON string keys) and presence / frequency
     penalties give the engine's own answer for the same values."""
