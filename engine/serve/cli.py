@@ -78,7 +78,8 @@ def cmd_serve(args) -> int:
     policy = model.snapkv.summary() if model.snapkv else "SnapKV off (per request: kv_budget)"
     sched = app.state.scheduler
     print(f"engine serve: {model.path} on {model.backend.name}, context {model.ctx}; {policy}; "
-          f"{sched.max_running} requests in a batch, KV pool of {sched.pool_tokens} positions", file=sys.stderr)
+          f"{sched.max_running} requests in a batch, KV pool of {sched.pool_tokens} positions"
+          f"{'; API key required' if args.api_key else ''}", file=sys.stderr)
     print(f"engine serve: listening on http://{_url_host(host)}:{port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
