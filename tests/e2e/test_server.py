@@ -579,18 +579,24 @@ def test_scheduler_batches_running_requests(tiny_llama):
     assert set(s["kv_pools"]) == {"bf16", "tq4"} and all(p["pages_used"] == 0 for p in s["kv_pools"].values())
 
 
-def test_pages_run_short_preempt_the_newest_request_and_refuse_what_never_fits(tiny_llama):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_pages_run_short_preempt_the_newest_request_and_refuse_what_never_fits(tiny_llama, arch, tmp_path):
     """A pool of 128 positions (two 64-row pages per layer): two requests of 60 prompt +
     20 generated rows each start together (a reservation covers the next step, not all
     of max_tokens); when both need their second page, the newer one is preempted, waits,
     and resumes by prefilling its prompt and tokens again after the older finishes;
-    both answers equal generate's alone, with eviction too. One that needs more than the
-    whole pool fails with 400 at once. The pool is never over-committed."""
+    both answers equal generate's alone, with eviction too, and with Gemma 3's
+    sliding-window layers. One that needs more than the whole pool fails with 400 at
+    once. The pool is never over-committed."""
+    from tiny_gguf import write_tiny_gguf
+
     from engine.generate import SamplingParams
     from engine.serve.scheduler import Scheduler
     from engine.serve.sequence import Delta, Failed, Finished, Job
 
-    model = engine.load(tiny_llama, snapkv_budget=0)
+    path = tiny_llama if arch == "llama" else write_tiny_gguf(
+        tmp_path / "gemma3.gguf", arch="gemma3", dim=64, n_heads=4, n_kv_heads=1, head_dim=32, ffn_dim=128, ctx=1024)
+    model = engine.load(path, snapkv_budget=0)
     sched = Scheduler(model, max_queue=4, max_running=4, pool_tokens=128)
     pool_pages = model.new_pool(128).n_pages
     evict = SnapKvConfig(budget=40, window=8, sinks=2, min_tokens=16)
