@@ -66,23 +66,38 @@ def _llama_cpp_case(llm, ids, n_decode: int) -> dict:
     return {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s, "prefill_s": prefill_s}
 
 
+LLAMA_CPP_CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}      # ggml_type values
+
+
+def llama_cpp_cache_types(spec: str) -> tuple[int, int]:
+    """llama.cpp's KV cache type, "f16" / "q8_0" / "q4_0" or KEYS/VALUES such as
+    "q8_0/q4_0" -> (type_k, type_v) as ggml_type values."""
+    k, _, v = str(spec).partition("/")
+    v = v or k
+    if k not in LLAMA_CPP_CACHE_TYPES or v not in LLAMA_CPP_CACHE_TYPES:
+        raise EngineError(f"llama.cpp's cache type must be f16, q8_0, q4_0 or KEYS/VALUES, got {spec!r}")
+    return LLAMA_CPP_CACHE_TYPES[k], LLAMA_CPP_CACHE_TYPES[v]
+
+
 def llama_cpp_available() -> bool:
     import importlib.util
     return importlib.util.find_spec("llama_cpp") is not None
 
 
 def _llama_cpp_worker(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int,
-                      gpu: bool = False, flash_attn: bool = False) -> list[dict] | None:
+                      gpu: bool = False, flash_attn: bool = False, cache_type: str = "f16") -> list[dict] | None:
     """Runs in a child process with the default environment (our process sets
     OMP_WAIT_POLICY for numba, which would also slow llama.cpp's OpenMP pool).
     `gpu`: every layer offloaded; None when this llama.cpp build cannot offload.
-    `flash_attn`: llama.cpp's flash-attention kernels (off by default in llama-cpp-python)."""
+    `flash_attn`: llama.cpp's flash-attention kernels (off by default in llama-cpp-python).
+    `cache_type`: its KV cache type (llama_cpp_cache_types)."""
     import llama_cpp
     if gpu and not llama_cpp.llama_supports_gpu_offload():
         return None
+    type_k, type_v = llama_cpp_cache_types(cache_type)
     llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
                           n_batch=512, logits_all=False, verbose=False, n_gpu_layers=-1 if gpu else 0,
-                          flash_attn=flash_attn)
+                          flash_attn=flash_attn, type_k=type_k, type_v=type_v)
     _llama_cpp_case(llm, cases[0][:64], 4)     # warm up
     from .model import peak_rss_mib
     rows = []
@@ -92,7 +107,7 @@ def _llama_cpp_worker(path: str, ctx: int, threads: int, cases: list[list[int]],
 
 
 def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_decode: int,
-                  gpu: bool = False, flash_attn: bool = False) -> list[dict] | None:
+                  gpu: bool = False, flash_attn: bool = False, cache_type: str = "f16") -> list[dict] | None:
     import subprocess
     import sys
     import tempfile
@@ -100,10 +115,10 @@ def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_d
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"path": str(path), "ctx": ctx, "threads": threads, "cases": cases, "n_decode": n_decode,
-                   "gpu": gpu, "flash_attn": flash_attn}, f)
+                   "gpu": gpu, "flash_attn": flash_attn, "cache_type": cache_type}, f)
         job = f.name
     code = ("import json,sys; from engine.bench import _llama_cpp_worker; a=json.load(open(sys.argv[1])); "
-            "print(json.dumps(_llama_cpp_worker(a['path'],a['ctx'],a['threads'],a['cases'],a['n_decode'],a['gpu'],a['flash_attn'])))")
+            "print(json.dumps(_llama_cpp_worker(a['path'],a['ctx'],a['threads'],a['cases'],a['n_decode'],a['gpu'],a['flash_attn'],a['cache_type'])))")
     try:
         r = subprocess.run([sys.executable, "-c", code, job], capture_output=True, text=True, env=env)
     finally:
@@ -138,13 +153,17 @@ def run_bench(args, settings) -> int:
         raise EngineError(f"longest case needs {need_ctx} positions but --ctx is {model.ctx}")
     use_llama_cpp = args.llama_cpp and llama_cpp_available()
     gpu = model.backend.name == "cuda"           # compare with llama.cpp on the same GPU
+    cache_type = args.llama_cache_type
+    flash_attn = args.llama_flash_attn or llama_cpp_cache_types(cache_type)[1] != LLAMA_CPP_CACHE_TYPES["f16"]
     prompts = [bench_prompt(model.tokenizer, n) for n in lengths]
-    llama_rows = (run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens, gpu, args.llama_flash_attn)
+    llama_rows = (run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens, gpu, flash_attn, cache_type)
                   if use_llama_cpp else None)
     if use_llama_cpp and llama_rows is None:
         print("llama.cpp: the installed build has no GPU offload; its columns are left out", file=sys.stderr)
         use_llama_cpp = False
     dtypes = dtypes or [model.kv_dtype]
+    if use_llama_cpp:
+        print(f"llama.cpp: {cache_type} KV cache, flash attention {'on' if flash_attn else 'off'}, {threads} threads")
     warm = bench_prompt(model.tokenizer, 64)
     for dtype in dtypes:
         _engine_case(model, warm, 4, kv_dtype=dtype)     # compile / warm caches once (and check the type)
@@ -185,7 +204,8 @@ def run_bench(args, settings) -> int:
         "settings": {k: v for k, v in vars(settings).items()}, "peak_rss_mib": peak_rss_mib(),
         "snapkv": model.snapkv.summary() if evicting else None,
         "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu,
-        "llama_cpp_flash_attn": use_llama_cpp and args.llama_flash_attn, "cases": rows,
+        "llama_cpp_flash_attn": use_llama_cpp and flash_attn,
+        "llama_cpp_cache_type": cache_type if use_llama_cpp else None, "cases": rows,
     }
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"bench-{model.backend.name}.json")

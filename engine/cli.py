@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip llama.cpp even if installed")
     bench.add_argument("--llama-cpp-flash-attn", dest="llama_flash_attn", action="store_true",
                        help="run llama.cpp with its flash-attention kernels (off by default in llama-cpp-python)")
+    bench.add_argument("--llama-cpp-cache-type", dest="llama_cache_type", default="f16",
+                       help="llama.cpp's KV cache: f16 (default), q8_0, q4_0 or KEYS/VALUES such as q8_0/q4_0 "
+                            "(a quantized V turns its flash attention on, which it needs)")
     bench.add_argument("--out", default="results", help="folder for the JSON report")
     _add_snapkv_args(bench)
     bench.set_defaults(func=cmd_bench)

@@ -31,6 +31,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from engine.bench import LLAMA_CPP_CACHE_TYPES, llama_cpp_cache_types  # noqa: E402
+from engine.errors import EngineError                  # noqa: E402
 from engine.eval import tasks as T                     # noqa: E402
 from engine.eval.runner import EvalPlan, greedy_numbers  # noqa: E402
 from engine.gguf import GgufFile, model_config          # noqa: E402
@@ -81,12 +83,11 @@ def main() -> int:
     meta, rows = load_rows(args.results)
     want = set(args.tasks.split(",")) if args.tasks else set(T.RETRIEVAL_TASKS)
     lengths = {int(x) for x in args.lengths.split(",")} if args.lengths else None
-    cache_k, _, cache_v = args.cache_type.partition("/")
-    types = {"f16": 1, "q8_0": 8, "q4_0": 2}                 # ggml_type values
-    if cache_k not in types or (cache_v or cache_k) not in types:
-        print(f"--cache-type must be f16, q8_0, q4_0 or KEYS/VALUES, got {args.cache_type!r}", file=sys.stderr)
+    try:
+        type_k, type_v = llama_cpp_cache_types(args.cache_type)
+    except EngineError as e:
+        print(f"--cache-type: {e}", file=sys.stderr)
         return 1
-    type_k, type_v = types[cache_k], types[cache_v or cache_k]
     full = [r for r in rows if r["policy"] == args.ours and r["task"] in want and r["task"] in T.RETRIEVAL_TASKS
             and (lengths is None or r["length"] in lengths)]
     full.sort(key=lambda r: (r["length"], r["index"], r["task"]))
@@ -110,7 +111,7 @@ def main() -> int:
     ctx = int(meta.get("ctx") or plan.context(model_config(g).context_length))
     llm = Llama(model_path=path, n_ctx=ctx, n_threads=args.threads, n_threads_batch=args.threads,
                 n_batch=512, logits_all=False, verbose=False, type_k=type_k, type_v=type_v,
-                flash_attn=type_v != types["f16"])
+                flash_attn=type_v != LLAMA_CPP_CACHE_TYPES["f16"])
 
     out = []
     for k, r in enumerate(full):

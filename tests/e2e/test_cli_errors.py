@@ -79,7 +79,8 @@ def test_prompt_longer_than_context(tiny_llama):
 @pytest.mark.parametrize("flags,needle", [
     (["--temp", "-1"], "temperature"), (["--top-p", "0"], "top_p"), (["--top-p", "1.5"], "top_p"),
     (["--top-k", "-3"], "top_k"), (["-n", "-1"], "max_tokens"), (["--seed", "-5"], "seed"),
-    (["--temp", "nan"], "temperature"),
+    (["--temp", "nan"], "temperature"), (["--presence-penalty", "2.5"], "presence_penalty"),
+    (["--frequency-penalty", "-3"], "frequency_penalty"),
 ])
 def test_invalid_sampling(tiny_llama, flags, needle):
     assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", *flags), needle)
@@ -92,6 +93,11 @@ def test_bad_env_and_flag(tiny_llama):
                           "SHARPI_CPU_KERNELS must be one of auto|portable")
     assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", "--kv-window", "zero"), "--kv-window")
     assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", "--backend", "tpu"), "--backend")
+
+
+def test_bad_llama_cpp_cache_type(tiny_llama, tmp_path):
+    assert_one_line_error(run_cli("bench", str(tiny_llama), "--lengths", "8", "--out", str(tmp_path),
+                                  "--llama-cpp-cache-type", "q2_k"), "cache type", "q4_0")
 
 
 def test_bad_kv_dtype(tiny_llama):
