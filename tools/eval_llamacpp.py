@@ -16,7 +16,10 @@ the tasks, --lengths the lengths. --cache-type q8_0 (or q4_0, or KEYS/VALUES lik
 q8_0/q4_0) runs llama.cpp with its own quantized KV cache (with its flash attention,
 which llama.cpp needs for a quantized V cache), and --ours full+q4_0 compares with
 that policy of the run instead of our bf16 full cache. Needs llama-cpp-python (`pip install .[bench]`, builds llama.cpp
-from source). Run it on an idle machine: an 8K prompt takes about 40 s.
+from source). Run it on an idle machine: an 8K prompt takes about 40 s with the f16
+cache, and more than 15 minutes on one thread with q4_0 (llama.cpp's CPU flash attention
+dequantizes every K/V row for every query). Each answer is appended to OUT.partial.jsonl
+as it comes; --resume skips the prompts already there, so a long run can go in pieces.
 """
 from __future__ import annotations
 
@@ -76,6 +79,7 @@ def main() -> int:
     ap.add_argument("--ours", default="full", help="the run's policy to compare with (default full)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="results/llamacpp_check.json")
+    ap.add_argument("--resume", action="store_true", help="skip the prompts OUT.partial.jsonl already answers")
     args = ap.parse_args()
 
     from llama_cpp import Llama
@@ -113,8 +117,23 @@ def main() -> int:
                 n_batch=512, logits_all=False, verbose=False, type_k=type_k, type_v=type_v,
                 flash_attn=type_v != LLAMA_CPP_CACHE_TYPES["f16"])
 
+    partial = args.out + ".partial.jsonl"
+    done = {}
+    if args.resume and os.path.exists(partial):
+        with open(partial) as f:
+            for line in f:
+                o = json.loads(line)
+                if o.get("cache_type") == args.cache_type:
+                    done[(o["task"], o["length"], o["index"])] = o
+    elif os.path.exists(partial):
+        os.remove(partial)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     out = []
     for k, r in enumerate(full):
+        if (r["task"], r["length"], r["index"]) in done:      # llama.cpp's answer; ours from this run
+            out.append(dict(done[(r["task"], r["length"], r["index"])], ours=r["generated"],
+                            ours_correct=bool(r["correct"])))
+            continue
         target = min(r["length"], ctx - plan.margin(r["task"]) - 1)
         s = T.make_sample(r["task"], tok, target, r["depth"], r["seed"], r["index"])
         if len(s.ids) != r["prompt_tokens"] or list(s.expected) != list(r["expected"]):
@@ -125,7 +144,10 @@ def main() -> int:
         out.append({"task": r["task"], "length": r["length"], "index": r["index"], "seed": r["seed"],
                     "depth": r["depth"], "prompt_tokens": len(s.ids), "expected": s.expected,
                     "llama_cpp": text, "llama_cpp_correct": score == 1.0,
-                    "ours": r["generated"], "ours_correct": bool(r["correct"]), "seconds": secs})
+                    "ours": r["generated"], "ours_correct": bool(r["correct"]), "seconds": secs,
+                    "cache_type": args.cache_type})
+        with open(partial, "a") as f:
+            f.write(json.dumps(out[-1]) + "\n")
         print(f"[{k + 1}/{len(full)}] {r['task']:<16} {r['length']:>5} #{r['index']:<3} "
               f"llama.cpp {'ok ' if score == 1.0 else 'no '} ours {'ok ' if r['correct'] else 'no '} "
               f"{text!r} | {r['generated']!r} ({secs:.0f} s)", flush=True)
@@ -142,7 +164,6 @@ def main() -> int:
     n = len(out)
     print(f"| all | | {n} | {sum(o['llama_cpp_correct'] for o in out)}/{n} | {sum(o['ours_correct'] for o in out)}/{n} "
           f"| {sum(o['llama_cpp'] == o['ours'] for o in out)}/{n} |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"source": args.results, "model": os.path.basename(path), "ctx": ctx,
                    "cache_type": args.cache_type, "ours": args.ours, "rows": out}, f, indent=1)
