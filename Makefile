@@ -27,7 +27,7 @@ run: $(STAMP)
 	@cd "$(ROOT)" && "$$VENV/bin/engine" run -p "$$PROMPT" -n "$$N"
 
 test: $(STAMP)
-	@cd "$(ROOT)" && "$$VENV/bin/python" -m pytest -q --tb=short --durations=25 -n 2 --dist loadfile
+	@cd "$(ROOT)" && "$$VENV/bin/python" -m pytest -q --tb=short --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	@cd "$(ROOT)" && "$$VENV/bin/engine" bench

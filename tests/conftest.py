@@ -1,10 +1,22 @@
+import json
 import pathlib
 import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))               # tests/tiny_gguf.py
-sys.path.insert(0, str(pathlib.Path(__file__).parent / "backends"))  # tests/backends/_backends.py
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE))               # tests/tiny_gguf.py
+sys.path.insert(0, str(HERE / "backends"))  # tests/backends/_backends.py
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest test files first, by the seconds tests/durations.json records for
+    them (tools/test_durations.py; a file not listed counts as 0): `make test` hands
+    whole files to two xdist workers in collection order (--dist loadfile
+    --no-loadscope-reorder), so the long files overlap instead of one of them, picked
+    up last, running alone at the end. The order within a file stays."""
+    seconds = json.loads((HERE / "durations.json").read_text())
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
 
 
 @pytest.fixture(scope="session")
