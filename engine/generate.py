@@ -48,6 +48,13 @@ class SamplingParams:
                 raise ConfigError(f"logit_bias: a bias is a number in [-100, 100], got {bias!r} for token {token}")
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in f64 (logits f32 [..., vocab])."""
+    x = x.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 class Sampler:
     """Greedy, or temperature with optional top-k / top-p, from a seeded generator;
     logit_bias and OpenAI's presence / frequency penalties over the tokens it has

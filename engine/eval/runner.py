@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import EngineError
 from ..forward import WindowCapture
+from ..generate import log_softmax
 from . import tasks as T
 from .policies import Policy
 
@@ -124,16 +125,9 @@ def greedy_answer(model, cache, logits: np.ndarray, max_new: int, n_numbers: int
                           max_new, n_numbers)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    """x f32 [n, vocab] -> f64 [n, vocab]."""
-    x = x.astype(np.float64)
-    x -= x.max(axis=1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
-
-
 def fidelity_metrics(full_logits: np.ndarray, test_logits: np.ndarray) -> dict:
     """Mean KL(full || test) in nats and top-1 agreement over rows ([n, vocab] each)."""
-    lp, lq = _log_softmax(full_logits), _log_softmax(test_logits)
+    lp, lq = log_softmax(full_logits), log_softmax(test_logits)
     kl = (np.exp(lp) * (lp - lq)).sum(axis=1)                              # [n]
     top1 = full_logits.argmax(axis=1) == test_logits.argmax(axis=1)        # [n]
     return {"kl": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(top1.mean())}

@@ -151,7 +151,7 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-# -- logprobs: Sequence's (id, logprob, ((id, logprob), ...)) entries in OpenAI's shapes ---------
+# -- logprobs: Sequence's TokenLogprob entries (id, text offset, logprob, top) in OpenAI's shapes --
 def _token_text(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..generate import Sampler, SamplingParams, StopMatcher
+from ..generate import Sampler, SamplingParams, StopMatcher, log_softmax
 from ..snapkv import SnapKvConfig
 
 
@@ -38,14 +38,12 @@ TokenLogprob = tuple[int, int, float | None, tuple[tuple[int, float], ...] | Non
 
 
 def token_logprob(logits: np.ndarray, token: int, k: int, offset: int) -> TokenLogprob:
-    z = logits.astype(np.float64)
-    m = z.max()
-    lse = m + np.log(np.exp(z - m).sum())
+    z = log_softmax(logits)
     k = min(k, z.size)
     top = np.argpartition(-z, k - 1)[:k] if k else np.empty(0, dtype=np.int64)
     top = top[np.argsort(-z[top], kind="stable")]
     def lp(i):                                  # OpenAI's floor for -inf, which JSON cannot carry
-        return max(float(z[i] - lse), -9999.0)
+        return max(float(z[i]), -9999.0)
     return token, offset, lp(token), tuple((int(i), lp(i)) for i in top)
 
 
