@@ -46,7 +46,8 @@ def _add_snapkv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-merge", dest="snapkv_merge",
                    help="rows of the budget that summarise the evicted rows; 0 = off (env SHARPI_SNAPKV_MERGE)")
     g.add_argument("--kv-allocation", dest="snapkv_allocation",
-                   help="uniform | pyramid: layer budgets falling with depth (env SHARPI_SNAPKV_ALLOCATION)")
+                   help="uniform | pyramid (layer budgets falling with depth) | adaptive (a layer's rows "
+                        "shared among its KV heads by votes) | pyramid-adaptive (env SHARPI_SNAPKV_ALLOCATION)")
 
 
 SETTING_ARGS = ("backend", "threads", "ctx", "prefill_chunk", "kv_dtype", "snapkv_budget", "snapkv_window",

@@ -101,8 +101,10 @@ SETTINGS = (
     Spec("snapkv_merge", "SHARPI_SNAPKV_MERGE", "--kv-merge", _int(0), 0,
          "rows of the budget per KV head that summarise the evicted rows (k-means means with a log-count "
          "bias); 0 = off"),
-    Spec("snapkv_allocation", "SHARPI_SNAPKV_ALLOCATION", "--kv-allocation", _choice("uniform", "pyramid"),
-         "uniform", "budget per compacted layer: uniform, or pyramid (falling with depth, same total)"),
+    Spec("snapkv_allocation", "SHARPI_SNAPKV_ALLOCATION", "--kv-allocation",
+         _choice("uniform", "pyramid", "adaptive", "pyramid-adaptive"), "uniform",
+         "where the budget goes: uniform, pyramid (layer budgets falling with depth), adaptive (a layer's "
+         "rows shared among its KV heads by their votes) or pyramid-adaptive; the total stays the same"),
     Spec("snapkv_auto_mib", "SHARPI_SNAPKV_AUTO_MIB", None, _int(0), 256,
          "auto-on threshold: KV ring (in the chosen KV dtype) for the context above this many MiB"),
     Spec("cpu_kernels", "SHARPI_CPU_KERNELS", None, _choice("auto", "portable"), "auto",

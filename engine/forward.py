@@ -285,8 +285,9 @@ class ForwardPass:
                 hosts[seg] = (self.backend.download(kv.pool.k_pages), self.backend.download(kv.pool.v_pages))
             rows = [read_rows(pages, kv.host_table, kv.length, dtype, self.cfg.head_dim)
                     for pages, dtype in zip(hosts[seg], (cache.k_dtype, cache.v_dtype))]
-            out.append(merged_rows(*rows, kv.row_bias, np.broadcast_to(keep, (rows[0].shape[0], keep.shape[-1])),
-                                   n_merge))
+            if not isinstance(keep, list):       # one set per KV head (a list: adaptive head budgets)
+                keep = np.broadcast_to(keep, (rows[0].shape[0], keep.shape[-1]))
+            out.append(merged_rows(*rows, kv.row_bias, keep, n_merge))
         return out
 
     def decode(self, token: int, cache: KvCache) -> np.ndarray:

@@ -38,8 +38,9 @@ from engine.errors import ConfigError
 
 POOLS = ("avg", "max")
 GRANULARITIES = ("head", "layer", "global")
-ALLOCATIONS = ("uniform", "pyramid")
+ALLOCATIONS = ("uniform", "pyramid", "adaptive", "pyramid-adaptive")
 PYRAMID_BETA = 20      # kvpress's PyramidKV default: the last layer keeps 1/beta of the mean free rows
+ADAPTIVE_ALPHA = 0.2   # Ada-KV's floor: every KV head keeps at least this share of its uniform picks
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class SnapKvConfig:
     min_tokens: int = 128           # prompts of at most this many tokens are never compacted
     merge: int = 0                  # rows of the budget that summarise the evicted rows (engine/kv/merge.py)
     allocation: str = "uniform"     # "uniform" | "pyramid" (layer budgets falling with depth, same total)
+                                    # | "adaptive" (a layer's rows shared among its KV heads by votes)
+                                    # | "pyramid-adaptive" (both)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,8 +89,8 @@ class SnapKvConfig:
         pooling = "no pooling" if self.kernel == 1 else f"{self.pool}-pool k={self.kernel}"
         sets = {"head": "per KV head", "layer": "per layer", "global": "one set for the model"}
         merged = f", {self.merge} of them merged rows" if self.merge else ""
-        if self.allocation == "pyramid":
-            merged += ", pyramid layer budgets"
+        merged += {"uniform": "", "pyramid": ", pyramid layer budgets", "adaptive": ", adaptive head budgets",
+                   "pyramid-adaptive": ", pyramid layer budgets, adaptive head budgets"}[self.allocation]
         return (f"SnapKV budget {self.budget} (window {self.window}, recency {self.recent}, "
                 f"sinks {self.sinks}{merged}), {pooling}, {sets[self.granularity]}, "
                 f"prompts > {self.min_tokens} tokens")
@@ -126,8 +129,12 @@ def check_values(v: dict, names: dict | None = None) -> None:
         raise ConfigError(f"{subj['pool']} must be one of {', '.join(POOLS)}, got {v['pool']!r}")
     if v["allocation"] not in ALLOCATIONS:
         raise ConfigError(f"{subj['allocation']} must be one of {', '.join(ALLOCATIONS)}, got {v['allocation']!r}")
-    if v["allocation"] == "pyramid" and v["granularity"] == "global":
-        raise ConfigError(f"{subj['allocation']} pyramid needs keep sets per layer or head, not granularity global")
+    if v["allocation"] != "uniform" and v["granularity"] == "global":
+        raise ConfigError(f"{subj['allocation']} {v['allocation']} needs keep sets per layer or head, "
+                          f"not granularity global")
+    if v["allocation"].endswith("adaptive") and v["granularity"] != "head":
+        raise ConfigError(f"{subj['allocation']} {v['allocation']} shares a layer's rows among its KV heads: "
+                          f"it needs granularity head, not {v['granularity']}")
     if v["granularity"] not in GRANULARITIES:
         raise ConfigError(f"{subj['granularity']} must be one of {', '.join(GRANULARITIES)}, "
                           f"got {v['granularity']!r}")
@@ -253,7 +260,7 @@ class SnapKvSelector:
         2F - F/beta to F/beta (F: the uniform layer's), so the total stays n_layers x
         budget; a layer's budget past the prompt keeps the whole prompt."""
         cfg = self.cfg
-        if cfg.allocation == "uniform" or n_layers == 1:
+        if not cfg.allocation.startswith("pyramid") or n_layers == 1:
             return [cfg.budget] * n_layers
         fixed = cfg.sinks + cfg.recent + cfg.merge
         free = cfg.budget - fixed
@@ -270,10 +277,18 @@ class SnapKvSelector:
         if self.cfg.granularity != "global":
             if self.cfg.allocation == "uniform":
                 return [self.keep_from_votes(v, L) for v in votes_per_layer]
+            if not self.cfg.compacts(L):
+                return [_keep_all(np.shape(v)[0], L) for v in votes_per_layer]
             budgets = self.layer_budgets(len(votes_per_layer), L)
-            return [SnapKvSelector(dataclasses.replace(self.cfg, budget=b, allocation="uniform"))
-                    .keep_from_votes(v, L) if b < L else _keep_all(np.shape(v)[0], L)
-                    for v, b in zip(votes_per_layer, budgets)]
+            adaptive = self.cfg.allocation.endswith("adaptive")
+            out = []
+            for v, b in zip(votes_per_layer, budgets):
+                if b >= L:
+                    out.append(_keep_all(np.shape(v)[0], L))
+                    continue
+                layer = SnapKvSelector(dataclasses.replace(self.cfg, budget=b, allocation="uniform"))
+                out.append(layer.adaptive_keep(v, L) if adaptive else layer.keep_from_votes(v, L))
+            return out
         if not self.cfg.compacts(L):
             return [_keep_all(np.shape(v)[0], L) for v in votes_per_layer]
         checked = [self._check_votes(v, L) for v in votes_per_layer]
@@ -284,6 +299,37 @@ class SnapKvSelector:
             total += v.sum(axis=0, keepdims=True)
         row = self._top_k(total, L)
         return [np.repeat(row, v.shape[0], axis=0) for v in checked]
+
+    def adaptive_keep(self, votes: np.ndarray, L: int):
+        """Ada-KV's per-head budgets for one layer: the n_kv_heads x (budget - merge)
+        rows the votes choose are shared among the KV heads by their pooled scores (one
+        top-k over every head's candidates, which compare across heads: each head's votes
+        are probabilities summed over the same window and group), each head first taking
+        at least ADAPTIVE_ALPHA of its uniform picks from its own top. Sinks, recency and
+        merged rows stay per head. Returns one sorted int64 array per KV head (a list;
+        lengths differ, their sum is n_kv_heads x the uniform rows)."""
+        votes = self._check_votes(votes, L)
+        cfg = self.cfg
+        pooled = self._pool(votes)
+        H = pooled.shape[0]
+        first, stop = cfg.sinks, L - cfg.recent
+        cand = pooled[:, first:stop]                                      # [H, C]
+        n_pick = cfg.selected - cfg.sinks - cfg.recent                   # uniform picks per head
+        floor = int(ADAPTIVE_ALPHA * n_pick)
+        order = np.argsort(-cand, axis=1, kind="stable")                 # per head, best first
+        chosen = np.zeros(cand.shape, dtype=bool)
+        rows = np.arange(H)[:, None]
+        chosen[rows, order[:, :floor]] = True
+        rest = H * n_pick - H * floor
+        if rest:
+            # the rest by score over all heads; ties to the lower head, then the lower position
+            flat = np.where(chosen, -np.inf, cand).ravel()
+            top = np.argsort(-flat, kind="stable")[:rest]
+            chosen.ravel()[top] = True
+        sinks = np.arange(cfg.sinks, dtype=np.int64)
+        recent = np.arange(stop, L, dtype=np.int64)
+        return [np.concatenate([sinks, np.flatnonzero(chosen[h]).astype(np.int64) + first, recent])
+                for h in range(H)]
 
     # -- internals ------------------------------------------------------------
     def _check_window(self, W: int) -> None:

@@ -3,8 +3,9 @@
 Names: `full` (no eviction) or `snapkv-b<B>-<granularity>-<pool>-k<K>-w<W>-s<S>[-m<M>]`
 where <B> is a row budget (`b1024`) or a fraction of the prompt (`bL/8`), e.g.
 `snapkv-b1024-head-avg-k31-w32-s4` (the SnapKvConfig defaults at budget 1024);
-`-m64`: 64 of the budget's rows are merged rows (engine/kv/merge.py); `-pyramid`: layer
-budgets falling with depth (SnapKvConfig.allocation), after any `-m`.
+`-m64`: 64 of the budget's rows are merged rows (engine/kv/merge.py); `-pyramid` (layer
+budgets falling with depth), `-adaptive` (a layer's rows shared among its KV heads by
+their votes) or `-pyramid-adaptive`: SnapKvConfig.allocation, after any `-m`.
 A `+<kv dtype>` suffix stores the cache quantized (backends/kvformat.py), e.g.
 `full+q8_0`, `snapkv-bL/8-head-avg-k31-w32-s4+tq4`, `full+q8_0/tq4` (keys/values);
 no suffix is the bf16 cache.
@@ -21,7 +22,7 @@ from ..snapkv import GRANULARITIES, POOLS, SnapKvConfig
 
 DEFAULT = SnapKvConfig()
 _NAME = re.compile(r"^snapkv-b(?P<budget>\d+|L/\d+)-(?P<gran>[a-z]+)-(?P<pool>[a-z]+)"
-                   r"-k(?P<kernel>\d+)-w(?P<window>\d+)-s(?P<sinks>\d+)(?:-m(?P<merge>\d+))?(?P<pyramid>-pyramid)?$")
+                   r"-k(?P<kernel>\d+)-w(?P<window>\d+)-s(?P<sinks>\d+)(?:-m(?P<merge>\d+))?(?:-(?P<alloc>pyramid-adaptive|pyramid|adaptive))?$")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Policy:
     window: int = DEFAULT.window
     sinks: int = DEFAULT.sinks
     merge: int = 0                     # merged rows within the budget
-    allocation: str = "uniform"        # layer budgets: uniform or pyramid
+    allocation: str = "uniform"        # SnapKvConfig.allocation
     kv_dtype: str = "bf16"             # KV storage, "tq4" or keys/values "q8_0/tq4"
 
     @property
@@ -83,7 +84,7 @@ def snapkv(budget: int | None = None, fraction: int | None = None, granularity: 
            sinks: int = DEFAULT.sinks, merge: int = 0, allocation: str = "uniform") -> Policy:
     b = f"L/{fraction}" if fraction is not None else str(budget)
     name = (f"snapkv-b{b}-{granularity}-{pool}-k{kernel}-w{window}-s{sinks}" + (f"-m{merge}" if merge else "")
-            + ("-pyramid" if allocation == "pyramid" else ""))
+            + ("" if allocation == "uniform" else f"-{allocation}"))
     return Policy(name, budget, fraction, granularity, pool, kernel, window, sinks, merge, allocation)
 
 
@@ -111,7 +112,7 @@ def parse_policy(name: str) -> Policy:
     if fraction is not None and fraction < 1:
         raise EngineError(f"policy {name!r}: budget fraction L/{fraction} must divide by at least 1")
     p = snapkv(None if fraction else int(b), fraction, m["gran"], m["pool"], int(m["kernel"]),
-               int(m["window"]), int(m["sinks"]), int(m["merge"] or 0), "pyramid" if m["pyramid"] else "uniform")
+               int(m["window"]), int(m["sinks"]), int(m["merge"] or 0), m["alloc"] or "uniform")
     try:
         p.config(10 ** 6)                           # validates kernel, window, budget vs window + sinks
     except ConfigError as e:

@@ -51,15 +51,16 @@ def merged_rows(keys: np.ndarray, values: np.ndarray, bias: np.ndarray | None, k
 
     keys, values: f64 [n_kv_heads, n_rows, head_dim], the layer's rows before compaction;
     bias: f32 [n_kv_heads, n_bias] log-counts of its first rows (earlier merged rows) or None;
-    keep: int [n_kv_heads, n_keep] the rows that stay.
+    keep: int [n_kv_heads, n_keep] the rows that stay, or one array per KV head.
     Returns (k, v: f32 [n_kv_heads, c, head_dim], log-counts f32 [n_kv_heads, c]) with
-    c = min(n_merge, dropped rows per head); a head with fewer distinct dropped rows
-    than c fills its last slots with zero rows of bias EMPTY_BIAS (never attended)."""
+    c = min(n_merge, most dropped rows of a head); a head with fewer dropped rows (or
+    fewer distinct ones) than c fills its last slots with zero rows of bias EMPTY_BIAS
+    (never attended)."""
     n_kv, n_rows, head_dim = keys.shape
     counts = np.ones((n_kv, n_rows))
     if bias is not None:
         counts[:, :bias.shape[1]] = np.exp(bias.astype(np.float64))
-    c = min(n_merge, n_rows - keep.shape[1])
+    c = min(n_merge, n_rows - min(len(k) for k in keep))
     mk = np.zeros((n_kv, c, head_dim), dtype=np.float32)
     mv = np.zeros_like(mk)
     log_count = np.full((n_kv, c), EMPTY_BIAS, dtype=np.float32)
@@ -67,8 +68,10 @@ def merged_rows(keys: np.ndarray, values: np.ndarray, bias: np.ndarray | None, k
         return mk, mv, log_count
     for h in range(n_kv):
         dropped = np.setdiff1d(np.arange(n_rows), keep[h])
+        if dropped.size == 0:
+            continue
         w = counts[h, dropped]
-        assign = kmeans(keys[h, dropped], w, c)
+        assign = kmeans(keys[h, dropped], w, min(c, dropped.size))
         total = np.bincount(assign, weights=w, minlength=c)
         for j in np.flatnonzero(total > 0):
             sel = assign == j

@@ -33,6 +33,7 @@ import numpy as np
 from backends.kvformat import KvFormat, kv_dtype_name
 
 from ..errors import EngineError
+from .merge import EMPTY_BIAS
 
 
 class KvCacheError(EngineError):
@@ -183,7 +184,10 @@ class PagedKvCache:
         self._table = np.zeros(-(-max_rows // pool.page_size), dtype=np.int32)   # [max_pages_in_context]
         self._table_dev = None        # backend copy, updated in place when pages change
         self._table_stale = False
-        self.last_keep: np.ndarray | None = None   # int64 [n_kv_heads, n_keep] of the last compaction
+        self.last_keep = None         # the last compaction's keep sets: int64 [n_kv_heads, n_keep], or
+                                      # a list of one array per KV head when their lengths differ
+        self.filler: np.ndarray | None = None   # int64 [n_kv_heads]: rows each KV head holds but never
+                                                # attends to (bias EMPTY_BIAS), when any
         self.row_bias: np.ndarray | None = None    # f32 [n_kv_heads, n_bias]: log-counts of rows 0..n_bias-1
         self._bias_dev = None                      # (merged rows, engine/kv/merge.py); never changed in place
 
@@ -191,6 +195,12 @@ class PagedKvCache:
     def first_row(self) -> int:
         """Lowest row still held (0 unless a sliding-window layer returned or reused pages)."""
         return max(self.first_page * self.pool.page_size, self.intact_from)
+
+    @property
+    def head_rows(self) -> np.ndarray | None:
+        """Rows each KV head attends to, int64 [n_kv_heads], when they differ from `length`
+        (adaptive head budgets, a merge short of rows); None when every head uses all."""
+        return None if self.filler is None else self.length - self.filler
 
     @property
     def n_pages(self) -> int:
@@ -303,7 +313,7 @@ class PagedKvCache:
         """Every page back to the pool; the layer is empty."""
         self._release_from(0)
         self.first_page = self.length = self.logical_length = self.intact_from = 0
-        self.last_keep = None
+        self.last_keep = self.filler = None
         self._set_bias(None)
 
     @property
@@ -336,22 +346,29 @@ class PagedKvCache:
         return self.n_pages * self.pool.page_bytes + (0 if self.row_bias is None else self.row_bias.nbytes)
 
     # -- compaction -------------------------------------------------------------
-    def compact(self, keep: np.ndarray, window: int = 0, merged=None) -> CompactReport:
+    def compact(self, keep, window: int = 0, merged=None) -> CompactReport:
         """Keep only the given rows: `keep` int [n_kv_heads, n_keep] (one sorted set per
-        KV head, equal lengths) or [n_keep] (one set for the layer). Survivors move to
-        rows 0..n_keep-1 in order, trailing pages return to the pool. `window`: the last
+        KV head, equal lengths), [n_keep] (one set for the layer), or a list of one sorted
+        1-D set per KV head whose lengths differ (adaptive head budgets). Survivors move
+        to rows 0.. in order, trailing pages return to the pool. `window`: the last
         `window` rows must be kept. `merged`: (k, v f32 [n_kv_heads, c, head_dim],
-        log-counts f32 [n_kv_heads, c]) rows written after the survivors, at rows
-        n_keep..n_keep+c-1, that attention weighs by their counts (engine/kv/merge.py).
-        Invalid sets raise and leave the cache untouched."""
+        log-counts f32 [n_kv_heads, c]) rows written after the survivors that attention
+        weighs by their counts (engine/kv/merge.py). Invalid sets raise and leave the
+        cache untouched.
+
+        Sets of different lengths share the layer's pages: a head with fewer rows than
+        the longest fills the rest with rows it never attends to (a logit bias of
+        EMPTY_BIAS), so the layer holds the longest head's rows for every head."""
         if self.window:
             raise KvCacheError("a sliding-window layer is never compacted (it holds only its window)")
-        keep = self._validated(keep, window)
+        keep, lengths = self._validated(keep, window)
         before = CompactReport(self.length, self.length, self.bytes, self.bytes)
         n_keep = keep.shape[1]
         n_merged = 0 if merged is None else merged[2].shape[1]
-        if n_keep == self.length:          # keep-all is the identity
-            self.last_keep = keep
+        ragged = bool((lengths < n_keep).any())
+        kept = keep if not ragged else [keep[h, :n] for h, n in enumerate(lengths)]
+        if n_keep == self.length and not ragged:   # keep-all is the identity
+            self.last_keep = kept
             return before
         self.pool.backend.kv_gather(self.pool.k_pages, self.pool.v_pages, self.page_table(), keep)
         bias = np.zeros((keep.shape[0], n_keep + n_merged), dtype=np.float32)
@@ -359,6 +376,8 @@ class PagedKvCache:
             old = np.zeros((keep.shape[0], self.length), dtype=np.float32)
             old[:, :self.row_bias.shape[1]] = self.row_bias
             bias[:, :n_keep] = np.take_along_axis(old, keep, axis=1)
+        for h, n in enumerate(lengths):    # a shorter head's filler rows are never attended
+            bias[h, n:n_keep] = EMPTY_BIAS
         self.length = n_keep
         self._release_from(n_keep)
         if n_merged:
@@ -371,30 +390,51 @@ class PagedKvCache:
                        k_dtype=self.pool.pool.k_dtype, v_dtype=self.pool.pool.v_dtype)
             self.length += n_merged
         self._set_bias(bias if bias.any() else None)
-        self.last_keep = keep
+        self.last_keep = kept
+        unseen = (bias <= EMPTY_BIAS / 2).sum(axis=1)
+        self.filler = unseen if unseen.any() else None
         return CompactReport(before.rows_before, self.length, before.bytes_before, self.bytes)
 
-    def _validated(self, keep, window: int) -> np.ndarray:
+    def _validated(self, keep, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keep int64 [n_kv_heads, n_max], lengths int64 [n_kv_heads]): a ragged set is
+        padded past each head's length with rows that stay where they are (row i -> i,
+        finite rows the gather need not move)."""
+        H = self.pool.n_kv_heads
+        if isinstance(keep, (list, tuple)):
+            if len(keep) != H:
+                raise KvCacheError(f"a keep set per KV head needs {H} sets, got {len(keep)}")
+            sets = [self._checked(np.asarray(k), window, f"head {h}'s keep set") for h, k in enumerate(keep)]
+            lengths = np.array([len(k) for k in sets], dtype=np.int64)
+            padded = np.empty((H, int(lengths.max())), dtype=np.int64)
+            for h, k in enumerate(sets):
+                padded[h, :len(k)] = k
+                padded[h, len(k):] = np.arange(len(k), padded.shape[1])
+            return padded, lengths
         keep = np.asarray(keep)
         if keep.ndim == 1:
-            keep = np.broadcast_to(keep, (self.pool.n_kv_heads, keep.shape[0]))
-        if keep.ndim != 2 or keep.shape[0] != self.pool.n_kv_heads:
-            raise KvCacheError(f"keep set must be [n_keep] or [{self.pool.n_kv_heads}, n_keep], "
+            keep = np.broadcast_to(keep, (H, keep.shape[0]))
+        if keep.ndim != 2 or keep.shape[0] != H:
+            raise KvCacheError(f"keep set must be [n_keep], [{H}, n_keep] or a list of {H} sets, "
                                f"got shape {keep.shape}")
-        if keep.shape[1] == 0:
-            raise KvCacheError("keep set is empty")
+        keep = np.ascontiguousarray(self._checked(keep, window, "keep set"))
+        return keep, np.full(H, keep.shape[1], dtype=np.int64)
+
+    def _checked(self, keep: np.ndarray, window: int, what: str) -> np.ndarray:
+        """keep [..., n_keep] as int64, or KvCacheError naming `what`."""
+        if keep.ndim not in (1, 2) or keep.shape[-1] == 0:
+            raise KvCacheError(f"{what} is empty" if keep.size == 0 else f"{what} must be one set of rows")
         if not np.issubdtype(keep.dtype, np.integer):
-            raise KvCacheError(f"keep set must hold integers, got {keep.dtype}")
+            raise KvCacheError(f"{what} must hold integers, got {keep.dtype}")
         keep = keep.astype(np.int64)
         if keep.min() < 0 or keep.max() >= self.length:
-            raise KvCacheError(f"keep set out of range: rows must lie in 0..{self.length - 1}")
-        if keep.shape[1] > 1 and not (np.diff(keep, axis=1) > 0).all():
-            raise KvCacheError("keep set must be sorted ascending without duplicates")
+            raise KvCacheError(f"{what} out of range: rows must lie in 0..{self.length - 1}")
+        if keep.shape[-1] > 1 and not (np.diff(keep, axis=-1) > 0).all():
+            raise KvCacheError(f"{what} must be sorted ascending without duplicates")
         if window:
             tail = np.arange(self.length - window, self.length)
-            if keep.shape[1] < window or not (keep[:, -window:] == tail).all():
-                raise KvCacheError(f"keep set drops part of the observation window (last {window} rows)")
-        return np.ascontiguousarray(keep)
+            if keep.shape[-1] < window or not (keep[..., -window:] == tail).all():
+                raise KvCacheError(f"{what} drops part of the observation window (last {window} rows)")
+        return keep
 
 
 class KvCache:
@@ -444,7 +484,7 @@ class KvCache:
             theirs.pages, theirs.first_page, theirs.intact_from = list(mine.pages), mine.first_page, mine.intact_from
             theirs._table[:] = mine._table
             theirs.length, theirs.logical_length = mine.length, mine.logical_length
-            theirs.last_keep = mine.last_keep
+            theirs.last_keep, theirs.filler = mine.last_keep, mine.filler
             theirs.row_bias, theirs._bias_dev = mine.row_bias, mine._bias_dev   # read-only, shared
         other.eviction = self.eviction
         return other
@@ -531,6 +571,6 @@ class KvCache:
             "kv_dtype": self.kv_dtype, "k_dtype": self.k_dtype, "v_dtype": self.v_dtype,
             "eviction": self.eviction,
             "layers": [{"length": l.length, "logical_length": l.logical_length, "pages": l.n_pages,
-                        "bytes": l.bytes, "keep": l.last_keep, "window": l.window,
+                        "bytes": l.bytes, "keep": l.last_keep, "head_rows": l.head_rows, "window": l.window,
                         "first_row": l.first_row} for l in self.layers],
         }

@@ -126,6 +126,37 @@ def test_pyramid_layer_budgets_free_pages_per_layer(models):
     assert [layer.length for layer in cache.layers] == [b + 1 for b in budgets]
 
 
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_adaptive_head_budgets_share_each_layers_rows_and_never_read_filler(models, backend):
+    """allocation="adaptive": a layer's KV heads keep different numbers of rows (their
+    sum is n_kv_heads x budget); a shorter head's filler rows are never attended, so
+    overwriting them with huge values changes no logit."""
+    m = engine.load(models["qwen2-q4_1"], backend=backend, prefill_chunk=64)
+    cfg = policy(budget=64, allocation="adaptive")
+    cache, logits = m.prefill(PROMPT[:200], snapkv=cfg)
+    H = m.config.n_kv_heads
+    ragged = 0
+    for layer, stats in zip(cache.layers, m.cache_stats()["layers"]):
+        sets = layer.last_keep
+        lengths = [len(k) for k in sets]
+        assert sum(lengths) == H * 64 and layer.length == max(lengths)
+        assert list(stats["head_rows"] if stats["head_rows"] is not None else [layer.length] * H) == lengths
+        for k in sets:
+            assert (k[:4] == np.arange(4)).all() and (k[-16:] == np.arange(184, 200)).all()
+        ragged += len(set(lengths)) > 1
+    assert ragged > 0                                # the votes did move rows between heads
+    token = int(np.argmax(logits))
+    twin = cache.copy()
+    for layer in twin.layers:                        # poison every filler row of the copy
+        pages = layer.pool.k_pages, layer.pool.v_pages
+        for h, n in enumerate(layer.head_rows if layer.head_rows is not None else []):
+            for r in range(n, layer.length):
+                for arr in pages:
+                    arr[layer.pages[r // m.forward.page_size], h, r % m.forward.page_size] = 0x4780  # bf16 65536
+    a, b = m.forward.decode(token, cache), m.forward.decode(token, twin)
+    np.testing.assert_array_equal(a, b)
+
 def test_chunked_and_unchunked_prefill_select_the_same_rows(models):
     ids = PROMPT[:200]
     keeps = []

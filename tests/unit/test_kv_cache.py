@@ -7,6 +7,7 @@ from backends.bf16 import bf16_to_f32, f32_to_bf16
 from backends.kvformat import parse_kv_dtype
 from backends.reference import ReferenceBackend, read_rows
 from engine.errors import ConfigError
+from engine.kv.merge import EMPTY_BIAS
 from engine.kv.paged import KvCache, KvCacheError, layer_pages
 
 H, D = 3, 8
@@ -105,6 +106,49 @@ def test_bad_keep_sets_leave_cache_untouched(keep, message):
     assert layer.length == 10 and layer.pages == pages
     np.testing.assert_array_equal(cache.pool.segments[0].k_pages, k_before)
 
+
+
+def test_ragged_keep_sets_pad_shorter_heads_with_rows_they_never_attend_to():
+    """One keep set per KV head with different lengths (adaptive head budgets): each
+    head's survivors lead, the layer holds the longest set's rows, and a shorter head's
+    rows past its own set get bias EMPTY_BIAS (head_rows says how many each attends)."""
+    rng = np.random.default_rng(4)
+    cache = KvCache(ReferenceBackend(), 1, H, D, max_rows=64, page_size=4)
+    k, v = fill(cache, 20, rng)
+    sets = [np.array([0, 3, 7, 9, 12, 18, 19]), np.array([0, 18, 19]), np.array([1, 2, 5, 18, 19])]
+    report = cache.layers[0].compact(sets, window=2)
+    layer = cache.layers[0]
+    assert (layer.length, layer.logical_length, report.rows_after) == (7, 20, 7)
+    assert layer.head_rows.tolist() == [7, 3, 5] and layer.filler.tolist() == [0, 4, 2]
+    assert len(layer.pages) == 2 and report.bytes_after == 2 * cache.pool.page_bytes + layer.row_bias.nbytes
+    got = rows(cache, 0, cache.pool.segments[0].k_pages)
+    for h, s in enumerate(sets):
+        np.testing.assert_array_equal(got[:len(s), h], k.reshape(20, H, D)[s, h])
+        assert (layer.row_bias[h, :len(s)] == 0).all() and (layer.row_bias[h, len(s):] == EMPTY_BIAS).all()
+    assert all((a == b).all() for a, b in zip(layer.last_keep, sets))
+    fill(cache, 1, rng)                              # decode appends one row that every head sees
+    assert layer.length == 8 and layer.head_rows.tolist() == [8, 4, 6]
+    # compacted again: a filler row that is kept (row 5 of head 1) stays unseen
+    layer.compact([np.array([0, 6, 7]), np.array([0, 5, 7]), np.array([2, 3, 4, 7])], window=1)
+    assert layer.length == 4 and layer.head_rows.tolist() == [3, 2, 4]
+
+
+@pytest.mark.parametrize("sets,message", [
+    ([np.array([0, 9])] * 2, "needs 3 sets"),
+    ([np.array([0, 9]), np.array([9, 0]), np.array([9])], "head 1's keep set must be sorted"),
+    ([np.array([0, 9]), np.array([], dtype=np.int64), np.array([9])], "head 1's keep set is empty"),
+    ([np.array([0, 9]), np.array([0, 8]), np.array([9])], "head 1's keep set drops part of the observation"),
+    ([np.array([0, 9]), np.array([9]), np.array([3, 10])], "head 2's keep set out of range"),
+])
+def test_bad_ragged_keep_sets_leave_cache_untouched(sets, message):
+    cache = KvCache(ReferenceBackend(), 1, H, D, max_rows=64, page_size=4)
+    fill(cache, 10, np.random.default_rng(5))
+    layer = cache.layers[0]
+    pages, k_before = list(layer.pages), cache.pool.segments[0].k_pages.copy()
+    with pytest.raises(KvCacheError, match=message):
+        layer.compact(sets, window=1)
+    assert layer.length == 10 and layer.pages == pages and layer.row_bias is None
+    np.testing.assert_array_equal(cache.pool.segments[0].k_pages, k_before)
 
 def test_decode_appends_at_length_with_logical_position():
     rng = np.random.default_rng(2)

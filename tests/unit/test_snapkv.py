@@ -449,7 +449,60 @@ def test_pyramid_keeps_a_whole_short_prompt_in_its_first_layers():
 
 
 def test_allocation_is_validated():
-    with pytest.raises(ConfigError, match="allocation must be one of uniform, pyramid"):
-        SnapKvConfig(allocation="adaptive")
+    with pytest.raises(ConfigError, match="allocation must be one of uniform, pyramid, adaptive, pyramid-adaptive"):
+        SnapKvConfig(allocation="ragged")
     with pytest.raises(ConfigError, match="pyramid needs keep sets per layer or head"):
         SnapKvConfig(allocation="pyramid", granularity="global")
+    with pytest.raises(ConfigError, match="adaptive shares a layer's rows among its KV heads: it needs granularity head"):
+        SnapKvConfig(allocation="adaptive", granularity="layer")
+
+
+def _adaptive_reference(pooled, n_pick, floor, first):
+    """Ada-KV by hand: each head's `floor` best candidates, then the best of the rest over
+    all heads one at a time (ties: lower head, then lower position)."""
+    H, C = pooled.shape
+    chosen = [set(np.argsort(-pooled[h], kind="stable")[:floor].tolist()) for h in range(H)]
+    rest = sorted(((-pooled[h, j], h, j) for h in range(H) for j in range(C) if j not in chosen[h]))
+    for _, h, j in rest[:H * (n_pick - floor)]:
+        chosen[h].add(j)
+    return [np.array(sorted(c)) + first for c in chosen]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_adaptive_shares_a_layers_rows_by_votes_with_a_floor(seed):
+    """allocation="adaptive": a layer keeps n_kv_heads x budget rows in all, the voted
+    ones chosen by one top-k over every head's pooled scores after each head took its
+    floor (ADAPTIVE_ALPHA of its uniform picks); sinks and the window stay per head."""
+    from engine.snapkv import ADAPTIVE_ALPHA
+    rng = np.random.default_rng(seed)
+    L, H = 600, 3
+    cfg = SnapKvConfig(budget=100, window=16, sinks=4, kernel=5, allocation="adaptive", min_tokens=0)
+    votes = rng.random((H, L - 16)) ** 4
+    votes[0] *= 10                                          # head 0 votes far more broadly
+    keep = SnapKvSelector(cfg).adaptive_keep(votes, L)
+    sizes = [len(k) for k in keep]
+    n_pick = 100 - 4 - 16
+    floor = int(ADAPTIVE_ALPHA * n_pick)
+    assert sum(sizes) == H * 100 and sizes[0] > 100 and min(sizes) >= 4 + 16 + floor
+    pooled = SnapKvSelector(cfg)._pool(votes.astype(np.float64))[:, 4:L - 16]
+    want = _adaptive_reference(pooled, n_pick, floor, 4)
+    for h, k in enumerate(keep):
+        assert (np.diff(k) > 0).all()
+        assert (k[:4] == np.arange(4)).all() and (k[-16:] == np.arange(L - 16, L)).all()
+        np.testing.assert_array_equal(k[4:-16], want[h])
+    # equal votes: every head its uniform share, the same rows as uniform
+    flat = np.tile(rng.random(L - 16), (H, 1))
+    even = SnapKvSelector(cfg).adaptive_keep(flat, L)
+    uniform = SnapKvSelector(dataclasses.replace(cfg, allocation="uniform")).keep_from_votes(flat, L)
+    np.testing.assert_array_equal(np.stack(even), uniform)
+
+
+def test_pyramid_adaptive_keeps_each_layers_pyramid_total():
+    cfg = SnapKvConfig(budget=200, window=16, allocation="pyramid-adaptive", min_tokens=0)
+    sel = SnapKvSelector(cfg)
+    L, H, n_layers = 1000, 2, 5
+    votes = [np.random.default_rng(i).random((H, L - 16)) ** (i + 1) for i in range(n_layers)]
+    keeps = sel.keep_from_model_votes(votes, L)
+    budgets = sel.layer_budgets(n_layers, L)
+    assert [sum(len(k) for k in layer) for layer in keeps] == [H * b for b in budgets]
+    assert sum(budgets) == n_layers * 200
