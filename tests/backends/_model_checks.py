@@ -78,6 +78,30 @@ def check_snapkv(cpu, dev, ids, budget, window, n_tokens, layers):
         np.testing.assert_array_equal(got, want)
 
 
+
+def check_adaptive(cpu, dev, ids, budget, window, n_tokens):
+    """allocation="adaptive" on the device: each layer's KV heads keep their own number
+    of rows (summing to n_kv_heads x budget), each head's leading rows are exactly its
+    kept rows of the full cache, and the shorter heads' filler rows are never attended
+    (greedy tokens equal the CPU backend's, which computes its own keep sets)."""
+    cfg = SnapKvConfig(budget=budget, window=window, min_tokens=32, allocation="adaptive")
+    _, _, tc = greedy(cpu, ids, n_tokens, snapkv=cfg)
+    cache, _, tg = greedy(dev, ids, n_tokens, snapkv=cfg)
+    full, _ = dev.prefill(ids, snapkv=False)
+    H, ragged = dev.config.n_kv_heads, 0
+    for layer, kv in enumerate(cache.layers):
+        sets = kv.last_keep
+        lengths = [len(k) for k in sets]
+        assert sum(lengths) == H * budget and kv.length == max(lengths) + n_tokens
+        ragged += len(set(lengths)) > 1
+        kf, vf = _pool_rows(dev, full, layer, len(ids))
+        kc, vc = _pool_rows(dev, cache, layer, max(lengths))
+        for h, keep in enumerate(sets):
+            np.testing.assert_array_equal(kc[h, :len(keep)], kf[h, keep])
+            np.testing.assert_array_equal(vc[h, :len(keep)], vf[h, keep])
+    assert ragged > 0, "every layer kept equal sets: the check would not see filler rows"
+    assert tg == tc
+
 def check_decode_batch(cpu, dev, prompts, n_steps=3, tol=1e-5):
     """Batched decode on the device over caches of different lengths (the first
     compacted by SnapKV) equals the device decoding each sequence alone (within `tol`

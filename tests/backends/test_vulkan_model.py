@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from _backends import available_backends, vulkan_reporting
-from _model_checks import (check_decode_batch, check_decode_moves_only_the_logits, check_logits_and_tokens,
-                           check_snapkv)
+from _model_checks import (check_adaptive, check_decode_batch, check_decode_moves_only_the_logits,
+                           check_logits_and_tokens, check_snapkv)
 
 pytestmark = pytest.mark.skipif("vulkan" not in available_backends(), reason="no Vulkan device / kp")
 
@@ -50,6 +50,11 @@ def test_snapkv_keep_sets_tokens_and_device_cache(models):
     assert len(ids) == 80
     check_snapkv(cpu, vk, ids, budget=48, window=16, n_tokens=4, layers=(0, 13, vk.config.n_layers - 1))
 
+
+
+def test_adaptive_head_budgets(models):
+    cpu, vk = models
+    check_adaptive(cpu, vk, cpu.tokenize(PROMPT * 8)[:80], budget=48, window=16, n_tokens=4)
 
 def test_batched_decode_over_caches_of_different_lengths(models):
     cpu, vk = models

@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as Q
 
 import engine
 from _backends import available_backends
-from _model_checks import (check_decode_batch, check_decode_moves_only_the_logits, check_logits_and_tokens,
-                           check_snapkv)
+from _model_checks import (check_adaptive, check_decode_batch, check_decode_moves_only_the_logits,
+                           check_logits_and_tokens, check_snapkv)
 from tiny_gguf import write_tiny_gguf
 
 PROMPT = list(range(3, 200, 2)) * 3     # 291 token ids of the tiny vocabulary
@@ -71,6 +71,11 @@ def test_harness_snapkv_keep_sets_tokens_and_device_cache(harness, tiny_models):
     cpu, cuda = load_pair(tiny_models["qwen2-q4_1"], prefill_chunk=64)
     check_snapkv(cpu, cuda, PROMPT[:200], budget=96, window=16, n_tokens=6, layers=(0, 1))
 
+
+
+def test_harness_adaptive_head_budgets(harness, tiny_models):
+    cpu, cuda = load_pair(tiny_models["qwen2-q4_1"], prefill_chunk=64)
+    check_adaptive(cpu, cuda, PROMPT[:200], budget=96, window=16, n_tokens=4)
 
 def test_harness_batched_decode_over_caches_of_different_lengths(harness, tiny_models):
     cpu, cuda = load_pair(tiny_models["qwen2-q4_1"], prefill_chunk=64)
