@@ -48,11 +48,14 @@ def _add_snapkv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-allocation", dest="snapkv_allocation",
                    help="uniform | pyramid (layer budgets falling with depth) | adaptive (a layer's rows "
                         "shared among its KV heads by votes) | pyramid-adaptive (env SHARPI_SNAPKV_ALLOCATION)")
+    g.add_argument("--kv-pyramid-beta", dest="snapkv_pyramid_beta",
+                   help="pyramid: the last layer keeps 1/beta of a uniform layer's voted rows (default 20)")
 
 
 SETTING_ARGS = ("backend", "threads", "ctx", "prefill_chunk", "kv_dtype", "snapkv_budget", "snapkv_window",
                 "snapkv_recency", "snapkv_sinks", "snapkv_kernel", "snapkv_pool",
-                "snapkv_granularity", "snapkv_min_tokens", "snapkv_merge", "snapkv_allocation")
+                "snapkv_granularity", "snapkv_min_tokens", "snapkv_merge", "snapkv_allocation",
+                "snapkv_pyramid_beta")
 
 
 def _settings(args) -> config_mod.Settings:

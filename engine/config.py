@@ -105,6 +105,9 @@ SETTINGS = (
          _choice("uniform", "pyramid", "adaptive", "pyramid-adaptive"), "uniform",
          "where the budget goes: uniform, pyramid (layer budgets falling with depth), adaptive (a layer's "
          "rows shared among its KV heads by their votes) or pyramid-adaptive; the total stays the same"),
+    Spec("snapkv_pyramid_beta", "SHARPI_SNAPKV_PYRAMID_BETA", "--kv-pyramid-beta", _int(1), 20,
+         "pyramid: the last compacted layer keeps 1/beta of a uniform layer's voted rows, the first "
+         "2 - 1/beta of them (kvpress's 20); 1 = uniform"),
     Spec("snapkv_auto_mib", "SHARPI_SNAPKV_AUTO_MIB", None, _int(0), 256,
          "auto-on threshold: KV ring (in the chosen KV dtype) for the context above this many MiB"),
     Spec("cpu_kernels", "SHARPI_CPU_KERNELS", None, _choice("auto", "portable"), "auto",
@@ -139,6 +142,7 @@ class Settings:
     snapkv_min_tokens: int = 128
     snapkv_merge: int = 0
     snapkv_allocation: str = "uniform"
+    snapkv_pyramid_beta: int = 20
     snapkv_auto_mib: int = 256
     cpu_kernels: str = "auto"
     cuda_executor: str = "device"

@@ -45,7 +45,8 @@ def snapkv_from_settings(s: config_mod.Settings, cfg: ModelConfig, ctx: int) -> 
         return None, None
     values = dict(budget=budget, window=s.snapkv_window, sinks=s.snapkv_sinks, recency=s.snapkv_recency,
                   kernel=s.snapkv_kernel, pool=s.snapkv_pool, granularity=s.snapkv_granularity,
-                  min_tokens=s.snapkv_min_tokens, merge=s.snapkv_merge, allocation=s.snapkv_allocation)
+                  min_tokens=s.snapkv_min_tokens, merge=s.snapkv_merge, allocation=s.snapkv_allocation,
+                  pyramid_beta=s.snapkv_pyramid_beta)
     check_values(values, {k: config_mod.label(f"snapkv_{k}") for k in values})   # errors name the flags
     return SnapKvConfig(**values), notice
 

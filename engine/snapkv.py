@@ -39,7 +39,6 @@ from engine.errors import ConfigError
 POOLS = ("avg", "max")
 GRANULARITIES = ("head", "layer", "global")
 ALLOCATIONS = ("uniform", "pyramid", "adaptive", "pyramid-adaptive")
-PYRAMID_BETA = 20      # kvpress's PyramidKV default: the last layer keeps 1/beta of the mean free rows
 ADAPTIVE_ALPHA = 0.2   # Ada-KV's floor: every KV head keeps at least this share of its uniform picks
 
 
@@ -59,6 +58,8 @@ class SnapKvConfig:
     allocation: str = "uniform"     # "uniform" | "pyramid" (layer budgets falling with depth, same total)
                                     # | "adaptive" (a layer's rows shared among its KV heads by votes)
                                     # | "pyramid-adaptive" (both)
+    pyramid_beta: int = 20          # pyramid: the last layer keeps 1/beta of a uniform layer's voted rows
+                                    # (kvpress's PyramidKV default); 1 = uniform
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,8 +90,9 @@ class SnapKvConfig:
         pooling = "no pooling" if self.kernel == 1 else f"{self.pool}-pool k={self.kernel}"
         sets = {"head": "per KV head", "layer": "per layer", "global": "one set for the model"}
         merged = f", {self.merge} of them merged rows" if self.merge else ""
-        merged += {"uniform": "", "pyramid": ", pyramid layer budgets", "adaptive": ", adaptive head budgets",
-                   "pyramid-adaptive": ", pyramid layer budgets, adaptive head budgets"}[self.allocation]
+        pyramid = f", pyramid layer budgets (beta {self.pyramid_beta})"
+        merged += {"uniform": "", "pyramid": pyramid, "adaptive": ", adaptive head budgets",
+                   "pyramid-adaptive": pyramid + ", adaptive head budgets"}[self.allocation]
         return (f"SnapKV budget {self.budget} (window {self.window}, recency {self.recent}, "
                 f"sinks {self.sinks}{merged}), {pooling}, {sets[self.granularity]}, "
                 f"prompts > {self.min_tokens} tokens")
@@ -103,13 +105,15 @@ def check_values(v: dict, names: dict | None = None) -> None:
     """Validate SnapKvConfig fields (a dict of them). ConfigError names each field by
     `names[field]` (`engine.model` passes flag and variable names), else "SnapKV <field>"
     as a message's subject and the bare field name where it is referred to."""
-    v = {"merge": 0, "allocation": "uniform", **v}
+    v = {"merge": 0, "allocation": "uniform", "pyramid_beta": 20, **v}
     fields = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens", "merge",
-              "allocation")
+              "allocation", "pyramid_beta")
     subj = {k: names[k] if names and k in names else f"SnapKV {k}" for k in fields}
     ref = {k: subj[k].split("/")[0] if names and k in names else k for k in fields}   # "--kv-window"
-    for name in ("budget", "window", "sinks", "kernel", "min_tokens", "merge"):
+    for name in ("budget", "window", "sinks", "kernel", "min_tokens", "merge", "pyramid_beta"):
         _require_int(subj[name], v[name])
+    if v["pyramid_beta"] < 1:
+        raise ConfigError(f"{subj['pyramid_beta']} must be >= 1, got {v['pyramid_beta']}")
     if v["merge"] < 0:
         raise ConfigError(f"{subj['merge']} must be >= 0, got {v['merge']}")
     if v["recency"] is not None:
@@ -257,14 +261,15 @@ class SnapKvSelector:
         """Rows each of n_layers compacted layers keeps (merged rows included). uniform:
         the budget each. pyramid (PyramidKV, as kvpress sizes it): the rows the votes
         choose beyond sinks, recency and merged rows fall linearly with depth from
-        2F - F/beta to F/beta (F: the uniform layer's), so the total stays n_layers x
-        budget; a layer's budget past the prompt keeps the whole prompt."""
+        2F - F/beta to F/beta (F: the uniform layer's, beta: cfg.pyramid_beta), so the
+        total stays n_layers x budget; a layer's budget past the prompt keeps the whole
+        prompt."""
         cfg = self.cfg
         if not cfg.allocation.startswith("pyramid") or n_layers == 1:
             return [cfg.budget] * n_layers
         fixed = cfg.sinks + cfg.recent + cfg.merge
         free = cfg.budget - fixed
-        low, high = free / PYRAMID_BETA, 2 * free - free / PYRAMID_BETA
+        low, high = free / cfg.pyramid_beta, 2 * free - free / cfg.pyramid_beta
         spans = np.linspace(high, low, n_layers)
         picks = np.floor(spans).astype(np.int64)
         picks[np.argsort(picks - spans)[:int(round(free * n_layers - picks.sum()))]] += 1   # exact total

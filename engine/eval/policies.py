@@ -4,8 +4,9 @@ Names: `full` (no eviction) or `snapkv-b<B>-<granularity>-<pool>-k<K>-w<W>-s<S>[
 where <B> is a row budget (`b1024`) or a fraction of the prompt (`bL/8`), e.g.
 `snapkv-b1024-head-avg-k31-w32-s4` (the SnapKvConfig defaults at budget 1024);
 `-m64`: 64 of the budget's rows are merged rows (engine/kv/merge.py); `-pyramid` (layer
-budgets falling with depth), `-adaptive` (a layer's rows shared among its KV heads by
-their votes) or `-pyramid-adaptive`: SnapKvConfig.allocation, after any `-m`.
+budgets falling with depth; `-pyramid5`: with beta 5 instead of 20), `-adaptive` (a
+layer's rows shared among its KV heads by their votes) or `-pyramid-adaptive`:
+SnapKvConfig.allocation, after any `-m`.
 A `+<kv dtype>` suffix stores the cache quantized (backends/kvformat.py), e.g.
 `full+q8_0`, `snapkv-bL/8-head-avg-k31-w32-s4+tq4`, `full+q8_0/tq4` (keys/values);
 no suffix is the bf16 cache.
@@ -22,7 +23,8 @@ from ..snapkv import GRANULARITIES, POOLS, SnapKvConfig
 
 DEFAULT = SnapKvConfig()
 _NAME = re.compile(r"^snapkv-b(?P<budget>\d+|L/\d+)-(?P<gran>[a-z]+)-(?P<pool>[a-z]+)"
-                   r"-k(?P<kernel>\d+)-w(?P<window>\d+)-s(?P<sinks>\d+)(?:-m(?P<merge>\d+))?(?:-(?P<alloc>pyramid-adaptive|pyramid|adaptive))?$")
+                   r"-k(?P<kernel>\d+)-w(?P<window>\d+)-s(?P<sinks>\d+)(?:-m(?P<merge>\d+))?"
+                   r"(?:-(?P<alloc>pyramid(?P<beta>\d+)?(?:-adaptive)?|adaptive))?$")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Policy:
     sinks: int = DEFAULT.sinks
     merge: int = 0                     # merged rows within the budget
     allocation: str = "uniform"        # SnapKvConfig.allocation
+    pyramid_beta: int = DEFAULT.pyramid_beta
     kv_dtype: str = "bf16"             # KV storage, "tq4" or keys/values "q8_0/tq4"
 
     @property
@@ -57,7 +60,7 @@ class Policy:
             return None
         return SnapKvConfig(budget=self.budget_for(n_tokens), window=self.window, sinks=self.sinks,
                             kernel=self.kernel, pool=self.pool, granularity=self.granularity, merge=self.merge,
-                            allocation=self.allocation)
+                            allocation=self.allocation, pyramid_beta=self.pyramid_beta)
 
     def compacts(self, n_tokens: int) -> bool:
         cfg = self.config(n_tokens)
@@ -67,7 +70,7 @@ class Policy:
         return {"name": self.name, "budget": self.budget, "budget_fraction": self.fraction,
                 "granularity": self.granularity, "pool": self.pool, "kernel": self.kernel,
                 "window": self.window, "sinks": self.sinks, "merge": self.merge, "allocation": self.allocation,
-                "kv_dtype": self.kv_dtype}
+                "pyramid_beta": self.pyramid_beta, "kv_dtype": self.kv_dtype}
 
     def with_kv_dtype(self, kv_dtype: str) -> "Policy":
         """This policy over a cache stored as `kv_dtype` (the name gains `+<dtype>`)."""
@@ -81,11 +84,15 @@ FULL = Policy("full")
 
 def snapkv(budget: int | None = None, fraction: int | None = None, granularity: str = DEFAULT.granularity,
            pool: str = DEFAULT.pool, kernel: int = DEFAULT.kernel, window: int = DEFAULT.window,
-           sinks: int = DEFAULT.sinks, merge: int = 0, allocation: str = "uniform") -> Policy:
+           sinks: int = DEFAULT.sinks, merge: int = 0, allocation: str = "uniform",
+           pyramid_beta: int = DEFAULT.pyramid_beta) -> Policy:
     b = f"L/{fraction}" if fraction is not None else str(budget)
+    alloc = "" if allocation == "uniform" else f"-{allocation}"
+    if allocation.startswith("pyramid") and pyramid_beta != DEFAULT.pyramid_beta:
+        alloc = alloc.replace("pyramid", f"pyramid{pyramid_beta}")
     name = (f"snapkv-b{b}-{granularity}-{pool}-k{kernel}-w{window}-s{sinks}" + (f"-m{merge}" if merge else "")
-            + ("" if allocation == "uniform" else f"-{allocation}"))
-    return Policy(name, budget, fraction, granularity, pool, kernel, window, sinks, merge, allocation)
+            + alloc)
+    return Policy(name, budget, fraction, granularity, pool, kernel, window, sinks, merge, allocation, pyramid_beta)
 
 
 def parse_policy(name: str) -> Policy:
@@ -112,7 +119,8 @@ def parse_policy(name: str) -> Policy:
     if fraction is not None and fraction < 1:
         raise EngineError(f"policy {name!r}: budget fraction L/{fraction} must divide by at least 1")
     p = snapkv(None if fraction else int(b), fraction, m["gran"], m["pool"], int(m["kernel"]),
-               int(m["window"]), int(m["sinks"]), int(m["merge"] or 0), m["alloc"] or "uniform")
+               int(m["window"]), int(m["sinks"]), int(m["merge"] or 0),
+               re.sub(r"\d+", "", m["alloc"] or "uniform"), int(m["beta"] or DEFAULT.pyramid_beta))
     try:
         p.config(10 ** 6)                           # validates kernel, window, budget vs window + sinks
     except ConfigError as e:

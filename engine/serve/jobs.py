@@ -22,7 +22,7 @@ from .sequence import Job
 
 MAX_TOP_LOGPROBS = 20      # alternatives per token (OpenAI's chat limit; vLLM's default)
 SNAPKV_KEYS = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens", "merge",
-               "allocation")
+               "allocation", "pyramid_beta")
 
 
 def completion_job(model, req: CompletionRequest) -> Job:

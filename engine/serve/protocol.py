@@ -26,6 +26,7 @@ KV_FIELDS = {
     "kv_min_tokens": "snapkv_min_tokens",
     "kv_merge": "snapkv_merge",
     "kv_allocation": "snapkv_allocation",
+    "kv_pyramid_beta": "snapkv_pyramid_beta",
 }
 
 
@@ -67,6 +68,7 @@ class _Common(_Body):
     kv_min_tokens: int | None = None
     kv_merge: int | None = None
     kv_allocation: str | None = None
+    kv_pyramid_beta: int | None = None
     kv_dtype: str | None = None
 
 

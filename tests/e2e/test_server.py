@@ -443,11 +443,11 @@ def test_per_request_kv_budget(served, reference):
     off = c.completions.create(**dict(kw, extra_body={**kw["extra_body"], "kv_budget": 0}))
     assert off.usage.model_extra["kv_bytes"] == off.usage.model_extra["kv_bytes_full"] == u["kv_bytes_full"]
     assert off.choices[0].text == full.text
-    merged = dataclasses.replace(KV_POLICY, merge=8, allocation="pyramid")     # the other kv_* fields
+    merged = dataclasses.replace(KV_POLICY, merge=8, allocation="pyramid", pyramid_beta=5)   # other kv_* fields
     want = reference.generate(DOC, max_tokens=8, temperature=0.0, snapkv=merged, ignore_eos=True)
     r = c.completions.create(**dict(kw, extra_body={**kw["extra_body"], **KV, "kv_merge": 8,
-                                                    "kv_allocation": "pyramid"}))
-    assert "8 of them merged rows, pyramid layer budgets" in r.usage.model_extra["kv_policy"]
+                                                    "kv_allocation": "pyramid", "kv_pyramid_beta": 5}))
+    assert "8 of them merged rows, pyramid layer budgets (beta 5)" in r.usage.model_extra["kv_policy"]
     assert r.choices[0].text == want.text
 
 

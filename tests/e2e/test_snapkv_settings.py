@@ -81,3 +81,20 @@ def test_merge_from_env_flag_and_argument(tiny_llama, monkeypatch):
                        capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "10 of them merged rows" in r.stderr and "KV cache: 103 rows for 323 positions" in r.stderr
+
+
+def test_pyramid_beta_from_env_flag_and_argument(tiny_llama, monkeypatch):
+    monkeypatch.setenv("SHARPI_SNAPKV_BUDGET", "300")
+    monkeypatch.setenv("SHARPI_SNAPKV_ALLOCATION", "pyramid")
+    assert engine.load(tiny_llama, backend="reference").snapkv.pyramid_beta == 20
+    monkeypatch.setenv("SHARPI_SNAPKV_PYRAMID_BETA", "5")
+    assert engine.load(tiny_llama, backend="reference").snapkv.pyramid_beta == 5
+    assert engine.load(tiny_llama, backend="reference", snapkv_pyramid_beta=2).snapkv.pyramid_beta == 2
+    with pytest.raises(ConfigError, match=r"snapkv_pyramid_beta must be >= 1, got 0"):
+        engine.load(tiny_llama, backend="reference", snapkv_pyramid_beta=0)
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(tiny_llama), "-p", "abcdefgh" * 40,
+                        "-n", "2", "--kv-budget", "100", "--kv-window", "8", "--kv-min-tokens", "16",
+                        "--kv-allocation", "pyramid", "--kv-pyramid-beta", "4", "--ignore-eos", "--stats"],
+                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "pyramid layer budgets (beta 4)" in r.stderr

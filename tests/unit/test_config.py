@@ -33,7 +33,7 @@ def test_budget_zero_is_explicit_off():
     ("SHARPI_SNAPKV_POOL", "median"), ("SHARPI_SNAPKV_GRANULARITY", "token"), ("SHARPI_BACKEND", "tpu"),
     ("SHARPI_SNAPKV_RECENCY", "0"), ("SHARPI_SNAPKV_MIN_TOKENS", "many"), ("SHARPI_SNAPKV_AUTO_MIB", "big"),
     ("SHARPI_THREADS", "0"), ("SHARPI_CTX", "abc"), ("SHARPI_SNAPKV_MERGE", "-1"),
-    ("SHARPI_SNAPKV_ALLOCATION", "ragged"),
+    ("SHARPI_SNAPKV_ALLOCATION", "ragged"), ("SHARPI_SNAPKV_PYRAMID_BETA", "0"),
 ])
 def test_malformed_env_names_variable(var, value):
     with pytest.raises(ConfigError) as e:

@@ -131,8 +131,13 @@ def test_policy_names():
     assert parse_policy("snapkv-bL/8-head-avg-k31-w32-s4-m64").config(100).budget == 101   # room for the merge
     pyr = parse_policy("snapkv-b1024-head-avg-k31-w32-s4-m64-pyramid")
     assert pyr.config(9000).allocation == "pyramid" and pyr.merge == 64 and pyr.name.endswith("-m64-pyramid")
+    assert pyr.config(9000).pyramid_beta == 20 and parse_policy(pyr.name + "20").name == pyr.name
+    ada = parse_policy("snapkv-bL/16-head-avg-k31-w32-s4-pyramid5-adaptive")
+    assert (ada.allocation, ada.pyramid_beta, ada.config(9000).pyramid_beta) == ("pyramid-adaptive", 5, 5)
+    assert ada.name == "snapkv-bL/16-head-avg-k31-w32-s4-pyramid5-adaptive" and ada.describe()["pyramid_beta"] == 5
     for bad in ("snapkv-b64-head-avg-k5-w64-s4", "snapkv-b512-head-avg-k4-w64-s4", "snapkv-b512-row-avg-k5-w64-s4",
-                "lru-512", "snapkv-b100-head-avg-k31-w32-s4-m64", "snapkv-b512-head-avg-k5-w64-s4-m"):
+                "lru-512", "snapkv-b100-head-avg-k31-w32-s4-m64", "snapkv-b512-head-avg-k5-w64-s4-m",
+                "snapkv-b512-head-avg-k5-w64-s4-pyramid0", "snapkv-b512-head-avg-k5-w64-s4-adaptive5"):
         with pytest.raises(EngineError):
             parse_policy(bad)
     names = [p.name for p in default_policies([256, 512, 1024, 2048])]

@@ -419,17 +419,21 @@ def test_config_is_frozen_and_validate_is_public():
 
 
 # -- layer budgets (allocation) ------------------------------------------------------
-@pytest.mark.parametrize("budget,merge,n_layers", [(1024, 0, 30), (2048, 64, 3), (96, 0, 2), (300, 16, 7)])
-def test_pyramid_budgets_keep_the_total_and_fall_with_depth(budget, merge, n_layers):
-    """PyramidKV as kvpress sizes it: the voted rows fall linearly from 2F - F/20 to F/20
-    (F = budget - sinks - recency - merge), summing to n_layers x budget exactly."""
-    cfg = SnapKvConfig(budget=budget, merge=merge, allocation="pyramid")
+@pytest.mark.parametrize("budget,merge,n_layers,beta", [(1024, 0, 30, 20), (2048, 64, 3, 20), (96, 0, 2, 20),
+                                                       (300, 16, 7, 20), (1024, 0, 30, 5), (2048, 64, 3, 2)])
+def test_pyramid_budgets_keep_the_total_and_fall_with_depth(budget, merge, n_layers, beta):
+    """PyramidKV as kvpress sizes it: the voted rows fall linearly from 2F - F/beta to
+    F/beta (F = budget - sinks - recency - merge; kvpress's beta 20), summing to
+    n_layers x budget exactly; beta 1 is uniform."""
+    cfg = SnapKvConfig(budget=budget, merge=merge, allocation="pyramid", pyramid_beta=beta)
     got = SnapKvSelector(cfg).layer_budgets(n_layers, 10 ** 6)
     fixed = cfg.sinks + cfg.recent + merge
     free = budget - fixed
     assert sum(got) == n_layers * budget
     assert all(a >= b for a, b in zip(got, got[1:])) and got[0] > got[-1]
-    assert abs(got[0] - fixed - (2 * free - free / 20)) <= 1 and abs(got[-1] - fixed - free / 20) <= 1
+    assert abs(got[0] - fixed - (2 * free - free / beta)) <= 1 and abs(got[-1] - fixed - free / beta) <= 1
+    flat = SnapKvSelector(dataclasses.replace(cfg, pyramid_beta=1)).layer_budgets(n_layers, 10 ** 6)
+    assert flat == [budget] * n_layers
     assert SnapKvSelector(dataclasses.replace(cfg, allocation="uniform")).layer_budgets(n_layers, 10 ** 6) == \
         [budget] * n_layers
 
@@ -453,6 +457,8 @@ def test_allocation_is_validated():
         SnapKvConfig(allocation="ragged")
     with pytest.raises(ConfigError, match="pyramid needs keep sets per layer or head"):
         SnapKvConfig(allocation="pyramid", granularity="global")
+    with pytest.raises(ConfigError, match="pyramid_beta must be >= 1, got 0"):
+        SnapKvConfig(allocation="pyramid", pyramid_beta=0)
     with pytest.raises(ConfigError, match="adaptive shares a layer's rows among its KV heads: it needs granularity head"):
         SnapKvConfig(allocation="adaptive", granularity="layer")
 
