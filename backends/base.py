@@ -153,9 +153,11 @@ class Backend(Protocol):
         """keep: int64 [n_kv_heads, n_keep] sorted rows per KV head (host). Row keep[h, j]
         of head h moves to row j (the whole row: quantized values and their scales).
         Rows j < keep[h, j] only move down, so in-order copy is safe in place."""
-    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages: np.ndarray) -> None:
-        """pages: int32 [n] (host). dst_*[pages[i]] = src_*[pages[i]] for every listed page
-        (pools of the same shape and storage, whatever the dtype)."""
+    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages: np.ndarray, dst_pages=None) -> None:
+        """pages, dst_pages: int32 [n] (host; dst_pages None: the same ids).
+        dst_*[dst_pages[i]] = src_*[pages[i]] for every listed page (pools of the same
+        shape and storage, whatever the dtype; dst may be src itself, the two lists then
+        naming different pages)."""
 
 
 _INV_FREQ: dict = {}                         # (base, rot_dim, factor bytes) -> f64 [rot_dim/2], read-only

@@ -217,6 +217,7 @@ class ReferenceBackend:
             for pages in (k_pages, v_pages):
                 pages[dst_page, h, dst_off, :] = pages[src_page, h, src_off, :]
 
-    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages):
-        dst_k[pages] = src_k[pages]
-        dst_v[pages] = src_v[pages]
+    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages, dst_pages=None):
+        dst = pages if dst_pages is None else dst_pages
+        dst_k[dst] = src_k[pages]                # the right side is gathered first: src may be dst
+        dst_v[dst] = src_v[pages]

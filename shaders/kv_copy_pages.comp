@@ -1,8 +1,11 @@
 #version 450
-// Branch a cache: dst_k[pages[i]] = src_k[pages[i]] (and V) for each listed page, pages
-// of k_page_bytes / v_page_bytes (any row format). A word shared with a neighbouring
-// page (possible when a page is not a whole number of words) changes only in the
-// page's own bytes (KV_STORE).
+// Branch a cache: dst_k[PAGES[n + i]] = src_k[PAGES[i]] (and V) for each listed page, pages
+// of k_page_bytes / v_page_bytes (any row format); PAGES holds the n source ids, then the n
+// destination ids. The destination may be the source buffer itself, its pages distinct from
+// the sources. Each destination word is assembled byte by byte from the source page (the two
+// may start at different offsets within a word); a word shared with a neighbouring page
+// (possible when a page is not a whole number of words) changes only in the page's own
+// bytes (KV_STORE).
 // Grid: (ceil(max page words + 1) / 256), n_listed, 1).
 #extension GL_GOOGLE_include_directive : require
 layout(local_size_x = 256) in;
@@ -15,13 +18,19 @@ layout(push_constant) uniform P { uint n, k_page_bytes, v_page_bytes; } pc;
 #include "kv.glsl"
 
 #define COPY(S, D, PB) {                                                             \
-    uint start = uint(PAGES[i]) * (PB), end = start + (PB);                          \
-    uint w = (start >> 2) + x;                                                       \
+    uint src = uint(PAGES[i]) * (PB), start = uint(PAGES[pc.n + i]) * (PB);          \
+    uint end = start + (PB), w = (start >> 2) + x;                                   \
     if (4u * w < end) {                                                              \
-        uint mask = 0u;                                                              \
-        for (uint p = 0u; p < 4u; p++)                                               \
-            if (4u * w + p >= start && 4u * w + p < end) mask |= 0xFFu << (8u * p);  \
-        KV_STORE(D, w, S[w], mask)                                                   \
+        uint val = 0u, mask = 0u;                                                    \
+        for (uint p = 0u; p < 4u; p++) {                                             \
+            uint b = 4u * w + p;                                                     \
+            if (b >= start && b < end) {                                             \
+                uint sb = b - start + src;                                           \
+                val |= ((S[sb >> 2] >> (8u * (sb & 3u))) & 0xFFu) << (8u * p);      \
+                mask |= 0xFFu << (8u * p);                                           \
+            }                                                                        \
+        }                                                                            \
+        KV_STORE(D, w, val, mask)                                                    \
     } }
 
 void main() {

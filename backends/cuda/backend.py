@@ -148,5 +148,5 @@ class CudaBackend:
     def kv_gather(self, k_pages, v_pages, page_table, keep) -> None:
         self.bytes_to_device += elementwise.kv_gather(self.ex, k_pages, v_pages, page_table, keep)
 
-    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages) -> None:
-        self.bytes_to_device += elementwise.kv_copy_pages(self.ex, src_k, src_v, dst_k, dst_v, pages)
+    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages, dst_pages=None) -> None:
+        self.bytes_to_device += elementwise.kv_copy_pages(self.ex, src_k, src_v, dst_k, dst_v, pages, dst_pages)

@@ -192,10 +192,13 @@ def kv_gather(ex, k_pages, v_pages, page_table, keep) -> int:
     return keep.nbytes
 
 
-def kv_copy_pages(ex, src_k, src_v, dst_k, dst_v, pages) -> int:
-    """dst pools' listed pages = src pools' (each pool of its own format). Returns the
-    bytes uploaded (the page list)."""
+def kv_copy_pages(ex, src_k, src_v, dst_k, dst_v, pages, dst_pages=None) -> int:
+    """dst pools' pages dst_pages (None: the same ids) = src pools' pages `pages` (each
+    pool of its own format; dst may be src). Returns the bytes uploaded (the page lists)."""
     pages = np.ascontiguousarray(pages, dtype=np.int32).reshape(-1)
+    dst_pages = pages if dst_pages is None else np.ascontiguousarray(dst_pages, dtype=np.int32).reshape(-1)
+    if dst_pages.shape != pages.shape:
+        raise ValueError(f"cuda kv_copy_pages: {pages.size} source pages but {dst_pages.size} destinations")
     if pages.size == 0:
         return 0
     if src_k.shape != dst_k.shape or src_v.shape != dst_v.shape or src_k.dtype != dst_k.dtype \
@@ -205,7 +208,8 @@ def kv_copy_pages(ex, src_k, src_v, dst_k, dst_v, pages) -> int:
     kpb, vpb = (a[0].size * a.itemsize for a in (src_k, src_v))                 # bytes per page
     suffix, unit = _move_unit(kpb, vpb)
     kpw, vpw = kpb // np.dtype(unit).itemsize, vpb // np.dtype(unit).itemsize
+    ids = np.concatenate([pages, dst_pages])                                     # sources, then destinations
     ex.function("kv.cu", f"kv_copy_pages_{suffix}")(
         (-(-max(kpw, vpw) // COPY_THREADS), pages.size), (COPY_THREADS,),
-        (src_k, src_v, dst_k, dst_v, ex.asarray(pages), _i32(kpw), _i32(vpw)))
-    return pages.nbytes
+        (src_k, src_v, dst_k, dst_v, ex.asarray(ids), _i32(kpw), _i32(vpw)))
+    return ids.nbytes

@@ -662,8 +662,11 @@ class VulkanBackend:
         self._dispatch("kv_gather", ("PASS_GATHER",), bufs, (n_keep, n_kv, 1), push)
         self._dispatch("kv_gather", ("PASS_SCATTER",), bufs, (n_keep, n_kv, 1), push)
 
-    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages) -> None:
+    def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages, dst_pages=None) -> None:
         pages = np.ascontiguousarray(pages, dtype=np.int32).reshape(-1)
+        dst_pages = pages if dst_pages is None else np.ascontiguousarray(dst_pages, dtype=np.int32).reshape(-1)
+        if dst_pages.shape != pages.shape:
+            raise ValueError(f"vulkan kv_copy_pages: {pages.size} source pages but {dst_pages.size} destinations")
         if pages.size == 0:
             return
         if src_k.shape != dst_k.shape or src_v.shape != dst_v.shape \
@@ -671,7 +674,7 @@ class VulkanBackend:
             raise ValueError(f"vulkan kv_copy_pages: pools differ: {src_k!r} / {dst_k!r}, {src_v!r} / {dst_v!r}")
         _, n_kv, page_size, _ = src_k.shape
         k_page, v_page = (n_kv * page_size * self._row_bytes(p) for p in (src_k, src_v))
-        pages_dev = self._transient(pages)
+        pages_dev = self._transient(np.concatenate([pages, dst_pages]))     # sources, then destinations
         push = _u32(pages.size, k_page, v_page)
         words = max(k_page, v_page) // 4 + 2              # a page may straddle one more word
         self._dispatch("kv_copy_pages", (), [src_k.buffer, src_v.buffer, dst_k.buffer, dst_v.buffer,

@@ -472,17 +472,53 @@ class KvCache:
         """An independent cache with the same rows (same page ids in a new pool laid out
         as this one's), so one prefill can be branched into several eviction policies."""
         p = self.pool
-        other = KvCache(p.backend, len(self.layers), p.n_kv_heads, p.head_dim, self.max_rows, p.page_size,
-                        self.windows, self.max_step, p.k_dtype, p.v_dtype, pool=p.empty_like())
+        other = self._twin(p.empty_like())
         for s, (mine, theirs) in enumerate(zip(p.segments, other.pool.segments)):
-            used = np.array(sorted({pg for i, layer in enumerate(self.layers) if p.segment_index(i) == s
-                                    for pg in layer.pages}), dtype=np.int32)
+            used = self._used_pages(s)
             if used.size:
                 p.backend.kv_copy_pages(mine.k_pages, mine.v_pages, theirs.k_pages, theirs.v_pages, used)
             theirs._free = list(mine._free)
-        for mine, theirs in zip(self.layers, other.layers):
-            theirs.pages, theirs.first_page, theirs.intact_from = list(mine.pages), mine.first_page, mine.intact_from
-            theirs._table[:] = mine._table
+        return self._copy_state(other, [None] * len(p.segments))
+
+    def branch(self) -> "KvCache":
+        """An independent cache with the same rows on the same pool: fresh pages of each
+        layer's segment, filled on the device (the server keeps a prompt's full cache this
+        way beside the compacted one it decodes with). KvCacheError, with nothing taken,
+        when a segment lacks the free pages."""
+        p = self.pool
+        used = [self._used_pages(s) for s in range(len(p.segments))]
+        short = [s for s, seg in enumerate(p.segments) if used[s].size > seg.free_pages]
+        if short:
+            raise KvCacheError(f"KV page pool exhausted: branching the cache needs {used[short[0]].size} free "
+                               f"pages, segment {short[0]} has {p.segments[short[0]].free_pages}")
+        remaps = []
+        for seg, ids in zip(p.segments, used):
+            fresh = np.array([seg.take() for _ in ids], dtype=np.int32)
+            if ids.size:
+                p.backend.kv_copy_pages(seg.k_pages, seg.v_pages, seg.k_pages, seg.v_pages, ids, fresh)
+            remap = np.arange(seg.n_pages, dtype=np.int32)                # page id -> the branch's page id
+            remap[ids] = fresh
+            remaps.append(remap)
+        return self._copy_state(self._twin(p), remaps)
+
+    def _twin(self, pool: PagePool) -> "KvCache":
+        p = self.pool
+        return KvCache(p.backend, len(self.layers), p.n_kv_heads, p.head_dim, self.max_rows, p.page_size,
+                       self.windows, self.max_step, p.k_dtype, p.v_dtype, pool=pool)
+
+    def _used_pages(self, segment: int) -> np.ndarray:
+        """int32 sorted ids of the pages the layers of one pool segment hold."""
+        return np.array(sorted({pg for i, layer in enumerate(self.layers)
+                                if self.pool.segment_index(i) == segment for pg in layer.pages}), dtype=np.int32)
+
+    def _copy_state(self, other: "KvCache", remaps: list) -> "KvCache":
+        """other's layers take this cache's lengths, tables and keep sets, page ids mapped by
+        remaps[segment] (None: the same ids)."""
+        for i, (mine, theirs) in enumerate(zip(self.layers, other.layers)):
+            remap = remaps[self.pool.segment_index(i)]
+            theirs.pages = list(mine.pages) if remap is None else [int(remap[pg]) for pg in mine.pages]
+            theirs._table[:] = mine._table if remap is None else remap[mine._table]
+            theirs.first_page, theirs.intact_from = mine.first_page, mine.intact_from
             theirs.length, theirs.logical_length = mine.length, mine.logical_length
             theirs.last_keep, theirs.filler = mine.last_keep, mine.filler
             theirs.row_bias, theirs._bias_dev = mine.row_bias, mine._bias_dev   # read-only, shared

@@ -370,6 +370,10 @@ def test_kv_gather_and_copy_pages(k_dtype, v_dtype):
     CPU.kv_copy_pages(k_pages, v_pages, dst_k, dst_v, pages)
     np.testing.assert_array_equal(dst_k[pages], k_pages[pages])
     np.testing.assert_array_equal(dst_v[pages], v_pages[pages])
+    CPU.kv_copy_pages(dst_k, dst_v, dst_k, dst_v, pages[:1], pages[2:])      # within one pool, to another page
+    np.testing.assert_array_equal(dst_k[pages[2]], k_pages[pages[0]])
+    np.testing.assert_array_equal(dst_v[pages[2]], v_pages[pages[0]])
+    np.testing.assert_array_equal(dst_k[pages[1]], k_pages[pages[1]])
 
 
 @pytest.mark.parametrize("dtype", QUANT)

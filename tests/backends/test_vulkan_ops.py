@@ -444,6 +444,11 @@ def test_kv_ops_on_rows_of_odd_byte_widths(vk):
     REF.kv_copy_pages(k_pages, v_pages, dst_k, dst_v, pages)
     np.testing.assert_array_equal(vk.download(ck), dst_k)
     np.testing.assert_array_equal(vk.download(cv), dst_v)
+    src, dst = pages[:2], pages[:1:-1].copy()                               # within one pool, to other pages
+    vk.kv_copy_pages(ck, cv, ck, cv, src, dst)
+    REF.kv_copy_pages(dst_k, dst_v, dst_k, dst_v, src, dst)
+    np.testing.assert_array_equal(vk.download(ck), dst_k)
+    np.testing.assert_array_equal(vk.download(cv), dst_v)
 
     keep = random_keep(rng, n_kv, n_rows, 9, window=3)
     vk.kv_gather(dk, dv, dt, keep)

@@ -115,3 +115,8 @@ def test_kv_gather_and_copy_any_width(ex, kv, head_dim):
     elementwise.kv_copy_pages(ex, *(ex.asarray(p) for p in pools), *dev_dst, pages)
     for got, w in zip(dev_dst, want):
         np.testing.assert_array_equal(ex.to_host(got), w)
+    src, dst = pages[:1], pages[2:]                                         # within one pool, to another page
+    REF.kv_copy_pages(*want, *want, src, dst)
+    elementwise.kv_copy_pages(ex, *dev_dst, *dev_dst, src, dst)
+    for got, w in zip(dev_dst, want):
+        np.testing.assert_array_equal(ex.to_host(got), w)

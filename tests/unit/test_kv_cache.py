@@ -8,7 +8,7 @@ from backends.kvformat import parse_kv_dtype
 from backends.reference import ReferenceBackend, read_rows
 from engine.errors import ConfigError
 from engine.kv.merge import EMPTY_BIAS
-from engine.kv.paged import KvCache, KvCacheError, layer_pages
+from engine.kv.paged import KvCache, KvCacheError, PagePool, layer_pages
 
 H, D = 3, 8
 
@@ -337,6 +337,49 @@ def test_copy_of_a_window_cache_continues_identically():
         np.testing.assert_array_equal(pa, pb)
     np.testing.assert_array_equal(rows(cache, 1, cache.pool.segments[0].k_pages),
                                   rows(twin, 1, twin.pool.segments[0].k_pages))
+
+
+def held_rows(cache: KvCache, layer: int) -> np.ndarray:
+    """K rows first_row .. length - 1 of one layer, f32 [rows, H, D]."""
+    l, ps = cache.layers[layer], cache.pool.page_size
+    pages = cache.pool.segment(layer).k_pages
+    return np.stack([bf16_to_f32(pages[l.pages[r // ps - l.first_page], :, r % ps]) for r in range(l.first_row, l.length)])
+
+
+def test_branch_takes_fresh_pages_of_the_same_pool_and_continues_independently():
+    """KvCache.branch: a second cache on the same pool (a sliding-window layer and a full
+    one), on pages of its own, equal to a copy in a pool of its own as both go on, while
+    the original is compacted; released, its pages return; without room, nothing is taken."""
+    rng = np.random.default_rng(8)
+    b = ReferenceBackend()
+    pool = PagePool(b, [14, 30], H, 4, D)
+    cache = KvCache(b, 2, H, D, max_rows=64, page_size=4, windows=(6, 0), max_step=8, pool=pool)
+    for _ in range(3):
+        fill(cache, 7, rng)
+    ref = cache.copy()                                  # the same rows in a pool of its own
+    free = pool.free_pages
+    twin = cache.branch()
+    assert twin.pool is pool and pool.free_pages == free - cache.pages_held()
+    for mine, theirs in zip(cache.layers, twin.layers):
+        assert not set(mine.pages) & set(theirs.pages)
+        assert (theirs.length, theirs.logical_length, theirs.first_page) == (mine.length, mine.logical_length,
+                                                                            mine.first_page)
+    cache.layers[1].compact(np.array([0, 5, 20]))
+    fill(cache, 3, rng)
+    for c in (twin, ref):
+        fill(c, 8, np.random.default_rng(9))
+    for layer in (0, 1):
+        np.testing.assert_array_equal(held_rows(twin, layer), held_rows(ref, layer))
+    assert cache.layers[1].length == 6 and twin.layers[1].length == 29
+    twin.release()
+    assert pool.free_pages == pool.n_pages - cache.pages_held()
+    small = PagePool(b, [4, 3], H, 4, D)
+    full = KvCache(b, 2, H, D, max_rows=64, page_size=4, windows=(6, 0), max_step=8, pool=small)
+    fill(full, 7, rng)
+    before = small.free_pages
+    with pytest.raises(KvCacheError, match="branching the cache needs 4 free pages, segment 0 has 3"):
+        full.branch()
+    assert small.free_pages == before
 
 
 class CappedBackend(ReferenceBackend):

@@ -189,16 +189,16 @@ __device__ __forceinline__ void gather_write(T* __restrict__ k_pages, T* __restr
     for (int p = threadIdx.x; p < vw; p += blockDim.x) dv[p] = tv[p];
 }
 
-// Branching a cache: dst pools' listed pages = src pools' pages (kpw / vpw units of T per page).
-// Grid (ceil(max(kpw, vpw) / blockDim.x), n_listed, 1).
+// Branching a cache: dst page pages[n + i] = src page pages[i] (kpw / vpw units of T per page;
+// pages holds the n source ids, then the n destination ids). dst may be src itself, with
+// the destination pages distinct from the sources. Grid (ceil(max(kpw, vpw) / blockDim.x), n, 1).
 template <typename T>
-__device__ __forceinline__ void copy_pages(const T* __restrict__ src_k, const T* __restrict__ src_v,
-                                           T* __restrict__ dst_k, T* __restrict__ dst_v,
+__device__ __forceinline__ void copy_pages(const T* src_k, const T* src_v, T* dst_k, T* dst_v,
                                            const int* __restrict__ pages, int kpw, int vpw) {
     const int w = blockIdx.x * blockDim.x + threadIdx.x;
-    const long long page = pages[blockIdx.y];
-    if (w < kpw) dst_k[page * kpw + w] = src_k[page * kpw + w];
-    if (w < vpw) dst_v[page * vpw + w] = src_v[page * vpw + w];
+    const long long src = pages[blockIdx.y], dst = pages[gridDim.y + blockIdx.y];
+    if (w < kpw) dst_k[dst * kpw + w] = src_k[src * kpw + w];
+    if (w < vpw) dst_v[dst * vpw + w] = src_v[src * vpw + w];
 }
 
 #define KV_MOVE_ENTRIES(T)                                                                                   \
@@ -214,8 +214,8 @@ __device__ __forceinline__ void copy_pages(const T* __restrict__ src_k, const T*
         gather_write<T>(k_pages, v_pages, page_table, tmp, n_keep, n_kv, page_size, kw, vw);                \
     }                                                                                                        \
     extern "C" __global__ void kv_copy_pages_##T(                                                            \
-            const T* __restrict__ src_k, const T* __restrict__ src_v, T* __restrict__ dst_k,                 \
-            T* __restrict__ dst_v, const int* __restrict__ pages, int kpw, int vpw) {                         \
+            const T* src_k, const T* src_v, T* dst_k, T* dst_v, const int* __restrict__ pages, int kpw,      \
+            int vpw) {                                                                                       \
         copy_pages<T>(src_k, src_v, dst_k, dst_v, pages, kpw, vpw);                                         \
     }
 KV_MOVE_ENTRIES(u32)
