@@ -208,13 +208,15 @@ class ForwardPass:
                 on_chunk(done, total)
 
     def prefill_steps(self, ids, cache: KvCache, all_logits: bool = False,
-                      snapkv: SnapKvConfig | None = None, compact_continued: bool = False, on_logits=None):
+                      snapkv: SnapKvConfig | None = None, compact_continued: bool = False, on_logits=None,
+                      before_evict=None):
         """`prefill` one chunk at a time: a generator that yields (done, total) prompt
         tokens after each chunk and returns the logits (StopIteration.value). Other
         caches may run forward steps between chunks (a server interleaves decode).
         `on_logits(start, logits)`: every prompt position's logits, f32 [rows, vocab] of
         positions start.., HEAD_ROWS rows at a time, handed over and not kept (a
-        prompt's logprobs)."""
+        prompt's logprobs). `before_evict(cache)`: called with the whole prompt's cache just
+        before SnapKV compacts it (the server branches it there)."""
         ids = np.asarray(ids, dtype=np.int32)
         if self._prefill_scratch is None:
             self._prefill_scratch = Scratch(self.backend, self.cfg, self.chunk)
@@ -243,6 +245,8 @@ class ForwardPass:
             yield min(start + self.chunk, len(ids)), len(ids)
         cache.fold()                         # sliding-window layers back to their ring of pages
         if evict:
+            if before_evict is not None:
+                before_evict(cache)
             self.evict(cache, capture.q, snapkv)
         return np.concatenate(out) if all_logits else logits
 

@@ -10,13 +10,17 @@ mode sees the same conversation) and a question for B. B's answer is scored for:
   window is then question B;
 - `<policy>@reuse`: the cache compacted after turn 1 (window: question A) and
   continued with turn 2, without a second eviction (what a server that keeps
-  compacted caches would do; it saves the second prefill).
+  compacted caches would do; it saves the second prefill);
+- `<policy>@continue`: turn 1's whole cache, kept before its eviction, continued
+  with turn 2 and evicted as a whole with question B as the window (what
+  `engine serve` does: the rows of a re-prefill for the cost of turn 2's tokens,
+  plus the window's when turn 2 is shorter than it).
 
 Answers are paired against `full` per prompt (engine/eval/report.py), and the
 rows go to <out>/samples.jsonl as each sample finishes (`--resume` skips them).
 
     python tools/eval_followup.py smollm2 --length 4096 --samples 40 \\
-        --policies snapkv-bL/8-head-avg-k31-w32-s4,snapkv-bL/8-head-avg-k31-w32-s4-m64
+        --policies snapkv-bL/8-head-avg-k31-w32-s4,snapkv-bL/8-head-avg-k31-w32-s4-m64 [--modes reprefill,reuse]
 """
 from __future__ import annotations
 
@@ -35,10 +39,11 @@ from engine.eval.policies import parse_policy           # noqa: E402
 from engine.eval.report import paired_vs_full           # noqa: E402
 from engine.eval.runner import EvalPlan, Runner         # noqa: E402
 
-MODES = ("reprefill", "reuse")
+MODES = ("reprefill", "reuse", "continue")
 
 
-def run_sample(runner: Runner, policies, target: int, index: int, depth: float, seed: int) -> list[dict]:
+def run_sample(runner: Runner, policies, target: int, index: int, depth: float, seed: int,
+               modes=MODES) -> list[dict]:
     m = runner.model
     fu = T.make_followup(m.tokenizer, target, depth, seed, index)
     first = fu.first
@@ -49,7 +54,7 @@ def run_sample(runner: Runner, policies, target: int, index: int, depth: float, 
     out = {}
     # turn 1 prefilled once; each policy evicts a copy, which then runs turn 2
     cache, capture, _, prefill1_s = runner._prefill(first, "bf16", policies)
-    for p in policies:
+    for p in policies if "reuse" in modes else ():
         branch = cache.copy()
         ev = runner._evict(branch, capture, p, first.n_tokens)
         t0 = time.perf_counter()
@@ -57,11 +62,23 @@ def run_sample(runner: Runner, policies, target: int, index: int, depth: float, 
         out[f"{p.name}@reuse"] = {**runner._answer(second, branch, logits), "kv_bytes": ev["kv_bytes"],
                                   "turn2_s": time.perf_counter() - t0}
         branch.release()
+    for p in policies if "continue" in modes else ():
+        branch = cache.copy()
+        t0 = time.perf_counter()
+        n = min(first.n_tokens, second.n_tokens - p.window)     # the observation window runs again
+        branch.truncate(n)
+        logits = m.forward.prefill(second.ids[n:], branch, snapkv=p.config(second.n_tokens),
+                                   compact_continued=True)
+        out[f"{p.name}@continue"] = {**runner._answer(second, branch, logits), "kv_bytes": branch.bytes,
+                                     "turn2_s": time.perf_counter() - t0}
+        branch.release()
     t0 = time.perf_counter()
     logits = m.forward.prefill(fu.turn2, cache)
     out["full"] = {**runner._answer(second, cache, logits), "kv_bytes": cache.bytes,
                    "turn2_s": time.perf_counter() - t0}
     cache.release()
+    if "reprefill" not in modes:
+        return [{**base, "policy": name, **r, "prefill1_s": prefill1_s} for name, r in out.items()]
     # the whole conversation prefilled afresh, evicted with question B as the window
     cache, capture, logits, prefill2_s = runner._prefill(second, "bf16", policies)
     for p in policies:
@@ -83,8 +100,12 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="10,30,50,70,90", help="needle A depths, percent")
     ap.add_argument("--policies", default="snapkv-bL/8-head-avg-k31-w32-s4,snapkv-bL/8-head-avg-k31-w32-s4-m64")
     ap.add_argument("--out", default="docs/eval_followup")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     ap.add_argument("--resume", action="store_true")
     a = ap.parse_args(argv)
+    modes = [x for x in a.modes.split(",") if x]
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: choose from {', '.join(MODES)}")
     policies = [parse_policy(n) for n in a.policies.split(",") if n and n != "full"]
     depths = [float(d) for d in a.depths.split(",")]
     plan = EvalPlan(tasks=["niah"], lengths=[a.length], policies=policies, samples=a.samples, seed=a.seed,
@@ -101,13 +122,13 @@ def main(argv=None) -> int:
     for i in range(a.samples):
         if i in done:
             continue
-        new = run_sample(runner, policies, a.length, i, T.sample_depth(depths, i, a.samples), a.seed)
+        new = run_sample(runner, policies, a.length, i, T.sample_depth(depths, i, a.samples), a.seed, modes)
         with path.open("a") as f:
             f.writelines(json.dumps(r, default=str) + "\n" for r in new)
         rows += new
         print(f"sample {i}: " + ", ".join(f"{r['policy']} {'ok' if r['correct'] else 'x'}" for r in new),
               flush=True)
-    names = [f"{p.name}@{mode}" for p in policies for mode in MODES]
+    names = [f"{p.name}@{mode}" for p in policies for mode in modes]
     paired = paired_vs_full(rows, names)
     full = [r for r in rows if r["policy"] == "full"]
     lines = [f"# Two-question eval: {a.model}, turn 1 of {a.length} tokens, {len(full)} conversations, seed {a.seed}",

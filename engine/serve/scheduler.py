@@ -26,6 +26,15 @@ prefilling its prompt and generated tokens again), so no request finds the pool
 empty mid-step and the oldest always progress. One that could never fit (prompt +
 max_tokens beyond the pool) fails with 400; one that does not fit yet waits (FIFO).
 
+Prompt cache (`prompt_cache` caches at most, on the pools' pages, dropped oldest first
+when pages run short): a finished request's cache when it holds positions (no
+eviction), and, for an evicting request, a branch of its whole prompt's cache taken
+just before compaction when its pages fit. A request whose prompt extends a kept cache
+starts from it and runs only the rest; an evicting one is then evicted as a whole, with
+its own last tokens as the observation window, as if prefilled from scratch. So the
+next turn of a long conversation costs its new tokens, not the whole prompt again, and
+sees every row of the earlier turns, not only those the first question kept.
+
 Admission: at most `max_running + max_queue` requests are held (running plus
 waiting); `submit` raises QueueFull beyond that (the HTTP layer answers 503).
 """
@@ -185,7 +194,10 @@ class Scheduler:
         never = []
         while self._waiting and len(self._running) < self.max_running:
             h = self._waiting[0]
-            seq = h.sequence or Sequence(self.model, h.job, h.emit)     # a preempted one resumes
+            seq = h.sequence                    # a preempted one resumes
+            if seq is None:
+                seq = Sequence(self.model, h.job, h.emit)
+                seq.before_evict = lambda cache, ids=h.job.ids: self._keep_prompt(ids, cache)
             try:
                 pool = self._pool(h.job.kv_dtype)   # made on first use: may fail (memory)
                 reused = self._reuse(seq, pool)
@@ -255,15 +267,34 @@ class Scheduler:
         return ids
 
     def _keep(self, seq: Sequence) -> None:
-        """Shelve a finished sequence's cache for reuse when it holds positions (not
-        compacted), newest last, at most prompt_cache of them."""
+        """(lock held) Shelve a finished sequence's cache for reuse when it holds positions
+        (not compacted)."""
         cache = seq.cache
         if self.prompt_cache <= 0 or cache is None or cache.eviction is not None or cache.logical_length == 0:
             return
-        self._kept.append((seq.fed_ids(), cache))
+        self._shelve(seq.fed_ids(), cache)
         seq.cache = None
+
+    def _shelve(self, ids: list[int], cache) -> None:
+        """(lock held) A cache on the shelf, newest last, at most prompt_cache of them."""
+        self._kept.append((ids, cache))
         while len(self._kept) > self.prompt_cache:
             self._kept.pop(0)[1].release()
+
+    def _keep_prompt(self, ids, cache) -> None:
+        """(worker, at an evicting prompt's end, before compaction) Shelve a branch of the
+        whole prompt's cache, when its pages fit beside what the running requests hold and
+        need: a follow-up that extends this prompt then continues it and is evicted as a
+        whole, with its own question as the window, as a re-prefill would be, without
+        prefilling the prompt again. Dropped first when pages run short, as every kept
+        cache is."""
+        if self.prompt_cache <= 0:
+            return
+        with self._cv:
+            pool = cache.pool
+            if self._short(pool, [cache.pages_held(k) for k in range(len(pool.segments))]):
+                return
+            self._shelve(list(ids[:cache.logical_length]), cache.branch())
 
     def _short(self, pool, need: list[int] | None = None) -> bool:
         """Whether some segment of `pool` lacks room for `need` (pages per segment) beside

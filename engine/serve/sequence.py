@@ -90,6 +90,8 @@ class Sequence:
         self._eot = model.tokenizer.eot_ids
         self._steps = None                      # the prefill generator while the prompt runs
         self.cached_tokens = 0                  # prompt tokens reused from an earlier request's cache
+        self.before_evict = None                # callable(cache): sees the whole prompt's cache before
+                                                # eviction compacts it (the scheduler keeps a branch)
         self.preemptions = 0                    # times its pages were taken back for older requests
         self._logprobs: list = []               # logprobs of tokens not yet sent with an event
         self._text_len = 0                      # characters of output decoded so far (text offsets)
@@ -167,9 +169,11 @@ class Sequence:
         on_logits = None
         if self.job.echo and not self._prompt_done:     # (not again after a preemption: it was sent)
             on_logits = self._echo_prompt()
+        before_evict = None if self._prompt_done else self.before_evict     # (not again after a preemption)
         logits = yield from _progress(forward.prefill_steps(prompt, self.cache, snapkv=self.job.snapkv,
                                                             compact_continued=self.cached_tokens > 0,
-                                                            on_logits=on_logits), 0, total)
+                                                            on_logits=on_logits, before_evict=before_evict),
+                                      0, total)
         if self.tokens:
             logits = yield from _progress(forward.prefill_steps(self.tokens, self.cache), len(prompt), total)
         return logits

@@ -218,14 +218,37 @@ def test_the_next_chat_turn_reuses_the_cache(served, reference):
     u = evicting.usage.model_extra
     assert evicting.usage.prompt_tokens_details.cached_tokens > 0 and u["kv_policy"] is None    # < min_tokens
     long = [{"role": "user", "content": DOC}]
-    want = reference.generate(long, chat=True, max_tokens=10, temperature=0.0, snapkv=KV_POLICY).text
+    want = reference.generate(long, chat=True, max_tokens=10, temperature=0.0, snapkv=KV_POLICY)
     cached = []
     for _ in range(2):      # 1st: from the chat's cache (the system prompt), evicted as a whole
         r = c.chat.completions.create(messages=long, extra_body=KV, **kw)
         assert r.usage.model_extra["kv_bytes"] < r.usage.model_extra["kv_bytes_full"]
-        assert r.choices[0].message.content == want
+        assert r.choices[0].message.content == want.text
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
-    assert cached[0] > 0 and cached[1] == 0          # 2nd: from scratch, a compacted cache is not kept
+    # 2nd: from the 1st's whole prompt, kept before its eviction; the observation window runs again
+    assert cached[0] > 0 and cached[1] == r.usage.prompt_tokens - KV_POLICY.window
+
+
+def test_a_follow_up_to_an_evicted_conversation_continues_its_whole_prompt(served, reference):
+    """After an evicting request, the server keeps a branch of its whole prompt's cache
+    (taken before compaction): the next turn runs only its new tokens and is evicted as a
+    whole with its own question as the window, answering as a fresh prefill does."""
+    c = served.client()
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=10, temperature=0, extra_body=KV)
+    turn1 = [{"role": "user", "content": DOC + " What is the first word of the text?"}]
+    first = c.chat.completions.create(messages=turn1, **kw)
+    assert first.usage.model_extra["kv_bytes"] < first.usage.model_extra["kv_bytes_full"]
+    assert served.get("/state")["prompt_cache"]["caches"] >= 1
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And the last word?"}]
+    second = c.chat.completions.create(messages=turn2, **kw)
+    u = second.usage.model_extra
+    # reused: turn 1's prompt, less what the new turn's observation window reaches back into
+    assert second.usage.prompt_tokens_details.cached_tokens == min(first.usage.prompt_tokens,
+                                                                   second.usage.prompt_tokens - KV_POLICY.window)
+    assert u["kv_policy"] is not None and u["kv_bytes"] < u["kv_bytes_full"]
+    assert second.choices[0].message.content == reference.generate(turn2, chat=True, max_tokens=10, temperature=0.0,
+                                                                   snapkv=KV_POLICY).text
 
 
 def test_seeded_sampling_is_reproducible(served):
