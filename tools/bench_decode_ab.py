@@ -1,16 +1,19 @@
-"""Paired decode benchmark: the same prompt prefilled once per KV type, then decode
-timed in alternating rounds (bf16, tq4, bf16, tq4, ...), so machine noise that
-moves 10-20% between runs falls on every type alike. Reports per round tok/s and
-the median of the per-round ratios against the first type.
+"""Paired decode benchmark: the same prompt prefilled once per variant (KV type, and
+with --allocations the SnapKV allocation too), then decode timed in alternating
+rounds (bf16, tq4, bf16, tq4, ...), so machine noise that moves 10-20% between runs
+falls on every variant alike. Reports per round tok/s and the median of the
+per-round ratios against the first variant.
 
     .venv/bin/python tools/bench_decode_ab.py [--model smollm2] [--length 8000]
-        [--kv-budget 1024] [--kv-dtypes bf16,tq4] [--rounds 8] [--tokens 16]
+        [--kv-budget 1024] [--kv-dtypes bf16,tq4] [--allocations uniform,adaptive]
+        [--rounds 8] [--tokens 16]
 
 --kv-budget 0: the full cache. Not a test: numbers go to stdout (and --json FILE).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -31,19 +34,23 @@ def main() -> int:
     p.add_argument("--length", type=int, default=8000)
     p.add_argument("--kv-budget", type=int, default=1024)
     p.add_argument("--kv-dtypes", default="bf16,tq4")
+    p.add_argument("--allocations", default="uniform", help="SnapKV allocations (variants: every dtype x each)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--tokens", type=int, default=16, help="decode tokens per round")
     p.add_argument("--threads", type=int)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    dtypes = [d.strip() for d in a.kv_dtypes.split(",") if d.strip()]
+    allocations = [x.strip() for x in a.allocations.split(",") if x.strip()]
+    variants = [(d.strip(), x) for d in a.kv_dtypes.split(",") if d.strip() for x in allocations]
+    dtypes = [d if len(allocations) == 1 else f"{d}/{x}" for d, x in variants]   # the variants' names
     ctx = a.length + a.rounds * a.tokens + 1
     model = engine.load(a.model, ctx=ctx, threads=a.threads, snapkv_budget=a.kv_budget)
     ids = bench_prompt(model.tokenizer, a.length)
     state = {}
-    for d in dtypes:
+    for d, (kv_dtype, allocation) in zip(dtypes, variants):
+        snapkv = model.snapkv and dataclasses.replace(model.snapkv, allocation=allocation)
         t0 = time.perf_counter()
-        cache, logits = model.prefill(ids, kv_dtype=d)
+        cache, logits = model.prefill(ids, kv_dtype=kv_dtype, snapkv=snapkv if snapkv else False)
         print(f"{d}: prefill {time.perf_counter() - t0:.1f} s, {cache.length} rows, "
               f"{cache.bytes / 2**20:.1f} MiB", flush=True)
         state[d] = [cache, int(np.argmax(logits))]
