@@ -279,23 +279,20 @@ class SnapKvSelector:
         """Selection step for a whole model: votes_per_layer[i] float [n_kv_heads_i, L - W].
         "global" sums over layers and heads; other granularities select layer by layer,
         with the layers' budgets from `layer_budgets`."""
+        if self.cfg.granularity != "global" and self.cfg.allocation == "uniform":
+            return [self.keep_from_votes(v, L) for v in votes_per_layer]
+        if not self.cfg.compacts(L):
+            return [_keep_all(np.shape(v)[0], L) for v in votes_per_layer]
         if self.cfg.granularity != "global":
-            if self.cfg.allocation == "uniform":
-                return [self.keep_from_votes(v, L) for v in votes_per_layer]
-            if not self.cfg.compacts(L):
-                return [_keep_all(np.shape(v)[0], L) for v in votes_per_layer]
-            budgets = self.layer_budgets(len(votes_per_layer), L)
             adaptive = self.cfg.allocation.endswith("adaptive")
             out = []
-            for v, b in zip(votes_per_layer, budgets):
+            for v, b in zip(votes_per_layer, self.layer_budgets(len(votes_per_layer), L)):
                 if b >= L:
                     out.append(_keep_all(np.shape(v)[0], L))
                     continue
                 layer = SnapKvSelector(dataclasses.replace(self.cfg, budget=b, allocation="uniform"))
                 out.append(layer.adaptive_keep(v, L) if adaptive else layer.keep_from_votes(v, L))
             return out
-        if not self.cfg.compacts(L):
-            return [_keep_all(np.shape(v)[0], L) for v in votes_per_layer]
         checked = [self._check_votes(v, L) for v in votes_per_layer]
         if not checked:
             return []
