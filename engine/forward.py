@@ -140,6 +140,23 @@ class WindowCapture:
         rows = rows.reshape(hi - lo, self.cfg.n_heads, self.cfg.head_dim).transpose(1, 0, 2)
         self.q[layer, :, lo - self.first_pos:hi - self.first_pos] = rows
 
+    @staticmethod
+    def seeded(cfg: ModelConfig, window: int, first_pos: int, cache) -> "WindowCapture | None":
+        """A capture of positions first_pos.. whose rows below the cache's logical length
+        come from the cache's `tail_queries` (positions a prefill ran earlier); None when
+        they do not cover them."""
+        capture = WindowCapture(cfg, window, first_pos)
+        known = min(cache.logical_length, first_pos + window) - first_pos
+        if known <= 0:
+            return capture
+        if cache.tail_queries is None or cache.eviction is not None:
+            return None
+        start, q = cache.tail_queries
+        if not start <= first_pos or first_pos + known > start + q.shape[2]:
+            return None
+        capture.q[:, :, :known] = q[:, :, first_pos - start:first_pos - start + known]
+        return capture
+
 
 class ForwardPass:
     """Runs the model on a backend. `prefill` and `decode` advance a KvCache."""
@@ -215,17 +232,24 @@ class ForwardPass:
         caches may run forward steps between chunks (a server interleaves decode).
         `on_logits(start, logits)`: every prompt position's logits, f32 [rows, vocab] of
         positions start.., HEAD_ROWS rows at a time, handed over and not kept (a
-        prompt's logprobs). `before_evict(cache)`: called with the whole prompt's cache just
-        before SnapKV compacts it (the server branches it there)."""
+        prompt's logprobs). `before_evict(cache, q_window)`: called with the whole prompt's
+        cache and the observation window's queries (f32 [n_layers, n_heads, W, head_dim])
+        just before SnapKV compacts it (the server branches it there). A window longer than
+        the new tokens reaches back into positions the cache holds: their queries come from
+        the cache's `tail_queries`, and without them the prompt is not compacted."""
         ids = np.asarray(ids, dtype=np.int32)
         if self._prefill_scratch is None:
             self._prefill_scratch = Scratch(self.backend, self.cfg, self.chunk)
         rows_after = cache.length + len(ids)
         evict = (snapkv is not None and (cache.logical_length == 0 or compact_continued)
-                 and len(ids) >= snapkv.window and snapkv.compacts(rows_after) and bool(cache.full_layers))
+                 and cache.logical_length + len(ids) >= snapkv.window and snapkv.compacts(rows_after)
+                 and bool(cache.full_layers))
         capture = self.window_capture        # set from outside (eval, tools) or None
         if evict:
-            capture = WindowCapture(self.cfg, snapkv.window, cache.logical_length + len(ids) - snapkv.window)
+            seeded = WindowCapture.seeded(self.cfg, snapkv.window, cache.logical_length + len(ids) - snapkv.window,
+                                          cache)
+            evict = seeded is not None
+            capture = seeded if evict else capture
         out = []
         logits = None
         for start in range(0, len(ids), self.chunk):
@@ -246,7 +270,7 @@ class ForwardPass:
         cache.fold()                         # sliding-window layers back to their ring of pages
         if evict:
             if before_evict is not None:
-                before_evict(cache)
+                before_evict(cache, capture.q)
             self.evict(cache, capture.q, snapkv)
         return np.concatenate(out) if all_logits else logits
 

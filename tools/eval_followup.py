@@ -14,7 +14,8 @@ mode sees the same conversation) and a question for B. B's answer is scored for:
 - `<policy>@continue`: turn 1's whole cache, kept before its eviction, continued
   with turn 2 and evicted as a whole with question B as the window (what
   `engine serve` does: the rows of a re-prefill for the cost of turn 2's tokens,
-  plus the window's when turn 2 is shorter than it).
+  plus the window's when turn 2 is shorter than it; the server also keeps turn 1's
+  window queries, which spares it even those).
 
 Answers are paired against `full` per prompt (engine/eval/report.py), and the
 rows go to <out>/samples.jsonl as each sample finishes (`--resume` skips them).

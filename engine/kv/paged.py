@@ -467,6 +467,11 @@ class KvCache:
         self.max_rows = max_rows
         self.compactions: list[CompactReport] = []   # the last compaction, one report per layer
         self.eviction: dict | None = None             # summary of the last SnapKV eviction
+        # (first position, f32 [n_layers, n_heads, m, head_dim]): the post-RoPE queries of
+        # positions first .. first+m-1 (an eviction's observation window, kept with a branch of
+        # the prompt it scored), so a continuation whose window reaches back into them need not
+        # run them again (ForwardPass.prefill_steps); None when unknown
+        self.tail_queries: tuple[int, np.ndarray] | None = None
 
     def copy(self) -> "KvCache":
         """An independent cache with the same rows (same page ids in a new pool laid out
@@ -522,7 +527,7 @@ class KvCache:
             theirs.length, theirs.logical_length = mine.length, mine.logical_length
             theirs.last_keep, theirs.filler = mine.last_keep, mine.filler
             theirs.row_bias, theirs._bias_dev = mine.row_bias, mine._bias_dev   # read-only, shared
-        other.eviction = self.eviction
+        other.eviction, other.tail_queries = self.eviction, self.tail_queries      # (read-only, shared)
         return other
 
     def pages_held(self, segment: int | None = None) -> int:
@@ -551,6 +556,9 @@ class KvCache:
                 raise KvCacheError(f"a sliding-window layer no longer holds the rows position {n} sees")
         for layer in self.layers:
             layer.truncate(n)
+        if self.tail_queries is not None:
+            first, q = self.tail_queries
+            self.tail_queries = (first, q[:, :, :n - first]) if n > first else None
 
     def fold(self) -> None:
         """Bring every sliding-window layer back to its ring of pages (after a prefill)."""
@@ -562,7 +570,7 @@ class KvCache:
         cache on a shared pool must be released, a private one may just be dropped."""
         for layer in self.layers:
             layer.release()
-        self.compactions, self.eviction = [], None
+        self.compactions, self.eviction, self.tail_queries = [], None, None
 
     @property
     def full_layers(self) -> list[int]:

@@ -197,7 +197,7 @@ class Scheduler:
             seq = h.sequence                    # a preempted one resumes
             if seq is None:
                 seq = Sequence(self.model, h.job, h.emit)
-                seq.before_evict = lambda cache, ids=h.job.ids: self._keep_prompt(ids, cache)
+                seq.before_evict = lambda cache, q, ids=h.job.ids: self._keep_prompt(ids, cache, q)
             try:
                 pool = self._pool(h.job.kv_dtype)   # made on first use: may fail (memory)
                 reused = self._reuse(seq, pool)
@@ -239,21 +239,25 @@ class Scheduler:
         """Give `seq` the kept cache (of `pool`) sharing the longest prefix with its prompt,
         taken off the shelf; returns that cache's token ids, or None. At least one prompt
         token is left to run, and when the request's policy evicts the prompt, its whole
-        observation window, so eviction sees the prompt as a fresh prefill would."""
+        observation window, unless the cache kept the queries of the window's positions it
+        holds (`tail_queries`), so eviction sees the prompt as a fresh prefill would."""
         job, best, n_best = seq.job, None, 0
         if job.echo and job.logprobs is not None:   # every prompt token is scored: run them all
             return None
-        limit = len(job.ids) - 1
+        window_from = None                          # the observation window's first position
         if job.snapkv is not None and len(job.ids) >= job.snapkv.window and job.snapkv.compacts(len(job.ids)):
-            limit = len(job.ids) - job.snapkv.window
+            window_from = len(job.ids) - job.snapkv.window
         for i, (ids, cache) in enumerate(self._kept):
             if cache.pool is not pool:
                 continue
             n = 0
-            for a, b in zip(ids, job.ids[:limit]):
+            for a, b in zip(ids, job.ids[:len(job.ids) - 1]):
                 if a != b:
                     break
                 n += 1
+            if window_from is not None and n > window_from and (
+                    cache.tail_queries is None or cache.tail_queries[0] > window_from):
+                n = window_from                     # the window's queries run again
             if n > n_best:
                 best, n_best = i, n
         if best is None:
@@ -281,20 +285,24 @@ class Scheduler:
         while len(self._kept) > self.prompt_cache:
             self._kept.pop(0)[1].release()
 
-    def _keep_prompt(self, ids, cache) -> None:
+    def _keep_prompt(self, ids, cache, q_window) -> None:
         """(worker, at an evicting prompt's end, before compaction) Shelve a branch of the
         whole prompt's cache, when its pages fit beside what the running requests hold and
         need: a follow-up that extends this prompt then continues it and is evicted as a
         whole, with its own question as the window, as a re-prefill would be, without
-        prefilling the prompt again. Dropped first when pages run short, as every kept
-        cache is."""
+        prefilling the prompt again. The branch keeps the observation window's queries
+        (q_window f32 [n_layers, n_heads, W, head_dim]), so a follow-up shorter than its
+        window need not run the prompt's last tokens again. Dropped first when pages run
+        short, as every kept cache is."""
         if self.prompt_cache <= 0:
             return
         with self._cv:
             pool = cache.pool
             if self._short(pool, [cache.pages_held(k) for k in range(len(pool.segments))]):
                 return
-            self._shelve(list(ids[:cache.logical_length]), cache.branch())
+            branch = cache.branch()
+            branch.tail_queries = (cache.logical_length - q_window.shape[2], q_window)
+            self._shelve(list(ids[:cache.logical_length]), branch)
 
     def _short(self, pool, need: list[int] | None = None) -> bool:
         """Whether some segment of `pool` lacks room for `need` (pages per segment) beside

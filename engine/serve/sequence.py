@@ -90,8 +90,8 @@ class Sequence:
         self._eot = model.tokenizer.eot_ids
         self._steps = None                      # the prefill generator while the prompt runs
         self.cached_tokens = 0                  # prompt tokens reused from an earlier request's cache
-        self.before_evict = None                # callable(cache): sees the whole prompt's cache before
-                                                # eviction compacts it (the scheduler keeps a branch)
+        self.before_evict = None                # callable(cache, q_window): sees the whole prompt's cache
+                                                # before eviction compacts it (the scheduler keeps a branch)
         self.preemptions = 0                    # times its pages were taken back for older requests
         self._logprobs: list = []               # logprobs of tokens not yet sent with an event
         self._text_len = 0                      # characters of output decoded so far (text offsets)

@@ -157,6 +157,45 @@ def test_adaptive_head_budgets_share_each_layers_rows_and_never_read_filler(mode
     a, b = m.forward.decode(token, cache), m.forward.decode(token, twin)
     np.testing.assert_array_equal(a, b)
 
+@pytest.mark.parametrize("name", ["qwen2-q4_1", "gemma3-q8"])
+def test_a_short_continuation_is_evicted_with_the_kept_window_queries(models, tmp_path, name):
+    """A prompt's cache kept before its eviction with the window's queries (tail_queries),
+    continued by fewer tokens than the window and evicted as a whole, keeps the rows and
+    gives the logits of a fresh prefill of the whole prompt, sliding-window layers too
+    (which could not go back to run the window again); without the queries it is not
+    compacted."""
+    if name == "gemma3-q8":
+        path = write_tiny_gguf(tmp_path / "gemma3-q8.gguf", arch="gemma3", dim=64, n_heads=4, n_kv_heads=1,
+                               head_dim=32, ffn_dim=128, ctx=1024, qtype=Q.Q8_0, seed=4)
+    else:
+        path = models[name]
+    m = engine.load(path, backend="cpu", prefill_chunk=32, snapkv_budget=0)
+    cfg = SnapKvConfig(budget=48, window=16, sinks=2, min_tokens=16)
+    ids, more = PROMPT[:150], PROMPT[150:160]
+    kept = []
+
+    def keep(cache, q):
+        branch = cache.copy()
+        branch.tail_queries = (cache.logical_length - q.shape[2], q.copy())
+        kept.append(branch)
+
+    for _ in m.forward.prefill_steps(ids, m.forward.new_cache(), snapkv=cfg, before_evict=keep):
+        pass
+    branch, bare = kept[0], kept[0].copy()
+    bare.tail_queries = None
+    got = m.forward.prefill(more, branch, snapkv=cfg, compact_continued=True)
+    fresh = m.forward.new_cache()
+    want = m.forward.prefill(ids + more, fresh, snapkv=cfg)
+    assert branch.eviction is not None and branch.logical_length == fresh.logical_length == 160
+    for a, b in zip(branch.layers, fresh.layers):
+        assert a.length == b.length
+        if b.last_keep is not None:
+            np.testing.assert_array_equal(a.last_keep, b.last_keep)
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    m.forward.prefill(more, bare, snapkv=cfg, compact_continued=True)
+    assert bare.eviction is None and bare.layers[-1].length == 160
+
+
 def test_chunked_and_unchunked_prefill_select_the_same_rows(models):
     ids = PROMPT[:200]
     keeps = []

@@ -225,8 +225,9 @@ def test_the_next_chat_turn_reuses_the_cache(served, reference):
         assert r.usage.model_extra["kv_bytes"] < r.usage.model_extra["kv_bytes_full"]
         assert r.choices[0].message.content == want.text
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
-    # 2nd: from the 1st's whole prompt, kept before its eviction; the observation window runs again
-    assert cached[0] > 0 and cached[1] == r.usage.prompt_tokens - KV_POLICY.window
+    # 2nd: from the 1st's whole prompt, kept before its eviction with its window's queries: only
+    # the last token runs again
+    assert cached[0] > 0 and cached[1] == r.usage.prompt_tokens - 1
 
 
 def test_a_follow_up_to_an_evicted_conversation_continues_its_whole_prompt(served, reference):
@@ -243,9 +244,9 @@ def test_a_follow_up_to_an_evicted_conversation_continues_its_whole_prompt(serve
                      {"role": "user", "content": "And the last word?"}]
     second = c.chat.completions.create(messages=turn2, **kw)
     u = second.usage.model_extra
-    # reused: turn 1's prompt, less what the new turn's observation window reaches back into
-    assert second.usage.prompt_tokens_details.cached_tokens == min(first.usage.prompt_tokens,
-                                                                   second.usage.prompt_tokens - KV_POLICY.window)
+    # reused: turn 1's whole prompt (the window's queries over its last tokens were kept with it)
+    assert second.usage.prompt_tokens - KV_POLICY.window < first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
     assert u["kv_policy"] is not None and u["kv_bytes"] < u["kv_bytes_full"]
     assert second.choices[0].message.content == reference.generate(turn2, chat=True, max_tokens=10, temperature=0.0,
                                                                    snapkv=KV_POLICY).text
