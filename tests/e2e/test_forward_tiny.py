@@ -19,6 +19,8 @@ def models(tmp_path_factory):
         "qwen2-q4_1": write_tiny_gguf(d / "qwen2.gguf", arch="qwen2", qtype=Q.Q4_1, seed=2),
         "llama-q4_k": write_tiny_gguf(d / "llama-q4k.gguf", dim=256, n_heads=4, n_kv_heads=1, ffn_dim=256,
                                       qtype=Q.Q4_K, seed=3),
+        "gemma3-q8": write_tiny_gguf(d / "gemma3-q8.gguf", arch="gemma3", dim=64, n_heads=4, n_kv_heads=1,
+                                     head_dim=32, ffn_dim=128, ctx=1024, qtype=Q.Q8_0, seed=4),
     }
 
 
@@ -158,17 +160,13 @@ def test_adaptive_head_budgets_share_each_layers_rows_and_never_read_filler(mode
     np.testing.assert_array_equal(a, b)
 
 @pytest.mark.parametrize("name", ["qwen2-q4_1", "gemma3-q8"])
-def test_a_short_continuation_is_evicted_with_the_kept_window_queries(models, tmp_path, name):
+def test_a_short_continuation_is_evicted_with_the_kept_window_queries(models, name):
     """A prompt's cache kept before its eviction with the window's queries (tail_queries),
     continued by fewer tokens than the window and evicted as a whole, keeps the rows and
     gives the logits of a fresh prefill of the whole prompt, sliding-window layers too
     (which could not go back to run the window again); without the queries it is not
     compacted."""
-    if name == "gemma3-q8":
-        path = write_tiny_gguf(tmp_path / "gemma3-q8.gguf", arch="gemma3", dim=64, n_heads=4, n_kv_heads=1,
-                               head_dim=32, ffn_dim=128, ctx=1024, qtype=Q.Q8_0, seed=4)
-    else:
-        path = models[name]
+    path = models[name]
     m = engine.load(path, backend="cpu", prefill_chunk=32, snapkv_budget=0)
     cfg = SnapKvConfig(budget=48, window=16, sinks=2, min_tokens=16)
     ids, more = PROMPT[:150], PROMPT[150:160]
@@ -246,15 +244,11 @@ def test_continued_prompt_not_compacted_again(models):
 
 
 @pytest.mark.parametrize("name", ["qwen2-q4_1", "gemma3-q8"])
-def test_decode_batch_equals_one_sequence_at_a_time(models, tmp_path, name):
+def test_decode_batch_equals_one_sequence_at_a_time(models, name):
     """A batched decode step over caches of different lengths, eviction and row formats
     gives each sequence exactly the logits of its own decode step (the server's
     concurrent answers depend on it), also with sliding-window layers (gemma3)."""
-    if name == "gemma3-q8":
-        path = write_tiny_gguf(tmp_path / "gemma3-q8.gguf", arch="gemma3", dim=64, n_heads=4, n_kv_heads=1,
-                               head_dim=32, ffn_dim=128, ctx=1024, qtype=Q.Q8_0, seed=4)
-    else:
-        path = models[name]
+    path = models[name]
     m = engine.load(path, backend="cpu", prefill_chunk=32, snapkv_budget=0)
     specs = [(PROMPT[:150], SnapKvConfig(budget=48, window=8, sinks=2, min_tokens=16), None),
              (PROMPT[7:20], False, "tq4"), (PROMPT[40:110], False, None)]
@@ -279,13 +273,12 @@ def test_decode_batch_equals_one_sequence_at_a_time(models, tmp_path, name):
         m.forward.decode_batch([1, 2], [batched[0][0], batched[0][0]])
 
 
-def test_kv_pages_split_over_pools_by_a_buffer_cap_change_nothing(tmp_path):
+def test_kv_pages_split_over_pools_by_a_buffer_cap_change_nothing(models):
     """A backend that caps one KV buffer (Vulkan: maxStorageBufferRange) gets the layers'
     pages in several pools (here the biggest layer's size: the global layer alone, the
     sliding-window layers together); prefill with SnapKV, decode, and a pool shared by
     caches give the logits of one pool, bit for bit."""
-    path = write_tiny_gguf(tmp_path / "gemma3-q8.gguf", arch="gemma3", dim=64, n_heads=4, n_kv_heads=1,
-                           head_dim=32, ffn_dim=128, ctx=1024, qtype=Q.Q8_0, seed=4)
+    path = models["gemma3-q8"]
     plain = engine.load(path, backend="cpu", prefill_chunk=32, snapkv_budget=0)
     capped = engine.load(path, backend="cpu", prefill_chunk=32, snapkv_budget=0)
     one = plain.new_cache()
