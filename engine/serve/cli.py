@@ -25,8 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "a request waits until its prompt fits; when pages run short the newest running "
                         "request is preempted and resumes later")
     p.add_argument("--prompt-cache", dest="prompt_cache", type=int, default=4,
-                   help="caches of the last N finished requests kept in the pool, so a request that "
-                        "extends one (the next chat turn) runs only its new tokens (default 4; 0 = off)")
+                   help="caches of the last N requests kept in the pool (an evicting one's whole prompt, "
+                        "taken before compaction), so a request that extends one (the next chat turn) runs "
+                        "only its new tokens (default 4; 0 = off)")
     p.add_argument("--max-queue", dest="max_queue", type=int, default=16,
                    help="requests that may wait behind the running ones; more get 503 (default 16)")
     p.add_argument("--model-id", dest="model_id", help="the id /v1/models lists (default: the file name)")
