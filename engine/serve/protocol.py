@@ -208,6 +208,8 @@ def metrics(state: dict) -> str:
            [("", state["preempted"])])
     metric("prompt_tokens_total", "counter", "Prompt tokens run through the model (a preempted request's again).",
            [("", state["prompt_tokens"])])
+    metric("prompt_tokens_cached_total", "counter", "Prompt tokens taken from kept caches instead of run.",
+           [("", state["cached_tokens"])])
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", state["generation_tokens"])])
     metric("requests_running", "gauge", "Requests admitted (prefilling or decoding).",
            [("", len(state["running"]))])

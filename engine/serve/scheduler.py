@@ -88,7 +88,7 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "preempted": 0,
-                       "prompt_tokens": 0, "generation_tokens": 0}
+                       "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0}
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -232,6 +232,7 @@ class Scheduler:
             self._waiting.popleft()
             h.sequence = seq
             self._running.append(h)
+            self.counts["cached_tokens"] += seq.cached_tokens
         return never
 
     # -- prompt cache: finished requests' caches, reused by requests that extend them ----------

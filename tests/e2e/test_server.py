@@ -242,11 +242,17 @@ def test_a_follow_up_to_an_evicted_conversation_continues_its_whole_prompt(serve
     assert served.get("/state")["prompt_cache"]["caches"] >= 1
     turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "And the last word?"}]
+    before = _metrics(served)
     second = c.chat.completions.create(messages=turn2, **kw)
+    after = _metrics(served)
     u = second.usage.model_extra
     # reused: turn 1's whole prompt (the window's queries over its last tokens were kept with it)
     assert second.usage.prompt_tokens - KV_POLICY.window < first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
+    assert after["snapkv_prompt_tokens_cached_total"] - before["snapkv_prompt_tokens_cached_total"] == \
+        first.usage.prompt_tokens
+    assert after["snapkv_prompt_tokens_total"] - before["snapkv_prompt_tokens_total"] == \
+        second.usage.prompt_tokens - first.usage.prompt_tokens
     assert u["kv_policy"] is not None and u["kv_bytes"] < u["kv_bytes_full"]
     assert second.choices[0].message.content == reference.generate(turn2, chat=True, max_tokens=10, temperature=0.0,
                                                                    snapkv=KV_POLICY).text
