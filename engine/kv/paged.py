@@ -186,8 +186,6 @@ class PagedKvCache:
         self._table_stale = False
         self.last_keep = None         # the last compaction's keep sets: int64 [n_kv_heads, n_keep], or
                                       # a list of one array per KV head when their lengths differ
-        self.filler: np.ndarray | None = None   # int64 [n_kv_heads]: rows each KV head holds but never
-                                                # attends to (bias EMPTY_BIAS), when any
         self.row_bias: np.ndarray | None = None    # f32 [n_kv_heads, n_bias]: log-counts of rows 0..n_bias-1
         self._bias_dev = None                      # (merged rows, engine/kv/merge.py); never changed in place
 
@@ -200,7 +198,10 @@ class PagedKvCache:
     def head_rows(self) -> np.ndarray | None:
         """Rows each KV head attends to, int64 [n_kv_heads], when they differ from `length`
         (adaptive head budgets, a merge short of rows); None when every head uses all."""
-        return None if self.filler is None else self.length - self.filler
+        if self.row_bias is None:
+            return None
+        unseen = (self.row_bias <= EMPTY_BIAS / 2).sum(axis=1)      # filler rows bias EMPTY_BIAS
+        return self.length - unseen if unseen.any() else None
 
     @property
     def n_pages(self) -> int:
@@ -313,7 +314,7 @@ class PagedKvCache:
         """Every page back to the pool; the layer is empty."""
         self._release_from(0)
         self.first_page = self.length = self.logical_length = self.intact_from = 0
-        self.last_keep = self.filler = None
+        self.last_keep = None
         self._set_bias(None)
 
     @property
@@ -391,8 +392,6 @@ class PagedKvCache:
             self.length += n_merged
         self._set_bias(bias if bias.any() else None)
         self.last_keep = kept
-        unseen = (bias <= EMPTY_BIAS / 2).sum(axis=1)
-        self.filler = unseen if unseen.any() else None
         return CompactReport(before.rows_before, self.length, before.bytes_before, self.bytes)
 
     def _validated(self, keep, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -525,7 +524,7 @@ class KvCache:
             theirs._table[:] = mine._table if remap is None else remap[mine._table]
             theirs.first_page, theirs.intact_from = mine.first_page, mine.intact_from
             theirs.length, theirs.logical_length = mine.length, mine.logical_length
-            theirs.last_keep, theirs.filler = mine.last_keep, mine.filler
+            theirs.last_keep = mine.last_keep
             theirs.row_bias, theirs._bias_dev = mine.row_bias, mine._bias_dev   # read-only, shared
         other.eviction, other.tail_queries = self.eviction, self.tail_queries      # (read-only, shared)
         return other
