@@ -19,8 +19,8 @@ STAMP := $(VENV)/.setup/complete
 setup:
 	@"$(ROOT)/tools/setup.sh"
 
-# "setup if needed": rerun when the venv is gone or pyproject/setup.sh changed.
-$(STAMP): $(ROOT)/pyproject.toml $(ROOT)/tools/setup.sh $(ROOT)/tools/install_gemma3.py $(ROOT)/tools/build_kp_barrier.py $(ROOT)/backends/vulkan/native/kp_barrier.cpp
+# "setup if needed": rerun when the venv is gone or a set-up input (pyproject, setup.sh, the kp patch, ...) changed.
+$(STAMP): $(ROOT)/pyproject.toml $(ROOT)/tools/setup.sh $(ROOT)/tools/kp-0.9.0.patch $(ROOT)/tools/install_gemma3.py $(ROOT)/tools/build_kp_barrier.py $(ROOT)/backends/vulkan/native/kp_barrier.cpp
 	@"$(ROOT)/tools/setup.sh"
 
 run: $(STAMP)

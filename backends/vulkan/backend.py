@@ -6,11 +6,14 @@ the sequence is submitted when the host needs a result (`download`, `synchronize
 (`submit`, so no submission runs for a whole prompt). A decode token (all layers, the
 head, and on device-local buffers the logits' copy back) is one submission, and
 nothing crosses host<->device per token except the token id (a push constant), the
-logits, and a page table's few ints when a layer adds a page. Pipelines (kp.Algorithm)
-are cached by (shader variant, bound buffers, grid); the forward pass reuses its
-scratch buffers and the KV cache updates its page tables in place (`update`), so after
-the first token every dispatch hits the cache. Counters: `submissions`,
-`pipelines_created`, `bytes_to_device`, `bytes_to_host` (tests/backends/test_vulkan_model.py).
+logits, and a page table's few ints when a layer adds a page. Algorithms (kp.Algorithm:
+a pipeline with its bound buffers) are cached by (shader variant, bound buffers, grid);
+the forward pass reuses its scratch buffers and the KV cache updates its page tables in
+place (`update`), so after the first token every dispatch hits the cache. kp, patched
+(tools/kp-0.9.0.patch), compiles one pipeline per shader variant and shares it among
+the algorithms that bind different buffers, so a new cache or a new prompt compiles
+nothing. Counters: `submissions`, `algorithms_created`, `pipelines_compiled`,
+`bytes_to_device`, `bytes_to_host` (tests/backends/test_vulkan_model.py).
 
 On GPUs consecutive dispatches are separated by a global compute/transfer
 memory barrier, `OpGlobalBarrier` from our small extension `_kp_barrier`
@@ -121,7 +124,7 @@ class VulkanBackend:
         self._sync = sync_mode(info["type"], device_local, OpGlobalBarrier is not None)
         self._barrier = OpGlobalBarrier() if self._sync == "barrier" else None
         self.submissions = 0                               # queue submissions (sequence evals)
-        self.pipelines_created = 0                         # kp.Algorithm objects made (pipeline cache misses)
+        self.algorithms_created = 0                        # kp.Algorithm objects made (cache misses)
         self._algos: OrderedDict = OrderedDict()           # key -> kp.Algorithm
         self._by_serial: dict[int, set] = {}               # buffer serial -> cache keys using it
         self._seq = None
@@ -142,6 +145,13 @@ class VulkanBackend:
         self._readback: dict[int, Buffer] = {}             # device-only buffer serial -> host copy
         self.bytes_to_device = 0                           # host<->device traffic counters
         self.bytes_to_host = 0
+
+    @property
+    def pipelines_compiled(self) -> int | None:
+        """Compute pipelines compiled in this process (all backends), or None with a kp
+        built without tools/kp-0.9.0.patch's pipeline sharing."""
+        count = getattr(kp, "compiled_pipelines", None)
+        return None if count is None else count()
 
     # -- buffers ----------------------------------------------------------------------
     def _buffer(self, words: np.ndarray, zeros: bool = False) -> Buffer:
@@ -298,7 +308,7 @@ class VulkanBackend:
             check_grid(self.device, shader, grid)
             algo = self.mgr.algorithm([b.tensor for b in buffers], shaders.spirv(shader, defines),
                                       list(grid), _u32(*spec) if spec else _NO_SPEC, push)
-            self.pipelines_created += 1
+            self.algorithms_created += 1
             self._algos[key] = algo
             for b in buffers:
                 self._by_serial.setdefault(b.serial, set()).add(key)

@@ -73,16 +73,36 @@ def test_decode_counters_per_token(models):
     cache, logits = vk.prefill(vk.tokenize(PROMPT))
     token = int(np.argmax(vk.forward.decode(int(np.argmax(logits)), cache)))     # warm-up
     start_rows = cache.length
-    before = (b.submissions, b.pipelines_created, b.bytes_to_device, b.bytes_to_host)
+    before = (b.submissions, b.algorithms_created, b.bytes_to_device, b.bytes_to_host)
     n = 72
     for _ in range(n):
         token = int(np.argmax(vk.forward.decode(token, cache)))
     assert start_rows < 64 < cache.length
     assert b.submissions - before[0] == n
-    assert b.pipelines_created - before[1] == 0
+    assert b.algorithms_created - before[1] == 0
     table_bytes = 4 * -(-CTX // 64)                      # one layer's page table
     assert b.bytes_to_device - before[2] == cfg.n_layers * table_bytes   # once, at row 64
     assert b.bytes_to_host - before[3] == n * 4 * cfg.vocab_size
+
+
+def test_a_new_cache_compiles_no_pipeline(models):
+    """Pipelines are compiled once per shader variant (kp patched by
+    tools/kp-0.9.0.patch) and shared by the algorithms that bind other buffers: after
+    one prompt and two decode tokens, another prompt on a fresh cache (new KV pages, new
+    page tables, so new algorithms) and its first decode tokens compile nothing. Before,
+    lavapipe compiled ~250 pipelines (7-8 s) before the first decoded token."""
+    vk = models[1]
+    b = vk.backend
+    assert b.pipelines_compiled is not None, "kp built without tools/kp-0.9.0.patch: run make setup"
+    ids = vk.tokenize(PROMPT)
+    for _ in range(2):
+        before = (b.pipelines_compiled, b.algorithms_created)
+        cache, logits = vk.prefill(ids)
+        token = int(np.argmax(logits))
+        for _ in range(2):
+            token = int(np.argmax(vk.forward.decode(token, cache)))
+    assert b.algorithms_created > before[1]
+    assert b.pipelines_compiled == before[0]
 
 
 def test_prefill_submits_every_chunk(models):
@@ -153,8 +173,8 @@ def test_gpu_buffers_live_in_device_memory_only(monkeypatch, models, default_mod
     check_logits_and_tokens(models[0], gpu, models[0].tokenize(PROMPT), 4, tol=1e-4)
     cache, logits = gpu.prefill(gpu.tokenize(PROMPT))
     token = int(np.argmax(gpu.forward.decode(int(np.argmax(logits)), cache)))       # warm-up
-    before = (b.submissions, b.pipelines_created, b.bytes_to_host)
+    before = (b.submissions, b.algorithms_created, b.bytes_to_host)
     for _ in range(4):
         token = int(np.argmax(gpu.forward.decode(token, cache)))
-    assert (b.submissions - before[0], b.pipelines_created - before[1]) == (4, 0)
+    assert (b.submissions - before[0], b.algorithms_created - before[1]) == (4, 0)
     assert b.bytes_to_host - before[2] == 4 * 4 * gpu.config.vocab_size
