@@ -1,7 +1,8 @@
 #version 450
 // out[i, :] = dequantized row ids[i] of the table (raw GGUF blocks).
 // ids come from the IDS buffer, or from the push constant id0 when n == 1; a table
-// split over several buffers (backends/vulkan/weights.py) is one dispatch per part.
+// split over several buffers (backends/vulkan/weights.py) is one dispatch per part;
+// with BLOCK_MAJOR the table is stored block-major (quant.glsl).
 // Grid: (ceil(ceil(cols/32) / 64), n, 1); one thread per 32-element sub-block.
 #extension GL_GOOGLE_include_directive : require
 layout(local_size_x = 64) in;
@@ -21,7 +22,11 @@ void main() {
     uint id = (pc.use_ids != 0u ? uint(IDS[i]) : pc.id0) - pc.row0;
     if (id >= pc.part_rows) return;                          // another part's row
     float w[32];
+#if defined(BLOCK_MAJOR)
+    dequant32(block_major_base(id, sub, pc.part_rows, pc.row_bytes), sub, pc.cols, w);
+#else
     dequant32(id * pc.row_bytes, sub, pc.cols, w);
+#endif
     uint o = pc.o_off + i * pc.o_stride + sub * 32u;
     uint cn = min(32u, pc.cols - sub * 32u);
     for (uint k = 0u; k < cn; k++) O[o + k] = w[k];

@@ -15,6 +15,8 @@
 // workgroup of LX invocations, each computing TR rows x TN tokens, walks the
 // sub-blocks in step, so each activation value it loads serves TR rows and each
 // dequantized block serves TN tokens. Grid: (ceil(rows / (LX * TR)), ceil(n / TN), 1).
+// With BLOCK_MAJOR (quant.glsl) the weights are stored block-major per group of LX * TR
+// rows, so the blocks a workgroup reads at one step are contiguous in memory.
 #extension GL_GOOGLE_include_directive : require
 #ifndef TN
 #define TN 1u
@@ -63,7 +65,11 @@ void main() {
         }
         for (uint r = 0u; r < TR; r++) {
             uint row = min(row0 + LX * r, pc.rows - 1u);
+#if defined(BLOCK_MAJOR)
+            dequant32(block_major_base(row, sub, pc.rows, pc.row_bytes), sub, pc.cols, w);
+#else
             dequant32(row * pc.row_bytes, sub, pc.cols, w);
+#endif
             for (uint t = 0u; t < TN; t++) {
                 float s = 0.0;
                 for (uint i = 0u; i < 32u; i++) s += w[i] * xs[t * 32u + i];
@@ -79,6 +85,9 @@ void main() {
     }
 }
 #else
+#if defined(BLOCK_MAJOR)
+#error "block-major weights are read by the ROW_PER_LANE layout only"
+#endif
 shared float part[TN * WG];
 
 void main() {

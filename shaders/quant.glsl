@@ -77,6 +77,23 @@ void scale_min_k4(uint j, uint s, out float sc, out float mn) {
 }
 #endif
 
+#if defined(BLOCK_MAJOR)
+// Block-major weights (CPU Vulkan devices; backends/vulkan/weights.py): rows in groups of
+// BLOCK_MAJOR_ROWS, each group storing block 0 of its rows, then block 1, ... (a row's
+// blocks are no longer contiguous). The row_base that makes dequant32 read block
+// sub / (QK / 32) of `row` there, in a matrix of `rows` rows of `row_bytes` bytes.
+#define BLOCK_MAJOR_ROWS 256u
+#if defined(FLOAT_WEIGHTS)
+#error "float weights are never stored block-major"
+#endif
+uint block_major_base(uint row, uint sub, uint rows, uint row_bytes) {
+    uint g0 = row - row % BLOCK_MAJOR_ROWS;
+    uint kb = sub / (QK / 32u);
+    uint addr = g0 * row_bytes + (kb * min(BLOCK_MAJOR_ROWS, rows - g0) + row - g0) * BLOCK_BYTES;
+    return addr - kb * BLOCK_BYTES;        // dequant32 adds kb * BLOCK_BYTES back (mod 2^32)
+}
+#endif
+
 // Weights row_base .. of sub-block `sub` (elements sub*32 .. sub*32+31) -> w.
 // `valid`: elements in the row (only float types may end mid sub-block).
 void dequant32(uint row_base, uint sub, uint valid, out float w[32]) {

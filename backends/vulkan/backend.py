@@ -398,7 +398,7 @@ class VulkanBackend:
         nsub = -(-cols // 32)
         for r0, n_rows, buf in table.parts:                # each part writes the ids in its rows
             push = _u32(n, cols, table.row_bytes, id0, use, out.offset, out.row_stride, r0, n_rows)
-            self._dispatch("embedding", (table.define,), [buf, id_buf, out.buffer], (-(-nsub // 64), n, 1), push)
+            self._dispatch("embedding", table.defines, [buf, id_buf, out.buffer], (-(-nsub // 64), n, 1), push)
 
     def rms_norm(self, x, weight, eps: float, out) -> None:
         x, out, weight = self._f32(x, "rms_norm"), self._f32(out, "rms_norm"), self._f32(weight, "rms_norm", 1)
@@ -423,11 +423,14 @@ class VulkanBackend:
         else:
             bias = self._f32(bias, "matmul bias", 1)
             b_buf, b_off, has_b = bias.buffer, bias.offset, 1
+        if w.block_major and not self.matmul_cpu_layout:
+            raise ValueError("vulkan matmul: a block-major weight (loaded for the ROW_PER_LANE layout) "
+                             "cannot run in the GPU layout")
         for r0, n_rows, buf in w.parts:                    # each part: its columns of out
             defines, lpr_log2, grid = shaders.matmul_geometry(n_rows, cols, n, self.matmul_cpu_layout)
             push = _u32(n_rows, cols, n, w.row_bytes, x.offset, x.row_stride, out.offset + r0, out.row_stride,
                         b_off + r0, has_b, lpr_log2)
-            self._dispatch("matmul", (w.define,) + defines, [buf, x.buffer, out.buffer, b_buf], grid, push)
+            self._dispatch("matmul", w.defines + defines, [buf, x.buffer, out.buffer, b_buf], grid, push)
 
     def _rope_table(self, base: float, rot_dim: int, max_pos: int, factors=None) -> DeviceArray:
         """(cos, sin) f32 [cap, rot_dim/2, 2], computed in float64; grown on demand."""

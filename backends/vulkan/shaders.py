@@ -31,6 +31,7 @@ MATMUL_TN = 4       # tokens per workgroup of the mat-mat variant, GPU layout (s
 MATMUL_TN_CPU = 2   # the same, ROW_PER_LANE layout (CPU devices; best on lavapipe)
 MATMUL_WG = 64      # invocations per workgroup, GPU layout (matmul.comp's WG)
 MATMUL_ROWS_CPU = 8 * 32   # rows per workgroup, ROW_PER_LANE layout (matmul.comp's LX * TR)
+BLOCK_MAJOR_ROWS = MATMUL_ROWS_CPU   # rows per group of block-major weights (quant.glsl)
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
 DECODE_SPLITS = 16         # spans of the context in split decode attention (attention.comp SPLIT)
 MAX_GROUP = 8              # query heads one attention workgroup serves (attention.comp GROUP)
@@ -87,11 +88,16 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
                     ("attention", kv_defines(k, v) + (f"SPLIT={DECODE_SPLITS}u",))]
     out += [("eltwise", (define,)) for define in ELTWISE_OPS.values()]
     for q in QTYPES:
+        blocks = q not in ("F32", "F16", "BF16")           # block-major weights (CPU devices)
         out.append(("embedding", (f"QTYPE_{q}",)))
         for tn in (1, MATMUL_TN):
             out.append(("matmul", (f"QTYPE_{q}", f"TN={tn}u")))
         for tn in (1, MATMUL_TN_CPU):
             out.append(("matmul", (f"QTYPE_{q}", "ROW_PER_LANE", f"TN={tn}u")))
+            if blocks:
+                out.append(("matmul", (f"QTYPE_{q}", "BLOCK_MAJOR", "ROW_PER_LANE", f"TN={tn}u")))
+        if blocks:
+            out.append(("embedding", (f"QTYPE_{q}", "BLOCK_MAJOR")))
     return out
 
 

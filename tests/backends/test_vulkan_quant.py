@@ -121,21 +121,32 @@ def test_unsupported_type_is_named(vk):
 def test_matmul_both_layouts(vk, qtype, rows, cols):
     """matmul.comp's two layouts on this device whatever its type: the GPU one (lanes
     along a row, a shared-memory reduction; 18 and 33 sub-blocks per row leave lanes
-    idle on the last pass) and ROW_PER_LANE (CPU devices): mat-vec, mat-mat with a
-    partial token tile, bias."""
+    idle on the last pass) and ROW_PER_LANE (CPU devices), whose block-quantized weights
+    are stored block-major (300 rows: a group of 256 and a partial one): mat-vec, mat-mat
+    with a partial token tile, bias, and embedding rows from each weight layout. A
+    block-major weight in the GPU layout is refused."""
     if qtype in K_QUANTS and cols % 256:
         cols = 1280
     raw = make_raw(qtype, rows, cols, seed=rows + cols + 1)
     W = np.asarray(dequantize(raw, qtype), np.float32).reshape(rows, cols)
-    w = vk.load_weight(raw, qtype, (rows, cols))
     rng = np.random.default_rng(2)
     x = rng.standard_normal((7, cols)).astype(np.float32)
     bias = rng.standard_normal(rows).astype(np.float32)
+    ids = np.array([rows - 1, 0, 255 % rows, 256 % rows], np.int32)
     layout = vk.matmul_cpu_layout
     try:
         for vk.matmul_cpu_layout in (False, True):
+            w = vk.load_weight(raw, qtype, (rows, cols))
+            assert w.block_major == (vk.matmul_cpu_layout and qtype not in (Q.F32, Q.F16, Q.BF16))
             check_matmul(vk, w, W, x[:1])
             check_matmul(vk, w, W, x, bias)
+            out = vk.alloc((len(ids), cols))
+            vk.embedding(w, ids, out)
+            np.testing.assert_allclose(vk.download(out), W[ids], rtol=0, atol=1e-6 * np.abs(W).max())
+        if w.block_major:
+            vk.matmul_cpu_layout = False
+            with pytest.raises(ValueError, match="block-major weight"):
+                check_matmul(vk, w, W, x[:1])
     finally:
         vk.matmul_cpu_layout = layout
 
