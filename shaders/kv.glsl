@@ -18,6 +18,9 @@
 #define FMT_TQ4 3
 #define FMT_TQ3 4
 #define MAX_DIM 256u             // head_dim <= 256
+#ifndef KV_HEAD_DIM
+#define KV_HEAD_DIM pc.head_dim  // a shader may make it a constant (attention_lanes.comp)
+#endif
 
 #include "common.glsl"      // f16_to_f32, unpack_bf16x2
 
@@ -151,7 +154,7 @@ void kv_tables_init(uint tid) {
 // q . k for the key row at byte rb (K_FMT): the query element i is KQ(qo, i). tq keys
 // are read in the rotated basis (the query is R q).
 float k_dot(uint rb, uint qo) {
-    uint hd = pc.head_dim;
+    uint hd = KV_HEAD_DIM;
     float s = 0.0;
 #if K_FMT == FMT_BF16
     uint w0 = rb >> 2;
@@ -220,7 +223,7 @@ float v_row_scale(uint rb) { return f16_to_f32(KV_RD16(VP, rb)); }
 vec4 v_load4(uint rb, uint g) {
 #if V_FMT == FMT_BF16
     uint w = (rb >> 2) + 2u * g;
-    return vec4(unpack_bf16x2(VP[w]), 4u * g + 2u < pc.head_dim ? unpack_bf16x2(VP[w + 1u]) : vec2(0.0));
+    return vec4(unpack_bf16x2(VP[w]), 4u * g + 2u < KV_HEAD_DIM ? unpack_bf16x2(VP[w + 1u]) : vec2(0.0));
 #elif V_FMT == FMT_Q8_0
     uint o = rb + 34u * (g >> 3), a = o + 2u + 4u * (g & 7u);
     int wd = int(KV_RD32(VP, a));

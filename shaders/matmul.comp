@@ -23,7 +23,7 @@
 #endif
 #define WG 64u
 #define LX 8u
-#define TR 32u
+layout(constant_id = 0) const uint TR = 32u;   // ROW_PER_LANE: rows per lane (shaders.matmul_geometry)
 #if defined(ROW_PER_LANE)
 layout(local_size_x = 8) in;
 #else

@@ -34,6 +34,7 @@ backend keeps (so the pipelines that bind them stay cached).
 """
 from __future__ import annotations
 
+import os
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -136,9 +137,13 @@ class VulkanBackend:
         self._rot_tables: dict = {}                        # head_dim -> f32 [2, hd, hd] (R^T, R) DeviceArray
         self._kept: dict = {}                              # role -> scratch Buffer (_kept_scratch)
         self.matmul_cpu_layout = self._cpu_device          # matmul.comp's ROW_PER_LANE layout
-        # decode attention in this many spans of the context merged by a second pass (GPUs:
-        # enough workgroups to fill the device at a few heads); one on CPU devices, whose
-        # few threads the heads already keep busy
+        # threads a CPU device runs workgroups on (lavapipe: LP_NUM_THREADS, else one per CPU)
+        self.cpu_threads = int(os.environ.get("LP_NUM_THREADS") or os.cpu_count() or 1)
+        # decode attention: on CPU devices attention_lanes.comp (a lane per row, no barriers;
+        # spans of the context for the device's threads), else attention.comp's tiles in this
+        # many spans of the context (GPUs: enough workgroups to fill the device at a few
+        # heads); either way merged by attention_combine.comp
+        self.decode_lanes = self._cpu_device
         self.decode_splits = 1 if self._cpu_device else shaders.DECODE_SPLITS
         self.max_buffer_bytes = max_buffer_bytes(info)     # larger weights are split by rows
         self.max_kv_buffer_bytes = self.max_buffer_bytes   # larger KV pools are split by layers
@@ -427,10 +432,11 @@ class VulkanBackend:
             raise ValueError("vulkan matmul: a block-major weight (loaded for the ROW_PER_LANE layout) "
                              "cannot run in the GPU layout")
         for r0, n_rows, buf in w.parts:                    # each part: its columns of out
-            defines, lpr_log2, grid = shaders.matmul_geometry(n_rows, cols, n, self.matmul_cpu_layout)
+            defines, lpr_log2, grid, spec = shaders.matmul_geometry(
+                n_rows, cols, n, self.cpu_threads if self.matmul_cpu_layout else None)
             push = _u32(n_rows, cols, n, w.row_bytes, x.offset, x.row_stride, out.offset + r0, out.row_stride,
                         b_off + r0, has_b, lpr_log2)
-            self._dispatch("matmul", w.defines + defines, [buf, x.buffer, out.buffer, b_buf], grid, push)
+            self._dispatch("matmul", w.defines + defines, [buf, x.buffer, out.buffer, b_buf], grid, push, spec)
 
     def _rope_table(self, base: float, rot_dim: int, max_pos: int, factors=None) -> DeviceArray:
         """(cos, sin) f32 [cap, rot_dim/2, 2], computed in float64; grown on demand."""
@@ -566,7 +572,16 @@ class VulkanBackend:
         qpw = min(shaders.MAX_GROUP // group, n)           # queries per workgroup: a K/V row read serves all
         spec = (group, qpw) if group * qpw > 1 else ()
         splits = self.decode_splits if n == 1 else 1
-        if splits > 1:                                     # flash-decoding: spans, then a merge
+        if n == 1 and self.decode_lanes and n_q_heads // n_kv <= shaders.MAX_GROUP:
+            group, spans = n_q_heads // n_kv, self.cpu_threads   # CPU devices: a lane per row, spans per thread
+            splits = spans * shaders.ATTENTION_LANES
+            part = self._kept_scratch("partials", n_q_heads * splits * (head_dim + 2))
+            self._dispatch("attention_lanes", defines,
+                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, part, bias_buf],
+                           (n_kv, spans, 1), push, (group, head_dim))
+            self._dispatch("attention_combine", (), [part, o.buffer], (n_q_heads, 1, 1),
+                           _u32(head_dim, splits, o.offset))
+        elif splits > 1:                                   # flash-decoding: spans, then a merge
             part = self._kept_scratch("partials", n_q_heads * splits * (head_dim + 2))
             self._dispatch("attention", defines + (f"SPLIT={splits}u",),
                            [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, part, bias_buf],

@@ -30,27 +30,38 @@ QTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", 
 MATMUL_TN = 4       # tokens per workgroup of the mat-mat variant, GPU layout (shaders/matmul.comp)
 MATMUL_TN_CPU = 2   # the same, ROW_PER_LANE layout (CPU devices; best on lavapipe)
 MATMUL_WG = 64      # invocations per workgroup, GPU layout (matmul.comp's WG)
-MATMUL_ROWS_CPU = 8 * 32   # rows per workgroup, ROW_PER_LANE layout (matmul.comp's LX * TR)
+MATMUL_TR_CPU = 32         # ROW_PER_LANE: at most this many rows per lane (matmul.comp's TR)
+MATMUL_TR_CHOICES = (32, 24, 16, 12, 8, 4, 2, 1)   # its values (each a pipeline: few of them)
+MATMUL_ROWS_CPU = 8 * MATMUL_TR_CPU   # rows per workgroup at most, ROW_PER_LANE layout (LX * TR)
 BLOCK_MAJOR_ROWS = MATMUL_ROWS_CPU   # rows per group of block-major weights (quant.glsl)
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
 DECODE_SPLITS = 16         # spans of the context in split decode attention (attention.comp SPLIT)
 MAX_GROUP = 8              # query heads one attention workgroup serves (attention.comp GROUP)
+ATTENTION_LANES = 8        # invocations of an attention_lanes.comp workgroup (its LANES)
 
 
-def matmul_geometry(rows: int, cols: int, n: int, cpu_device: bool) -> tuple[tuple[str, ...], int, tuple]:
-    """(defines, log2 of lanes per row, grid) of a matmul dispatch (layouts: matmul.comp).
+def matmul_geometry(rows: int, cols: int, n: int, cpu_threads: int | None) -> tuple[tuple[str, ...], int, tuple, tuple]:
+    """(defines, log2 of lanes per row, grid, specialization constants) of a matmul
+    dispatch (layouts: matmul.comp). `cpu_threads`: None on GPUs, else the CPU device's
+    threads (its workgroups run a whole workgroup per thread).
     GPU layout: LPR lanes walk each row's 32-element sub-blocks together, LPR in 4..32
     chosen to leave the fewest lanes idle on the last pass (ties: more lanes), among those
     whose grid stays within the 65535 workgroups every device allows (a 151936-row head
-    of 1024 columns at 32 lanes a row would need 75968)."""
-    if cpu_device:
+    of 1024 columns at 32 lanes a row would need 75968).
+    ROW_PER_LANE: TR rows per lane (spec constant 0, one of MATMUL_TR_CHOICES) chosen so
+    that the threads' rounds of workgroups take the fewest rows per thread (ties: larger
+    TR): a 576-row matrix on 2 threads runs 6 workgroups of 96 rows (3 rounds of 96), not
+    3 of 256 (2 rounds of 256)."""
+    if cpu_threads is not None:
         tn = 1 if n == 1 else MATMUL_TN_CPU
-        return ("ROW_PER_LANE", f"TN={tn}u"), 0, (-(-rows // MATMUL_ROWS_CPU), -(-n // tn), 1)
+        lanes = MATMUL_ROWS_CPU // MATMUL_TR_CPU            # LX
+        tr = min(MATMUL_TR_CHOICES, key=lambda t: -(-(-(-rows // (lanes * t))) // cpu_threads) * t)
+        return ("ROW_PER_LANE", f"TN={tn}u"), 0, (-(-rows // (lanes * tr)), -(-n // tn), 1), (tr,)
     nsub = -(-cols // 32)
     fit = [lanes for lanes in (32, 16, 8, 4) if -(-rows // (MATMUL_WG // lanes)) <= MAX_WORKGROUPS] or [4]
     lpr = max(fit, key=lambda lanes: nsub / (-(-nsub // lanes) * lanes))
     tn = 1 if n == 1 else MATMUL_TN
-    return (f"TN={tn}u",), lpr.bit_length() - 1, (-(-rows // (MATMUL_WG // lpr)), -(-n // tn), 1)
+    return (f"TN={tn}u",), lpr.bit_length() - 1, (-(-rows // (MATMUL_WG // lpr)), -(-n // tn), 1), ()
 
 
 # elementwise op -> its eltwise.comp variant
@@ -85,6 +96,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
         out += [("snapkv_votes", ("PASS_STATS",) + kv_defines(k)), ("snapkv_votes", ("PASS_VOTES",) + kv_defines(k))]
         for v in KV_DTYPES:
             out += [("kv_write", kv_defines(k, v)), ("attention", kv_defines(k, v)),
+                    ("attention_lanes", kv_defines(k, v)),
                     ("attention", kv_defines(k, v) + (f"SPLIT={DECODE_SPLITS}u",))]
     out += [("eltwise", (define,)) for define in ELTWISE_OPS.values()]
     for q in QTYPES:

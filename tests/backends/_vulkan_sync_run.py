@@ -42,7 +42,7 @@ def main() -> None:
 
     def get_backend(name="cpu", threads=None, quiet=False, auto_gpu_only=False):
         b = vk_backend.VulkanBackend(device_local=True)
-        b.decode_splits = vk_backend.shaders.DECODE_SPLITS   # a GPU's split decode attention
+        b.decode_lanes, b.decode_splits = False, vk_backend.shaders.DECODE_SPLITS   # a GPU's split decode
         if mode == "none":
             b._sync = None                                 # the race the barrier exists to prevent
         backends.check_complete(b)

@@ -155,7 +155,7 @@ def test_gpu_buffers_live_in_device_memory_only(monkeypatch, models, default_mod
 
     def gpu_style(name="cpu", threads=None, quiet=False, auto_gpu_only=False):
         b = mod.VulkanBackend(device_local=True)
-        b.decode_splits = mod.shaders.DECODE_SPLITS        # a GPU's split decode attention too
+        b.decode_lanes, b.decode_splits = False, mod.shaders.DECODE_SPLITS   # a GPU's split decode too
         backends.check_complete(b)
         return b
 

@@ -494,8 +494,9 @@ def test_row_bias_shape_is_checked(vk):
 
 
 def check_attention(vk, kv, n_q, n_kv, n_rows, window, splits, prefill=0, n_bias=0):
-    """Decode over n_rows (each split count in turn), and a prefill of the last `prefill`
-    queries, against the reference; with n_bias, a row bias on the first n_bias rows."""
+    """Decode over n_rows (the lanes layout, then the tiles at each split count), and a
+    prefill of the last `prefill` queries, against the reference; with n_bias, a row bias
+    on the first n_bias rows."""
     from test_ops import TOL_ATTN, filled_pool
     rng = np.random.default_rng(n_rows + window + n_q)
     k_pages, v_pages, page_table = filled_pool(rng, n_rows, n_kv, 16, 64, kscale=2.0, kv=kv)
@@ -508,14 +509,14 @@ def check_attention(vk, kv, n_q, n_kv, n_rows, window, splits, prefill=0, n_bias
     want = np.empty_like(q[-1:])
     REF.attention_decode(q[-1:], k_pages, v_pages, page_table, n_rows, n_q, 0.125, want, window, *kv,
                          row_bias=bias)
-    try:
-        for n in splits:
-            vk.decode_splits = n
+    lanes = vk.decode_lanes
+    try:                        # attention_lanes.comp (CPU devices), then attention.comp's tiles
+        for vk.decode_lanes, vk.decode_splits in [(True, 1)] + [(False, n) for n in splits]:
             out = vk.upload(np.zeros_like(want))
             vk.attention_decode(dev[0][-1:], *dev[1:], n_rows, n_q, 0.125, out, window, *kv, row_bias=dev_bias)
-            assert nmse(vk.download(out), want) < TOL_ATTN, n
+            assert nmse(vk.download(out), want) < TOL_ATTN, (vk.decode_lanes, vk.decode_splits)
     finally:
-        vk.decode_splits = 1
+        vk.decode_lanes, vk.decode_splits = lanes, 1
     if prefill:
         start = n_rows - prefill
         want = np.empty_like(q)

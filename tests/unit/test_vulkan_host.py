@@ -116,11 +116,24 @@ def test_grid_check():
 
 
 @pytest.mark.parametrize("rows,cols", [(151936, 1024), (262144, 640), (262144, 2560), (49152, 576), (7, 256)])
-@pytest.mark.parametrize("cpu_device", [False, True])
-def test_matmul_grid_within_the_guaranteed_workgroup_count(rows, cols, cpu_device):
+@pytest.mark.parametrize("cpu_threads", [None, 1, 2, 16])
+def test_matmul_grid_within_the_guaranteed_workgroup_count(rows, cols, cpu_threads):
     from backends.vulkan import shaders
     for n in (1, 512):
-        _, lpr_log2, grid = shaders.matmul_geometry(rows, cols, n, cpu_device)
+        _, lpr_log2, grid, spec = shaders.matmul_geometry(rows, cols, n, cpu_threads)
         assert max(grid) <= 65535 and 0 <= lpr_log2 <= 5
-        if not cpu_device:          # every row has a slot: grid x * rows per workgroup covers them
+        if cpu_threads is None:     # every row has a slot: grid x * rows per workgroup covers them
             assert grid[0] * (shaders.MATMUL_WG >> lpr_log2) >= rows
+        else:                       # 8 lanes of TR rows each
+            assert spec[0] in shaders.MATMUL_TR_CHOICES and grid[0] * 8 * spec[0] >= rows
+
+
+@pytest.mark.parametrize("rows,threads,tr,workgroups", [(576, 2, 12, 6), (576, 1, 24, 3), (960, 2, 12, 10),
+                                                         (3072, 2, 32, 12), (49152, 2, 32, 192), (7, 2, 1, 1)])
+def test_cpu_matmul_rows_per_lane_balance_the_threads(rows, threads, tr, workgroups):
+    """ROW_PER_LANE picks the rows per lane that give each thread the fewest rows over its
+    rounds of workgroups: the default model's 576-row matrices in 6 workgroups on 2 threads
+    (3 rounds of 96 rows; 3 workgroups of 256 rows would take 2 rounds of 256)."""
+    from backends.vulkan import shaders
+    _, _, grid, spec = shaders.matmul_geometry(rows, 576, 1, threads)
+    assert (spec[0], grid[0]) == (tr, workgroups)
