@@ -572,8 +572,8 @@ class VulkanBackend:
         qpw = min(shaders.MAX_GROUP // group, n)           # queries per workgroup: a K/V row read serves all
         spec = (group, qpw) if group * qpw > 1 else ()
         splits = self.decode_splits if n == 1 else 1
-        if n == 1 and self.decode_lanes and n_q_heads // n_kv <= shaders.MAX_GROUP:
-            group, spans = n_q_heads // n_kv, self.cpu_threads   # CPU devices: a lane per row, spans per thread
+        if n == 1 and self.decode_lanes and group * n_kv == n_q_heads:    # CPU devices: a lane per row
+            spans = self.cpu_threads                                         # of a span per thread
             splits = spans * shaders.ATTENTION_LANES
             part = self._kept_scratch("partials", n_q_heads * splits * (head_dim + 2))
             self._dispatch("attention_lanes", defines,

@@ -33,7 +33,8 @@ MATMUL_WG = 64      # invocations per workgroup, GPU layout (matmul.comp's WG)
 MATMUL_TR_CPU = 32         # ROW_PER_LANE: at most this many rows per lane (matmul.comp's TR)
 MATMUL_TR_CHOICES = (32, 24, 16, 12, 8, 4, 2, 1)   # its values (each a pipeline: few of them)
 MATMUL_ROWS_CPU = 8 * MATMUL_TR_CPU   # rows per workgroup at most, ROW_PER_LANE layout (LX * TR)
-BLOCK_MAJOR_ROWS = MATMUL_ROWS_CPU   # rows per group of block-major weights (quant.glsl)
+BLOCK_MAJOR_ROWS = 256     # rows per group of block-major weights (quant.glsl): a ROW_PER_LANE
+                           # workgroup's rows (at most 256) are one or two contiguous runs
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
 DECODE_SPLITS = 16         # spans of the context in split decode attention (attention.comp SPLIT)
 MAX_GROUP = 8              # query heads one attention workgroup serves (attention.comp GROUP)
