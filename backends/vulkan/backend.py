@@ -572,26 +572,23 @@ class VulkanBackend:
         qpw = min(shaders.MAX_GROUP // group, n)           # queries per workgroup: a K/V row read serves all
         spec = (group, qpw) if group * qpw > 1 else ()
         splits = self.decode_splits if n == 1 else 1
+        pages = [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer]
         if n == 1 and self.decode_lanes and group * n_kv == n_q_heads:    # CPU devices: a lane per row
-            spans = self.cpu_threads                                         # of a span per thread
-            splits = spans * shaders.ATTENTION_LANES
-            part = self._kept_scratch("partials", n_q_heads * splits * (head_dim + 2))
-            self._dispatch("attention_lanes", defines,
-                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, part, bias_buf],
-                           (n_kv, spans, 1), push, (group, head_dim))
-            self._dispatch("attention_combine", (), [part, o.buffer], (n_q_heads, 1, 1),
-                           _u32(head_dim, splits, o.offset))
+            splits = self.cpu_threads * shaders.ATTENTION_LANES              # of a span per device thread
+            first = ("attention_lanes", defines, (n_kv, self.cpu_threads, 1), (group, head_dim))
         elif splits > 1:                                   # flash-decoding: spans, then a merge
+            first = ("attention", defines + (f"SPLIT={splits}u",), (workgroups, splits, 1), spec)
+        else:
+            first = None
+        if first is None:                                  # one pass: a workgroup per (KV) head and queries
+            self._dispatch("attention", defines, pages + [o.buffer, bias_buf], (workgroups, -(-n // qpw), 1),
+                           push, spec)
+        else:                                              # partial results per span, merged per head
+            shader, variant, grid, constants = first
             part = self._kept_scratch("partials", n_q_heads * splits * (head_dim + 2))
-            self._dispatch("attention", defines + (f"SPLIT={splits}u",),
-                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, part, bias_buf],
-                           (workgroups, splits, 1), push, spec)
+            self._dispatch(shader, variant, pages + [part, bias_buf], grid, push, constants)
             self._dispatch("attention_combine", (), [part, o.buffer], (n_q_heads, 1, 1),
                            _u32(head_dim, splits, o.offset))
-        else:
-            self._dispatch("attention", defines,
-                           [q.buffer, k_pages.buffer, v_pages.buffer, page_table.buffer, o.buffer, bias_buf],
-                           (workgroups, -(-n // qpw), 1), push, spec)
         if o is not out:                                   # sum_j p_j y_j back from the values' basis
             self._rotate(o, out, n_q_heads, head_dim, back=True)
 
