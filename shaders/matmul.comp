@@ -15,8 +15,9 @@
 // workgroup of LX invocations, each computing TR rows x TN tokens, walks the
 // sub-blocks in step, so each activation value it loads serves TR rows and each
 // dequantized block serves TN tokens. Grid: (ceil(rows / (LX * TR)), ceil(n / TN), 1).
-// With BLOCK_MAJOR (quant.glsl) the weights are stored block-major per group of LX * TR
-// rows, so the blocks a workgroup reads at one step are contiguous in memory.
+// TR (specialization constant 0) is chosen per matrix (shaders.matmul_geometry). With
+// BLOCK_MAJOR (quant.glsl) the weights are stored block-major per group of 256 rows, so
+// the blocks a workgroup reads at one step are one or two contiguous runs.
 #extension GL_GOOGLE_include_directive : require
 #ifndef TN
 #define TN 1u

@@ -30,9 +30,8 @@ QTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", 
 MATMUL_TN = 4       # tokens per workgroup of the mat-mat variant, GPU layout (shaders/matmul.comp)
 MATMUL_TN_CPU = 2   # the same, ROW_PER_LANE layout (CPU devices; best on lavapipe)
 MATMUL_WG = 64      # invocations per workgroup, GPU layout (matmul.comp's WG)
-MATMUL_TR_CPU = 32         # ROW_PER_LANE: at most this many rows per lane (matmul.comp's TR)
-MATMUL_TR_CHOICES = (32, 24, 16, 12, 8, 4, 2, 1)   # its values (each a pipeline: few of them)
-MATMUL_ROWS_CPU = 8 * MATMUL_TR_CPU   # rows per workgroup at most, ROW_PER_LANE layout (LX * TR)
+MATMUL_LANES_CPU = 8       # ROW_PER_LANE: invocations per workgroup (matmul.comp's LX)
+MATMUL_TR_CHOICES = (32, 24, 16, 12, 8, 4, 2, 1)   # its rows per lane, TR (each a pipeline: few of them)
 BLOCK_MAJOR_ROWS = 256     # rows per group of block-major weights (quant.glsl): a ROW_PER_LANE
                            # workgroup's rows (at most 256) are one or two contiguous runs
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
@@ -55,9 +54,13 @@ def matmul_geometry(rows: int, cols: int, n: int, cpu_threads: int | None) -> tu
     3 of 256 (2 rounds of 256)."""
     if cpu_threads is not None:
         tn = 1 if n == 1 else MATMUL_TN_CPU
-        lanes = MATMUL_ROWS_CPU // MATMUL_TR_CPU            # LX
-        tr = min(MATMUL_TR_CHOICES, key=lambda t: -(-(-(-rows // (lanes * t))) // cpu_threads) * t)
-        return ("ROW_PER_LANE", f"TN={tn}u"), 0, (-(-rows // (lanes * tr)), -(-n // tn), 1), (tr,)
+
+        def rows_per_thread(tr: int) -> int:               # rounds of workgroups x rows per lane
+            workgroups = -(-rows // (MATMUL_LANES_CPU * tr))
+            return -(-workgroups // cpu_threads) * tr
+
+        tr = min(MATMUL_TR_CHOICES, key=rows_per_thread)
+        return ("ROW_PER_LANE", f"TN={tn}u"), 0, (-(-rows // (MATMUL_LANES_CPU * tr)), -(-n // tn), 1), (tr,)
     nsub = -(-cols // 32)
     fit = [lanes for lanes in (32, 16, 8, 4) if -(-rows // (MATMUL_WG // lanes)) <= MAX_WORKGROUPS] or [4]
     lpr = max(fit, key=lambda lanes: nsub / (-(-nsub // lanes) * lanes))

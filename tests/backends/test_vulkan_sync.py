@@ -31,14 +31,19 @@ pytestmark = [
 ]
 
 
+def layer_env(settings: str) -> dict:
+    """The environment of a child with the validation layer on, its settings from the
+    folder `settings` of tests/fixtures."""
+    return dict(os.environ, VK_INSTANCE_LAYERS="VK_LAYER_KHRONOS_validation",
+                VK_LAYER_SETTINGS_PATH=os.path.join(ROOT, "tests", "fixtures", settings),
+                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+
+
 def run_child(model: str, mode: str, kv_dtype: str = "bf16", merge: int = 0, settings: str = "",
               timeout: int = 600) -> tuple[str, dict | None]:
     """settings: a folder of tests/fixtures holding the layer's settings (default: sync validation)."""
-    env = dict(os.environ, VK_INSTANCE_LAYERS="VK_LAYER_KHRONOS_validation",
-               VK_LAYER_SETTINGS_PATH=os.path.join(ROOT, "tests", "fixtures", settings),
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     r = subprocess.run([sys.executable, os.path.join(HERE, "_vulkan_sync_run.py"), model, mode, kv_dtype, str(merge)],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+                       capture_output=True, text=True, env=layer_env(settings), cwd=ROOT, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     result = next((json.loads(line) for line in r.stdout.splitlines() if line.startswith('{"tokens"')), None)
     return r.stdout, result
@@ -93,11 +98,10 @@ def test_gpu_assisted_validation_finds_no_out_of_bounds_access(tiny_llama):
     out, got = run_child(str(tiny_llama), "barrier", settings="gpu_av", timeout=1800)
     errors = [line for line in out.splitlines() if "Validation Error" in line]
     assert not errors and got is not None and got["validation_layer"], "\n".join(errors[:5]) or out[-2000:]
-    env = dict(os.environ, VK_INSTANCE_LAYERS="VK_LAYER_KHRONOS_validation",
-               VK_LAYER_SETTINGS_PATH=os.path.join(ROOT, "tests", "fixtures", "gpu_av"), PYTHONPATH=ROOT)
     oob = ("import numpy as np; from backends.vulkan.backend import VulkanBackend, _u32; "
            "b = VulkanBackend(device_local=True); src = b._buffer(np.arange(64, dtype=np.uint32)); "
            "dst = b._buffer(np.zeros(64, np.uint32)); "
            "b._dispatch('copy_words', (), [src, dst], (4, 1, 1), _u32(1024)); b.flush()")
-    r = subprocess.run([sys.executable, "-c", oob], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    r = subprocess.run([sys.executable, "-c", oob], capture_output=True, text=True, env=layer_env("gpu_av"),
+                       cwd=ROOT, timeout=600)
     assert "out of bounds" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

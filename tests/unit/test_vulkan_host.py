@@ -124,8 +124,8 @@ def test_matmul_grid_within_the_guaranteed_workgroup_count(rows, cols, cpu_threa
         assert max(grid) <= 65535 and 0 <= lpr_log2 <= 5
         if cpu_threads is None:     # every row has a slot: grid x * rows per workgroup covers them
             assert grid[0] * (shaders.MATMUL_WG >> lpr_log2) >= rows
-        else:                       # 8 lanes of TR rows each
-            assert spec[0] in shaders.MATMUL_TR_CHOICES and grid[0] * 8 * spec[0] >= rows
+        else:                       # LX lanes of TR rows each
+            assert spec[0] in shaders.MATMUL_TR_CHOICES and grid[0] * shaders.MATMUL_LANES_CPU * spec[0] >= rows
 
 
 @pytest.mark.parametrize("rows,threads,tr,workgroups", [(576, 2, 12, 6), (576, 1, 24, 3), (960, 2, 12, 10),
