@@ -246,6 +246,7 @@ class ForwardPass:
                  and bool(cache.full_layers))
         capture = self.window_capture        # set from outside (eval, tools) or None
         if evict:
+            check_rescorable(cache)          # before any work: the prompt would run for nothing
             seeded = WindowCapture.seeded(self.cfg, snapkv.window, cache.logical_length + len(ids) - snapkv.window,
                                           cache)
             evict = seeded is not None
@@ -283,6 +284,7 @@ class ForwardPass:
         t0 = time.perf_counter()
         selector = SnapKvSelector(cfg)
         scored = cache.full_layers
+        check_rescorable(cache)
         n_rows = cache.layers[scored[0]].length
         votes = [self.backend.snapkv_votes(q_window[i], cache.layers[i].pool.k_pages, cache.layers[i].page_table(),
                                            n_rows, self.scale, k_dtype=cache.k_dtype) for i in scored]
@@ -400,11 +402,15 @@ class ForwardPass:
         q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
         n = qkv.shape[0]
         kv = cache.layers[li]
-        start_row = kv.length
-        table = kv.page_table()
         dtypes = {"k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype}   # the pool's row formats
         if capture is not None and not window:
             capture(b, li, qkv[:, :q_end], kv.logical_length)
+        if kv.ragged:
+            self._attend_heads(kv, qkv, attn, dtypes)
+            kv.advance(n)
+            return
+        start_row = kv.length
+        table = kv.page_table()
         pages = kv.pool                      # the layer's segment of the pool
         b.kv_write(pages.k_pages, pages.v_pages, table, qkv[:, q_end:k_end],
                    qkv[:, k_end:], start_row, **dtypes)
@@ -417,6 +423,26 @@ class ForwardPass:
             b.attention_prefill(qkv[:, :q_end], pages.k_pages, pages.v_pages, table,
                                 start_row, c.n_heads, self.scale, attn, window=window, **dtypes)
         kv.advance(n)                        # a sliding-window layer returns pages it no longer needs
+
+    def _attend_heads(self, kv, qkv, attn, dtypes: dict) -> None:
+        """_attend's writes and attention for a layer with ragged heads (adaptive head
+        budgets): each KV head over its own rows, as a one-head cache (the segment's head
+        view and the head's table), with its query heads' columns of q and the output."""
+        b, c = self.backend, self.cfg
+        D, G = c.head_dim, c.n_heads // c.n_kv_heads
+        k0, v0 = c.q_dim, c.q_dim + c.kv_dim
+        k_pages, v_pages = kv.pool.head_view()
+        for h in range(c.n_kv_heads):
+            table, start_row, bias = kv.head_table(h), int(kv.head_len[h]), kv.head_bias(h)
+            b.kv_write(k_pages, v_pages, table, qkv[:, k0 + h * D:k0 + (h + 1) * D],
+                       qkv[:, v0 + h * D:v0 + (h + 1) * D], start_row, **dtypes)
+            q, out = qkv[:, h * G * D:(h + 1) * G * D], attn[:, h * G * D:(h + 1) * G * D]
+            if qkv.shape[0] == 1:
+                b.attention_decode(q, k_pages, v_pages, table, start_row + 1, G, self.scale, out,
+                                   row_bias=bias, **dtypes)
+            else:
+                b.attention_prefill(q, k_pages, v_pages, table, start_row, G, self.scale, out,
+                                    row_bias=bias, **dtypes)
 
     def _head(self, s: Scratch, n: int, first: int | None = None) -> np.ndarray:
         """Final norm + output projection: logits f32 [vocab] of row n-1, or [n - first,
@@ -432,6 +458,16 @@ class ForwardPass:
         b.matmul(w.output, h, logits)
         out = _finite(b.download(logits))
         return out if all_rows else out[0]
+
+
+def check_rescorable(cache: KvCache) -> None:
+    """EngineError unless SnapKV can score the cache's full-attention layers again: their
+    rows must be one count shared by every layer and KV head (not after pyramid or
+    adaptive budgets)."""
+    layers = [cache.layers[i] for i in cache.full_layers]
+    if any(l.ragged for l in layers) or len({l.length for l in layers}) > 1:
+        raise EngineError("a cache compacted with pyramid or adaptive budgets cannot be compacted again "
+                          "(its layers or KV heads hold different row counts)")
 
 
 def _finite(logits: np.ndarray) -> np.ndarray:

@@ -113,6 +113,14 @@ class DeviceArray:
             shape[axis] = stop - start
         return DeviceArray(self.buffer, self.dtype, shape, offset, self.strides)
 
+    def reshape(self, shape) -> "DeviceArray":
+        """The same elements under another shape of the same size (a contiguous view only:
+        a KV pool seen with one head per page)."""
+        shape = tuple(int(s) for s in shape)
+        if not self.contiguous or int(np.prod(shape)) != self.size:
+            raise ValueError(f"vulkan DeviceArray: cannot view {self!r} as shape {shape}")
+        return DeviceArray(self.buffer, self.dtype, shape, self.offset)
+
     def host_view(self, words: np.ndarray) -> np.ndarray:
         """This view's elements out of the buffer's words (a copy, shape self.shape)."""
         per = PER_WORD[self.dtype]

@@ -116,19 +116,28 @@ class PageSegment:
     """Pages of a PagePool in one pair of backend buffers:
     k_pages: backend storage [n_pages, n_kv_heads, page_size, row_width] of format k_format
     v_pages: the same of v_format (see backends/kvformat.py; bf16: uint16 [.., head_dim])
-    Page ids are the segment's own (0 .. n_pages - 1)."""
+    Page ids are the segment's own (0 .. n_pages - 1). (No reference back to the pool: a
+    cycle would keep a dropped cache's buffers until Python's cycle collector ran.)"""
 
     def __init__(self, pool: PagePool, n_pages: int):
-        self.pool, self.n_pages = pool, n_pages
+        self.n_pages = n_pages
         self.backend, self.n_kv_heads, self.page_size = pool.backend, pool.n_kv_heads, pool.page_size
+        self.k_dtype, self.v_dtype, self.page_bytes = pool.k_dtype, pool.v_dtype, pool.page_bytes
         self.k_pages, self.v_pages = pool.backend.alloc_kv_pool(n_pages, pool.n_kv_heads, pool.page_size,
                                                                 pool.head_dim, k_dtype=pool.k_dtype,
                                                                 v_dtype=pool.v_dtype)
         self._free = list(range(n_pages - 1, -1, -1))   # stack: lowest page id handed out first
+        self._head_view = None
 
-    @property
-    def page_bytes(self) -> int:
-        return self.pool.page_bytes
+    def head_view(self) -> tuple:
+        """(k, v): the same buffers seen with one KV head per page, [n_pages * n_kv_heads,
+        1, page_size, row_width]: sub-page p * n_kv_heads + h is head h's slot of page p.
+        A layer whose KV heads hold different row counts (PagedKvCache.heads) addresses
+        each head's rows through its own table of sub-pages, and the ops see one KV head."""
+        if self._head_view is None:
+            self._head_view = tuple(a.reshape((self.n_pages * self.n_kv_heads, 1) + tuple(a.shape[2:]))
+                                    for a in (self.k_pages, self.v_pages))
+        return self._head_view
 
     @property
     def free_pages(self) -> int:
@@ -167,7 +176,14 @@ class PagedKvCache:
     """One layer's K/V rows in pages of `pool` (its segment of the cache's PagePool).
     With `window` > 0 a sliding-window layer: the next query (at row `length`) sees rows
     length - window + 1 .. length, and pages wholly below that are returned as soon as
-    a step has been attended."""
+    a step has been attended.
+
+    Ragged heads: after a compaction that leaves the KV heads different row counts
+    (adaptive head budgets), each head holds only its own rows: `heads[h]` lists its
+    sub-pages (PageSegment.head_view: one head's slot of a page) and `head_len[h]` its
+    rows, and the layer holds ceil(sum of the heads' sub-pages / n_kv_heads) pages, a
+    spare slot going to whichever head grows next. The ops then run once per KV head
+    over the head view with that head's table (ForwardPass._attend)."""
 
     def __init__(self, pool: PageSegment, max_rows: int, window: int = 0, max_step: int | None = None):
         self.pool = pool
@@ -188,6 +204,13 @@ class PagedKvCache:
                                       # a list of one array per KV head when their lengths differ
         self.row_bias: np.ndarray | None = None    # f32 [n_kv_heads, n_bias]: log-counts of rows 0..n_bias-1
         self._bias_dev = None                      # (merged rows, engine/kv/merge.py); never changed in place
+        self._head_bias_dev: dict = {}             # ragged heads: head -> its row of row_bias, uploaded
+        self.heads: list[list[int]] | None = None  # ragged heads: each head's sub-page ids by table index
+        self.head_len: np.ndarray | None = None    # ragged heads: int64 [n_kv_heads] rows of each head
+        self._head_tables: np.ndarray | None = None  # int32 [n_kv_heads, max_pages_in_context] of heads
+        self._head_dev: list = []                  # backend copies of _head_tables' rows
+        self._head_stale: set[int] = set()
+        self._free_slots: list[int] = []           # sub-pages of held pages no head uses
 
     @property
     def first_row(self) -> int:
@@ -195,13 +218,20 @@ class PagedKvCache:
         return max(self.first_page * self.pool.page_size, self.intact_from)
 
     @property
+    def ragged(self) -> bool:
+        """Whether the KV heads hold their own rows (different counts, own page tables)."""
+        return self.heads is not None
+
+    @property
     def head_rows(self) -> np.ndarray | None:
         """Rows each KV head attends to, int64 [n_kv_heads], when they differ from `length`
-        (adaptive head budgets, a merge short of rows); None when every head uses all."""
-        if self.row_bias is None:
-            return None
-        unseen = (self.row_bias <= EMPTY_BIAS / 2).sum(axis=1)      # filler rows bias EMPTY_BIAS
-        return self.length - unseen if unseen.any() else None
+        (ragged heads, a merge short of rows); None when every head uses all."""
+        rows = self.head_len.copy() if self.ragged else None
+        if self.row_bias is not None:
+            unseen = (self.row_bias <= EMPTY_BIAS / 2).sum(axis=1)      # filler rows bias EMPTY_BIAS
+            if unseen.any():
+                rows = (self.length if rows is None else rows) - unseen
+        return rows
 
     @property
     def n_pages(self) -> int:
@@ -223,10 +253,17 @@ class PagedKvCache:
 
     # -- capacity ---------------------------------------------------------------
     def reserve(self, n_new: int) -> None:
-        """Make room for rows length .. length + n_new - 1."""
+        """Make room for rows length .. length + n_new - 1 (of every head: rows
+        head_len[h] .. of head h when ragged)."""
         need_rows = self.length + n_new
         if need_rows > self.max_rows:
             raise KvCacheError(f"KV cache full: {need_rows} rows exceed the context of {self.max_rows}")
+        if self.ragged:
+            ps = self.pool.page_size
+            for h, subs in enumerate(self.heads):
+                while len(subs) * ps < self.head_len[h] + n_new:
+                    self._set_head(h, len(subs), self._take_slot())
+            return
         need_pages = -(-need_rows // self.pool.page_size)
         if need_pages - self.first_page > self.max_pages:
             raise KvCacheError(f"a step of {n_new} rows does not fit a sliding-window layer "
@@ -257,6 +294,8 @@ class PagedKvCache:
         A sliding-window layer then returns the pages the next query cannot see."""
         self.length += n
         self.logical_length += n
+        if self.ragged:
+            self.head_len += n
         if self.window:
             last = self.length - 1
             if self._shared(last // self.pool.page_size):
@@ -302,8 +341,12 @@ class PagedKvCache:
 
     def pages_needed(self, more_rows: int) -> int:
         """Pages held at most while `more_rows` rows are appended (never past max_pages)."""
+        ps = self.pool.page_size
+        if self.ragged:
+            slots = sum(-(-min(int(n) + more_rows, self.max_rows) // ps) for n in self.head_len)
+            return max(len(self.pages), -(-slots // self.pool.n_kv_heads))
         rows = min(self.length + more_rows, self.max_rows)
-        return min(-(-rows // self.pool.page_size) - self.first_page, self.max_pages)
+        return min(-(-rows // ps) - self.first_page, self.max_pages)
 
     def truncate(self, n: int) -> None:
         """Rows (= positions: never compacted) n.. are dropped, their pages returned."""
@@ -316,6 +359,7 @@ class PagedKvCache:
         self.first_page = self.length = self.logical_length = self.intact_from = 0
         self.last_keep = None
         self._set_bias(None)
+        self._set_heads(None)
 
     @property
     def host_table(self) -> np.ndarray:
@@ -325,7 +369,9 @@ class PagedKvCache:
     def page_table(self):
         """Backend int32 [max_pages_in_context] page table: uploaded once, then updated in
         place when pages change (one device buffer for the cache's life, so the pipelines
-        that bind it stay cached)."""
+        that bind it stay cached). Not for ragged heads (head_table)."""
+        if self.ragged:
+            raise KvCacheError("a layer whose KV heads hold their own rows has a page table per head")
         if self._table_dev is None:
             self._table_dev = self.pool.backend.upload(self._table)
         elif self._table_stale:
@@ -333,14 +379,109 @@ class PagedKvCache:
         self._table_stale = False
         return self._table_dev
 
+    def head_table(self, h: int):
+        """Ragged heads: backend int32 [max_pages_in_context] table of head h's sub-pages
+        (PageSegment.head_view), kept and updated in place like page_table."""
+        if self._head_dev[h] is None:
+            self._head_dev[h] = self.pool.backend.upload(self._head_tables[h])
+        elif h in self._head_stale:
+            self.pool.backend.update(self._head_dev[h], self._head_tables[h])
+        self._head_stale.discard(h)
+        return self._head_dev[h]
+
+    def _set_head(self, h: int, j: int, slot: int) -> None:
+        subs = self.heads[h]
+        if j == len(subs):
+            subs.append(slot)
+        else:
+            subs[j] = slot
+        self._head_tables[h, j] = slot
+        self._head_stale.add(h)
+
+    def _take_slot(self) -> int:
+        """A free sub-page of the layer's pages, or of a page newly taken from the pool."""
+        if not self._free_slots:
+            page = self.pool.take()
+            self.pages.append(page)
+            H = self.pool.n_kv_heads
+            self._free_slots = [page * H + s for s in range(H - 1, -1, -1)]
+        return self._free_slots.pop()
+
+    def _set_heads(self, lengths: np.ndarray | None) -> None:
+        """Ragged heads from the shared layout (each head's rows 0..lengths[h]-1 where the
+        layer's table puts them), or back to the shared layout (None: the layer is empty)."""
+        if lengths is None:
+            self.heads = self.head_len = self._head_tables = None
+            self._head_dev, self._head_stale, self._free_slots = [], set(), []
+            return
+        H, ps = self.pool.n_kv_heads, self.pool.page_size
+        self.head_len = np.asarray(lengths, dtype=np.int64).copy()
+        self.heads = [[] for _ in range(H)]
+        self._head_tables = np.zeros((H, len(self._table)), dtype=np.int32)
+        self._head_dev, self._head_stale = [None] * H, set()
+        for h, n in enumerate(self.head_len):
+            for j in range(-(-int(n) // ps)):
+                self._set_head(h, j, self.pages[j] * H + h)
+        self.length = int(self.head_len.max())
+        self._repack()
+
+    def _repack(self) -> None:
+        """Ragged heads onto the fewest pages: the ceil(slots used / n_kv_heads) pages
+        holding the most used slots stay, the other pages' used slots are copied into
+        their free slots (one kv_copy_pages over the head view), and those pages go back
+        to the pool."""
+        H = self.pool.n_kv_heads
+        used = {s for subs in self.heads for s in subs}
+        count = {p: 0 for p in self.pages}
+        for s in used:
+            count[s // H] += 1
+        n_keep = -(-len(used) // H)
+        kept = sorted(self.pages, key=lambda p: -count[p])[:n_keep]      # (stable: earlier pages first)
+        stay = set(kept)
+        free = [p * H + s for p in reversed(kept) for s in range(H - 1, -1, -1) if p * H + s not in used]
+        src, dst = [], []
+        for h, subs in enumerate(self.heads):
+            for j, s in enumerate(subs):
+                if s // H not in stay:
+                    src.append(s)
+                    dst.append(free.pop())
+                    self._set_head(h, j, dst[-1])
+        if src:
+            b, (k, v) = self.pool.backend, self.pool.head_view()
+            b.kv_copy_pages(k, v, k, v, np.array(src, dtype=np.int32), np.array(dst, dtype=np.int32))
+        for p in self.pages:
+            if p not in stay:
+                self.pool.give(p)
+        self.pages = [p for p in self.pages if p in stay]
+        self._free_slots = free
+
+    def take_heads(self, other: "PagedKvCache", remap: np.ndarray | None) -> None:
+        """Ragged heads of `other` (a cache this one copies), page ids mapped by remap
+        (None: the same ids)."""
+        H = self.pool.n_kv_heads
+        slot = (lambda s: s) if remap is None else (lambda s: int(remap[s // H]) * H + s % H)
+        self.head_len = other.head_len.copy()
+        self.heads = [[slot(s) for s in subs] for subs in other.heads]
+        self._head_tables = np.zeros_like(other._head_tables)
+        for h, subs in enumerate(self.heads):
+            self._head_tables[h, :len(subs)] = subs
+        self._head_dev, self._head_stale = [None] * H, set()
+        self._free_slots = [slot(s) for s in other._free_slots]
+
     def bias(self):
         """Backend f32 [n_kv_heads, n_bias] row_bias for the attention ops, or None."""
         if self.row_bias is not None and self._bias_dev is None:
             self._bias_dev = self.pool.backend.upload(self.row_bias)
         return self._bias_dev
 
+    def head_bias(self, h: int):
+        """Ragged heads: backend f32 [1, n_bias], head h's row of row_bias, or None."""
+        if self.row_bias is not None and h not in self._head_bias_dev:
+            self._head_bias_dev[h] = self.pool.backend.upload(np.ascontiguousarray(self.row_bias[h:h + 1]))
+        return self._head_bias_dev.get(h)
+
     def _set_bias(self, row_bias: np.ndarray | None) -> None:
-        self.row_bias, self._bias_dev = row_bias, None
+        self.row_bias, self._bias_dev, self._head_bias_dev = row_bias, None, {}
 
     @property
     def bytes(self) -> int:
@@ -352,43 +493,67 @@ class PagedKvCache:
         KV head, equal lengths), [n_keep] (one set for the layer), or a list of one sorted
         1-D set per KV head whose lengths differ (adaptive head budgets). Survivors move
         to rows 0.. in order, trailing pages return to the pool. `window`: the last
-        `window` rows must be kept. `merged`: (k, v f32 [n_kv_heads, c, head_dim],
-        log-counts f32 [n_kv_heads, c]) rows written after the survivors that attention
-        weighs by their counts (engine/kv/merge.py). Invalid sets raise and leave the
-        cache untouched.
+        `window` rows (of each head) must be kept. `merged`: (k, v f32 [n_kv_heads, c,
+        head_dim], log-counts f32 [n_kv_heads, c]) rows written after each head's
+        survivors that attention weighs by their counts (engine/kv/merge.py). Invalid
+        sets raise and leave the cache untouched.
 
-        Sets of different lengths share the layer's pages: a head with fewer rows than
-        the longest fills the rest with rows it never attends to (a logit bias of
-        EMPTY_BIAS), so the layer holds the longest head's rows for every head."""
+        Sets of different lengths make the heads ragged (see the class): each head
+        keeps only its own rows, and the layer only the pages those fill."""
         if self.window:
             raise KvCacheError("a sliding-window layer is never compacted (it holds only its window)")
         keep, lengths = self._validated(keep, window)
+        H, ps = self.pool.n_kv_heads, self.pool.page_size
         before = CompactReport(self.length, self.length, self.bytes, self.bytes)
         n_keep = keep.shape[1]
         n_merged = 0 if merged is None else merged[2].shape[1]
-        ragged = bool((lengths < n_keep).any())
+        ragged = self.ragged or bool((lengths < n_keep).any())
         kept = keep if not ragged else [keep[h, :n] for h, n in enumerate(lengths)]
-        if n_keep == self.length and not ragged:   # keep-all is the identity
+        if (lengths == (self.head_len if self.ragged else self.length)).all():   # keep-all is the identity
             self.last_keep = kept
             return before
-        self.pool.backend.kv_gather(self.pool.k_pages, self.pool.v_pages, self.page_table(), keep)
-        bias = np.zeros((keep.shape[0], n_keep + n_merged), dtype=np.float32)
+        bias = np.zeros((H, n_keep + n_merged), dtype=np.float32)
         if self.row_bias is not None:      # earlier merged rows keep their counts where they stay
-            old = np.zeros((keep.shape[0], self.length), dtype=np.float32)
+            old = np.zeros((H, max(self.length, n_keep)), dtype=np.float32)
             old[:, :self.row_bias.shape[1]] = self.row_bias
             bias[:, :n_keep] = np.take_along_axis(old, keep, axis=1)
-        for h, n in enumerate(lengths):    # a shorter head's filler rows are never attended
-            bias[h, n:n_keep] = EMPTY_BIAS
-        self.length = n_keep
-        self._release_from(n_keep)
+        b = self.pool.backend
+        if self.ragged:                    # each head's rows through its own table
+            k_view, v_view = self.pool.head_view()
+            for h, k in enumerate(kept):
+                b.kv_gather(k_view, v_view, self.head_table(h), np.ascontiguousarray(k[None]))
+            for h, n in enumerate(lengths):
+                subs = self.heads[h]
+                self._free_slots += subs[-(-int(n) // ps):]
+                del subs[-(-int(n) // ps):]
+            self.head_len, self.length = lengths.copy(), int(lengths.max())
+            self._repack()
+        else:
+            b.kv_gather(self.pool.k_pages, self.pool.v_pages, self.page_table(), keep)
+            if ragged:
+                self._set_heads(lengths)
+            else:
+                self.length = n_keep
+                self._release_from(n_keep)
+        for h, n in enumerate(lengths):    # (a ragged set's padding is no row of its head)
+            bias[h, n:] = 0
         if n_merged:
-            k, v, bias[:, n_keep:] = merged
+            k, v, counts = merged
             self.reserve(n_merged)
-            flat = [np.ascontiguousarray(a.transpose(1, 0, 2).reshape(n_merged, -1), dtype=np.float32)
-                    for a in (k, v)]
-            b = self.pool.backend
-            b.kv_write(self.pool.k_pages, self.pool.v_pages, self.page_table(), *(b.upload(a) for a in flat), n_keep,
-                       k_dtype=self.pool.pool.k_dtype, v_dtype=self.pool.pool.v_dtype)
+            dtypes = {"k_dtype": self.pool.k_dtype, "v_dtype": self.pool.v_dtype}
+            if self.ragged:
+                k_view, v_view = self.pool.head_view()
+                for h, n in enumerate(self.head_len):
+                    rows = [np.ascontiguousarray(a[h], dtype=np.float32) for a in (k, v)]
+                    b.kv_write(k_view, v_view, self.head_table(h), *(b.upload(a) for a in rows), int(n), **dtypes)
+                    bias[h, n:n + n_merged] = counts[h]
+                self.head_len += n_merged
+            else:
+                bias[:, n_keep:] = counts
+                flat = [np.ascontiguousarray(a.transpose(1, 0, 2).reshape(n_merged, -1), dtype=np.float32)
+                        for a in (k, v)]
+                b.kv_write(self.pool.k_pages, self.pool.v_pages, self.page_table(), *(b.upload(a) for a in flat),
+                           n_keep, **dtypes)
             self.length += n_merged
         self._set_bias(bias if bias.any() else None)
         self.last_keep = kept
@@ -397,40 +562,45 @@ class PagedKvCache:
     def _validated(self, keep, window: int) -> tuple[np.ndarray, np.ndarray]:
         """(keep int64 [n_kv_heads, n_max], lengths int64 [n_kv_heads]): a ragged set is
         padded past each head's length with rows that stay where they are (row i -> i,
-        finite rows the gather need not move)."""
+        finite rows the gather need not move). Ragged heads check each set against their
+        own rows."""
         H = self.pool.n_kv_heads
-        if isinstance(keep, (list, tuple)):
-            if len(keep) != H:
-                raise KvCacheError(f"a keep set per KV head needs {H} sets, got {len(keep)}")
-            sets = [self._checked(np.asarray(k), window, f"head {h}'s keep set") for h, k in enumerate(keep)]
-            lengths = np.array([len(k) for k in sets], dtype=np.int64)
-            padded = np.empty((H, int(lengths.max())), dtype=np.int64)
-            for h, k in enumerate(sets):
-                padded[h, :len(k)] = k
-                padded[h, len(k):] = np.arange(len(k), padded.shape[1])
-            return padded, lengths
-        keep = np.asarray(keep)
-        if keep.ndim == 1:
-            keep = np.broadcast_to(keep, (H, keep.shape[0]))
-        if keep.ndim != 2 or keep.shape[0] != H:
-            raise KvCacheError(f"keep set must be [n_keep], [{H}, n_keep] or a list of {H} sets, "
-                               f"got shape {keep.shape}")
-        keep = np.ascontiguousarray(self._checked(keep, window, "keep set"))
-        return keep, np.full(H, keep.shape[1], dtype=np.int64)
+        if not isinstance(keep, (list, tuple)):
+            keep = np.asarray(keep)
+            if keep.ndim == 1:
+                keep = np.broadcast_to(keep, (H, keep.shape[0]))
+            if keep.ndim != 2 or keep.shape[0] != H:
+                raise KvCacheError(f"keep set must be [n_keep], [{H}, n_keep] or a list of {H} sets, "
+                                   f"got shape {keep.shape}")
+            if not self.ragged:
+                keep = np.ascontiguousarray(self._checked(keep, window, "keep set", self.length))
+                return keep, np.full(H, keep.shape[1], dtype=np.int64)
+            keep = list(keep)
+        if len(keep) != H:
+            raise KvCacheError(f"a keep set per KV head needs {H} sets, got {len(keep)}")
+        rows = self.head_len if self.ragged else [self.length] * H
+        sets = [self._checked(np.asarray(k), window, f"head {h}'s keep set", int(rows[h]))
+                for h, k in enumerate(keep)]
+        lengths = np.array([len(k) for k in sets], dtype=np.int64)
+        padded = np.empty((H, int(lengths.max())), dtype=np.int64)
+        for h, k in enumerate(sets):
+            padded[h, :len(k)] = k
+            padded[h, len(k):] = np.arange(len(k), padded.shape[1])
+        return padded, lengths
 
-    def _checked(self, keep: np.ndarray, window: int, what: str) -> np.ndarray:
-        """keep [..., n_keep] as int64, or KvCacheError naming `what`."""
+    def _checked(self, keep: np.ndarray, window: int, what: str, length: int) -> np.ndarray:
+        """keep [..., n_keep] of rows 0..length-1 as int64, or KvCacheError naming `what`."""
         if keep.ndim not in (1, 2) or keep.shape[-1] == 0:
             raise KvCacheError(f"{what} is empty" if keep.size == 0 else f"{what} must be one set of rows")
         if not np.issubdtype(keep.dtype, np.integer):
             raise KvCacheError(f"{what} must hold integers, got {keep.dtype}")
         keep = keep.astype(np.int64)
-        if keep.min() < 0 or keep.max() >= self.length:
-            raise KvCacheError(f"{what} out of range: rows must lie in 0..{self.length - 1}")
+        if keep.min() < 0 or keep.max() >= length:
+            raise KvCacheError(f"{what} out of range: rows must lie in 0..{length - 1}")
         if keep.shape[-1] > 1 and not (np.diff(keep, axis=-1) > 0).all():
             raise KvCacheError(f"{what} must be sorted ascending without duplicates")
         if window:
-            tail = np.arange(self.length - window, self.length)
+            tail = np.arange(length - window, length)
             if keep.shape[-1] < window or not (keep[..., -window:] == tail).all():
                 raise KvCacheError(f"{what} drops part of the observation window (last {window} rows)")
         return keep
@@ -526,6 +696,9 @@ class KvCache:
             theirs.length, theirs.logical_length = mine.length, mine.logical_length
             theirs.last_keep = mine.last_keep
             theirs.row_bias, theirs._bias_dev = mine.row_bias, mine._bias_dev   # read-only, shared
+            theirs._head_bias_dev = mine._head_bias_dev
+            if mine.ragged:
+                theirs.take_heads(mine, remap)
         other.eviction, other.tail_queries = self.eviction, self.tail_queries      # (read-only, shared)
         return other
 

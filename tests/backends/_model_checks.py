@@ -79,27 +79,40 @@ def check_snapkv(cpu, dev, ids, budget, window, n_tokens, layers):
 
 
 
+def _head_rows(model, cache, layer):
+    """Per KV head, f64 [rows, head_dim] K and V rows of a layer with ragged heads, read
+    back from the device through each head's own table."""
+    kv, b = cache.layers[layer], model.backend
+    k_view, v_view = (b.download(a) for a in kv.pool.head_view())
+    return [(read_rows(k_view, kv._head_tables[h], int(n))[0], read_rows(v_view, kv._head_tables[h], int(n))[0])
+            for h, n in enumerate(kv.head_len)]
+
+
 def check_adaptive(cpu, dev, ids, budget, window, n_tokens):
     """allocation="adaptive" on the device: each layer's KV heads keep their own number
-    of rows (summing to n_kv_heads x budget), each head's leading rows are exactly its
-    kept rows of the full cache, and the shorter heads' filler rows are never attended
-    (greedy tokens equal the CPU backend's, which computes its own keep sets)."""
+    of rows (summing to n_kv_heads x budget), each head holds exactly its kept rows of
+    the full cache (through its own page table: the layer holds only the pages they
+    fill), and decoding appends to each head (greedy tokens equal the CPU backend's,
+    which computes its own keep sets)."""
     cfg = SnapKvConfig(budget=budget, window=window, min_tokens=32, allocation="adaptive")
     _, _, tc = greedy(cpu, ids, n_tokens, snapkv=cfg)
     cache, _, tg = greedy(dev, ids, n_tokens, snapkv=cfg)
     full, _ = dev.prefill(ids, snapkv=False)
-    H, ragged = dev.config.n_kv_heads, 0
+    H, ps, ragged = dev.config.n_kv_heads, dev.forward.page_size, 0
     for layer, kv in enumerate(cache.layers):
         sets = kv.last_keep
         lengths = [len(k) for k in sets]
         assert sum(lengths) == H * budget and kv.length == max(lengths) + n_tokens
-        ragged += len(set(lengths)) > 1
         kf, vf = _pool_rows(dev, full, layer, len(ids))
-        kc, vc = _pool_rows(dev, cache, layer, max(lengths))
-        for h, keep in enumerate(sets):
-            np.testing.assert_array_equal(kc[h, :len(keep)], kf[h, keep])
-            np.testing.assert_array_equal(vc[h, :len(keep)], vf[h, keep])
-    assert ragged > 0, "every layer kept equal sets: the check would not see filler rows"
+        if len(set(lengths)) == 1:
+            continue
+        ragged += 1
+        assert kv.ragged and kv.n_pages == -(-sum(-(-(n + n_tokens) // ps) for n in lengths) // H)
+        for h, ((kc, vc), keep) in enumerate(zip(_head_rows(dev, cache, layer), sets)):
+            assert len(kc) == len(keep) + n_tokens
+            np.testing.assert_array_equal(kc[:len(keep)], kf[h, keep])
+            np.testing.assert_array_equal(vc[:len(keep)], vf[h, keep])
+    assert ragged > 0, "every layer kept equal sets: the check would not see ragged heads"
     assert tg == tc
 
 def check_decode_batch(cpu, dev, prompts, n_steps=3, tol=1e-5):

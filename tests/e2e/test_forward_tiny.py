@@ -129,35 +129,62 @@ def test_pyramid_layer_budgets_free_pages_per_layer(models):
 
 
 
+def masked_twin(cache, keeps):
+    """A dense masked reference: `cache` (the uncompacted prompt) with every row a head
+    dropped hidden by a logit bias of EMPTY_BIAS, so attention sees the kept rows only."""
+    from engine.kv.merge import EMPTY_BIAS
+    for layer, keep in zip(cache.layers, keeps):
+        mask = np.full((len(keep), layer.length), EMPTY_BIAS, dtype=np.float32)
+        for h, k in enumerate(keep):
+            mask[h, k] = 0
+        layer._set_bias(mask)
+    return cache
+
+
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_adaptive_head_budgets_share_each_layers_rows_and_never_read_filler(models, backend):
+@pytest.mark.parametrize("allocation,merge", [("adaptive", 0), ("pyramid-adaptive", 0), ("adaptive", 4)])
+def test_adaptive_head_budgets_hold_only_each_heads_rows(models, backend, allocation, merge):
     """allocation="adaptive": a layer's KV heads keep different numbers of rows (their
-    sum is n_kv_heads x budget); a shorter head's filler rows are never attended, so
-    overwriting them with huge values changes no logit."""
+    sum is n_kv_heads x the layer's budget), each head holds only its own (the layer only
+    the pages they fill), and decode equals the uncompacted cache with each head's
+    dropped rows masked out, token after token."""
     m = engine.load(models["qwen2-q4_1"], backend=backend, prefill_chunk=64)
-    cfg = policy(budget=64, allocation="adaptive")
-    cache, logits = m.prefill(PROMPT[:200], snapkv=cfg)
-    H = m.config.n_kv_heads
+    m.forward.page_size = 8                          # pages small enough for the heads' rows to show
+    cfg = policy(budget=64, allocation=allocation, merge=merge)
+    full, cache = [], m.forward.new_cache()
+    logits = m.forward.prefill(PROMPT[:200], cache, snapkv=cfg) if merge else None
+    if not merge:
+        steps = m.forward.prefill_steps(PROMPT[:200], cache, snapkv=cfg,
+                                        before_evict=lambda c, q: full.append(c.copy()))
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                logits = end.value
+                break
+    H, ps = m.config.n_kv_heads, m.forward.page_size
+    budgets = SnapKvSelector(cfg).layer_budgets(len(cache.layers), 200)
     ragged = 0
-    for layer, stats in zip(cache.layers, m.cache_stats()["layers"]):
-        sets = layer.last_keep
-        lengths = [len(k) for k in sets]
-        assert sum(lengths) == H * 64 and layer.length == max(lengths)
+    for layer, stats, budget in zip(cache.layers, cache.stats()["layers"], budgets):
+        lengths = [len(k) + merge for k in layer.last_keep]
+        assert sum(lengths) == H * budget
         assert list(stats["head_rows"] if stats["head_rows"] is not None else [layer.length] * H) == lengths
-        for k in sets:
+        for k in layer.last_keep:
             assert (k[:4] == np.arange(4)).all() and (k[-16:] == np.arange(184, 200)).all()
-        ragged += len(set(lengths)) > 1
+        if len(set(lengths)) > 1:
+            ragged += 1
+            assert layer.ragged and layer.n_pages == -(-sum(-(-n // ps) for n in lengths) // H)
     assert ragged > 0                                # the votes did move rows between heads
     token = int(np.argmax(logits))
-    twin = cache.copy()
-    for layer in twin.layers:                        # poison every filler row of the copy
-        pages = layer.pool.k_pages, layer.pool.v_pages
-        for h, n in enumerate(layer.head_rows if layer.head_rows is not None else []):
-            for r in range(n, layer.length):
-                for arr in pages:
-                    arr[layer.pages[r // m.forward.page_size], h, r % m.forward.page_size] = 0x4780  # bf16 65536
-    a, b = m.forward.decode(token, cache), m.forward.decode(token, twin)
-    np.testing.assert_array_equal(a, b)
+    if merge:                                        # merged rows: no dense reference; decode runs on
+        assert np.isfinite(m.forward.decode(token, cache)).all()
+        return
+    ref = masked_twin(full[0], [l.last_keep for l in cache.layers])
+    for _ in range(4):                               # the new rows land at each head's own row
+        a, b = m.forward.decode(token, cache), m.forward.decode(token, ref)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+        token = int(np.argmax(a))
+
 
 @pytest.mark.parametrize("name", ["qwen2-q4_1", "gemma3-q8"])
 def test_a_short_continuation_is_evicted_with_the_kept_window_queries(models, name):

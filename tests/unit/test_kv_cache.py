@@ -108,29 +108,118 @@ def test_bad_keep_sets_leave_cache_untouched(keep, message):
 
 
 
-def test_ragged_keep_sets_pad_shorter_heads_with_rows_they_never_attend_to():
-    """One keep set per KV head with different lengths (adaptive head budgets): each
-    head's survivors lead, the layer holds the longest set's rows, and a shorter head's
-    rows past its own set get bias EMPTY_BIAS (head_rows says how many each attends)."""
+def head_rows_of(cache: KvCache, layer: int, h: int) -> np.ndarray:
+    """Head h's K rows of one layer, f32 [rows, D]: through its own table of sub-pages
+    when the layer's heads are ragged, else the layer's table."""
+    l, ps = cache.layers[layer], cache.pool.page_size
+    seg = cache.pool.segment(layer)
+    if not l.ragged:
+        return rows(cache, layer, seg.k_pages)[:, h]
+    view = seg.head_view()[0]
+    return np.stack([bf16_to_f32(view[l.heads[h][r // ps], 0, r % ps]) for r in range(int(l.head_len[h]))])
+
+
+def fill_heads(cache: KvCache, n: int, rng) -> np.ndarray:
+    """fill() for any layer, ragged heads written one head at a time (as ForwardPass does);
+    returns the bf16-rounded K [n, H, D]."""
+    b = cache.pool.backend
+    k = rng.standard_normal((n, H * D)).astype(np.float32)
+    v = rng.standard_normal((n, H * D)).astype(np.float32)
+    for layer in cache.layers:
+        layer.reserve(n)
+        if layer.ragged:
+            kv, vv = layer.pool.head_view()
+            for h in range(H):
+                b.kv_write(kv, vv, layer.head_table(h), k[:, h * D:(h + 1) * D], v[:, h * D:(h + 1) * D],
+                           int(layer.head_len[h]))
+        else:
+            b.kv_write(layer.pool.k_pages, layer.pool.v_pages, layer.page_table(), k, v, layer.length)
+        layer.advance(n)
+    return bf16_to_f32(f32_to_bf16(k)).reshape(n, H, D)
+
+
+def pages_for(lengths, page_size: int = 4) -> int:
+    """Pages ragged heads of these row counts fill: their sub-pages, n_kv_heads to a page."""
+    return -(-sum(-(-int(n) // page_size) for n in lengths) // H)
+
+
+def test_ragged_keep_sets_give_each_head_its_own_rows_and_free_the_rest():
+    """One keep set per KV head with different lengths (adaptive head budgets): each head
+    holds exactly its survivors, in order, and the layer only the pages their sub-pages
+    fill (not the longest head's rows for every head); heads grow on their own, and a
+    second compaction keeps rows of each head's own numbering."""
     rng = np.random.default_rng(4)
     cache = KvCache(ReferenceBackend(), 1, H, D, max_rows=64, page_size=4)
-    k, v = fill(cache, 20, rng)
-    sets = [np.array([0, 3, 7, 9, 12, 18, 19]), np.array([0, 18, 19]), np.array([1, 2, 5, 18, 19])]
-    report = cache.layers[0].compact(sets, window=2)
+    k, _ = fill(cache, 20, rng)
+    k = k.reshape(20, H, D)
+    sets = [np.array([0, 3, 5, 6, 7, 9, 10, 11, 12, 14, 18, 19]), np.array([0, 18, 19]), np.array([1, 2, 19])]
+    report = cache.layers[0].compact(sets, window=1)
     layer = cache.layers[0]
-    assert (layer.length, layer.logical_length, report.rows_after) == (7, 20, 7)
-    assert layer.head_rows.tolist() == [7, 3, 5] and (layer.length - layer.head_rows).tolist() == [0, 4, 2]
-    assert len(layer.pages) == 2 and report.bytes_after == 2 * cache.pool.page_bytes + layer.row_bias.nbytes
-    got = rows(cache, 0, cache.pool.segments[0].k_pages)
+    assert layer.ragged and (layer.length, layer.logical_length, report.rows_after) == (12, 20, 12)
+    assert layer.head_rows.tolist() == [12, 3, 3] and layer.row_bias is None
+    assert len(layer.pages) == pages_for([12, 3, 3]) == 2          # uniform rows of 12: 3 pages
+    assert report.bytes_after == 2 * cache.pool.page_bytes and cache.pool.free_pages == cache.pool.n_pages - 2
     for h, s in enumerate(sets):
-        np.testing.assert_array_equal(got[:len(s), h], k.reshape(20, H, D)[s, h])
-        assert (layer.row_bias[h, :len(s)] == 0).all() and (layer.row_bias[h, len(s):] == EMPTY_BIAS).all()
+        np.testing.assert_array_equal(head_rows_of(cache, 0, h), k[s, h])
     assert all((a == b).all() for a, b in zip(layer.last_keep, sets))
-    fill(cache, 1, rng)                              # decode appends one row that every head sees
-    assert layer.length == 8 and layer.head_rows.tolist() == [8, 4, 6]
-    # compacted again: a filler row that is kept (row 5 of head 1) stays unseen
-    layer.compact([np.array([0, 6, 7]), np.array([0, 5, 7]), np.array([2, 3, 4, 7])], window=1)
-    assert layer.length == 4 and layer.head_rows.tolist() == [3, 2, 4]
+    with pytest.raises(KvCacheError, match="page table per head"):
+        layer.page_table()
+    more = fill_heads(cache, 6, rng)                 # every head appends the same 6 rows
+    assert layer.head_rows.tolist() == [18, 9, 9] and layer.length == 18 and layer.logical_length == 26
+    assert len(layer.pages) == pages_for([18, 9, 9]) == 4
+    for h, s in enumerate(sets):
+        np.testing.assert_array_equal(head_rows_of(cache, 0, h), np.concatenate([k[s, h], more[:, h]]))
+    # compacted again, each set numbering its own head's rows
+    again = [np.array([0, 4, 17]), np.array([2, 3, 8]), np.array([0, 1, 2, 3, 4, 5, 6, 7, 8])]
+    before = [head_rows_of(cache, 0, h) for h in range(H)]
+    layer.compact(again, window=1)
+    assert layer.head_rows.tolist() == [3, 3, 9] and len(layer.pages) == pages_for([3, 3, 9]) == 2
+    for h, s in enumerate(again):
+        np.testing.assert_array_equal(head_rows_of(cache, 0, h), before[h][s])
+    assert cache.pool.free_pages == cache.pool.n_pages - 2
+    with pytest.raises(KvCacheError, match="head 1's keep set out of range: rows must lie in 0..2"):
+        layer.compact([np.array([0, 1, 2]), np.array([0, 3]), np.array([8])])
+    twin = cache.copy()                              # a copy holds the same rows per head
+    fill_heads(twin, 2, rng)
+    assert layer.head_rows.tolist() == [3, 3, 9] and twin.layers[0].head_rows.tolist() == [5, 5, 11]
+    for h in range(H):
+        np.testing.assert_array_equal(head_rows_of(twin, 0, h)[:len(before[h][again[h]])], before[h][again[h]])
+    cache.release()
+    assert not layer.ragged and cache.pool.free_pages == cache.pool.n_pages
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 4, 8]))
+def test_ragged_compaction_frees_exactly_the_pages_of_the_rows_dropped(seed, page_size):
+    """Any ragged keep sets, then decode steps and a second compaction: each head holds its
+    kept rows in order and the layer exactly ceil(sub-pages / n_kv_heads) pages, the rest
+    back in the pool; a branch on the same pool holds the same rows on pages of its own."""
+    rng = np.random.default_rng(seed)
+    b = ReferenceBackend()
+    pool = PagePool(b, [2 * (-(-40 // page_size))], H, page_size, D)
+    cache = KvCache(b, 1, H, D, max_rows=40, page_size=page_size, pool=pool)
+    n = int(rng.integers(2, 24))
+    model = [list(r) for r in fill(cache, n, rng)[0].reshape(n, H, D).transpose(1, 0, 2)]   # per head: rows
+    layer = cache.layers[0]
+    for _ in range(2):
+        rows_now = [len(m) for m in model]
+        sets = [np.sort(rng.choice(r, size=int(rng.integers(1, r + 1)), replace=False)) for r in rows_now]
+        layer.compact(sets)
+        model = [[m[i] for i in s] for m, s in zip(model, sets)]
+        lengths = [len(m) for m in model]
+        held = len(layer.pages)
+        assert held == pages_for(lengths, page_size) and pool.free_pages == pool.n_pages - held
+        if len(set(lengths)) > 1 or layer.ragged:
+            assert layer.head_rows.tolist() == lengths
+        step = int(rng.integers(0, 4))
+        new = fill_heads(cache, step, rng)
+        model = [m + list(new[:, h]) for h, m in enumerate(model)]
+        for h in range(H):
+            np.testing.assert_array_equal(head_rows_of(cache, 0, h), np.array(model[h]).reshape(-1, D))
+    twin = cache.branch()
+    assert not set(twin.layers[0].pages) & set(layer.pages)
+    for h in range(H):
+        np.testing.assert_array_equal(head_rows_of(twin, 0, h), head_rows_of(cache, 0, h))
 
 
 @pytest.mark.parametrize("sets,message", [
@@ -579,3 +668,24 @@ def test_truncate_keeps_the_first_positions_and_refuses_what_it_cannot():
     full.eviction = {"policy": "test"}
     with pytest.raises(KvCacheError, match="compacted"):
         full.truncate(2)
+
+
+def test_a_dropped_cache_frees_its_pages_without_the_cycle_collector():
+    """Caches hold no reference cycles: one dropped (compacted, ragged, copied or not)
+    returns its buffers at once. (A cycle kept every cache of a long `engine eval` until
+    Python's cycle collector happened to run: gigabytes.)"""
+    import gc
+    import weakref
+    gc.disable()
+    try:
+        rng = np.random.default_rng(11)
+        cache = KvCache(ReferenceBackend(), 2, H, D, max_rows=64, page_size=4)
+        fill(cache, 20, rng)
+        cache.layers[0].compact([np.array([0, 3, 19]), np.array([19]), np.array([1, 2, 5, 19])])
+        twin = cache.copy()
+        fill_heads(twin, 2, rng)
+        refs = [weakref.ref(c.pool) for c in (cache, twin)] + [weakref.ref(cache.pool.segments[0])]
+        del cache, twin
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
