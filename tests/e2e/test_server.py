@@ -479,6 +479,11 @@ def test_per_request_kv_budget(served, reference):
                                                     "kv_allocation": "pyramid", "kv_pyramid_beta": 5}))
     assert "8 of them merged rows, pyramid layer budgets (beta 5)" in r.usage.model_extra["kv_policy"]
     assert r.choices[0].text == want.text
+    adaptive = dataclasses.replace(KV_POLICY, allocation="adaptive")   # ragged heads on the shared pool
+    want = reference.generate(DOC, max_tokens=8, temperature=0.0, snapkv=adaptive, ignore_eos=True)
+    r = c.completions.create(**dict(kw, extra_body={**kw["extra_body"], **KV, "kv_allocation": "adaptive"}))
+    assert "adaptive head budgets" in r.usage.model_extra["kv_policy"]
+    assert r.choices[0].text == want.text and r.usage.model_extra["kv_bytes"] == want.stats["snapkv"]["bytes_after"]
 
 
 # -- scheduling -----------------------------------------------------------------------------------
