@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.snapkv import SnapKvConfig
+
 from _backends import available_backends, vulkan_reporting
 from _model_checks import (check_adaptive, check_decode_batch, check_decode_moves_only_the_logits,
                            check_logits_and_tokens, check_snapkv)
@@ -83,6 +85,25 @@ def test_decode_counters_per_token(models):
     table_bytes = 4 * -(-CTX // 64)                      # one layer's page table
     assert b.bytes_to_device - before[2] == cfg.n_layers * table_bytes   # once, at row 64
     assert b.bytes_to_host - before[3] == n * 4 * cfg.vocab_size
+
+
+def test_decode_counters_per_token_with_ragged_heads(models):
+    """The same counters with adaptive head budgets (each KV head attended by its own
+    call over its own table): one submission per token, no algorithm created as heads
+    take new slots of their layers' pages (their tables are updated in place)."""
+    vk = models[1]
+    b = vk.backend
+    cfg = SnapKvConfig(budget=48, window=16, min_tokens=32, allocation="adaptive")
+    cache, logits = vk.prefill(vk.tokenize(PROMPT * 8)[:80], snapkv=cfg)
+    token = int(np.argmax(vk.forward.decode(int(np.argmax(logits)), cache)))     # warm-up
+    rows = np.concatenate([l.head_len for l in cache.layers if l.ragged])
+    before = (b.submissions, b.algorithms_created, b.bytes_to_host)
+    n = 40
+    for _ in range(n):
+        token = int(np.argmax(vk.forward.decode(token, cache)))
+    assert rows.size and ((rows % 64) + n >= 64).any()          # some head took a new slot
+    assert (b.submissions - before[0], b.algorithms_created - before[1]) == (n, 0)
+    assert b.bytes_to_host - before[2] == n * 4 * vk.config.vocab_size
 
 
 def test_a_new_cache_compiles_no_pipeline(models):
