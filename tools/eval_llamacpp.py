@@ -20,6 +20,15 @@ from source). Run it on an idle machine: an 8K prompt takes about 40 s with the 
 cache, and more than 15 minutes on one thread with q4_0 (llama.cpp's CPU flash attention
 dequantizes every K/V row for every query). Each answer is appended to OUT.partial.jsonl
 as it comes; --resume skips the prompts already there, so a long run can go in pieces.
+
+--fidelity compares quantized caches instead: on the run's fidelity prompts, llama.cpp
+teacher-forces the continuation with its f16 cache and with --cache-type, and the mean
+KL(f16 || quantized) of its next-token distributions is set beside our KL of each
+quantized policy of the run against our bf16 full cache (each engine against its own
+full-precision cache; prompt by prompt, paired).
+
+    .venv/bin/python tools/eval_llamacpp.py docs/eval2k_kvquant_fidelity/results.json \
+        --fidelity --cache-type q4_0 --out docs/eval2k_kvquant_fidelity/llamacpp_q4_0.json
 """
 from __future__ import annotations
 
@@ -66,6 +75,69 @@ def llama_answer(llm, tok: Tokenizer, ids: list[int], max_new: int, n_numbers: i
     return text, time.perf_counter() - t0
 
 
+def llama_teacher(llm, prompt: list[int], cont: list[int]) -> np.ndarray:
+    """f32 [len(cont), vocab]: llama.cpp's logits after each continuation token, the
+    prompt evaluated first (what the eval's fidelity task reads from our engine)."""
+    llm.reset()
+    llm.eval(list(prompt) + list(cont))
+    return np.array(llm.scores[len(prompt):len(prompt) + len(cont)], dtype=np.float32)
+
+
+def fidelity(args, rows: list[dict], path: str, tok: Tokenizer, ctx: int) -> int:
+    """--fidelity: llama.cpp's KL(f16 || --cache-type) beside ours, prompt by prompt."""
+    from llama_cpp import Llama
+
+    from engine.eval.runner import fidelity_metrics
+
+    by_prompt: dict = defaultdict(dict)
+    for r in rows:
+        if r["task"] == "fidelity":
+            by_prompt[(r["length"], r["index"])][r["policy"]] = r
+    prompts = sorted(by_prompt)[:args.per_cell or None]
+    if not prompts:
+        print("no fidelity rows in the run", file=sys.stderr)
+        return 1
+    type_k, type_v = llama_cpp_cache_types(args.cache_type)
+    kw = dict(model_path=path, n_ctx=ctx, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
+              logits_all=True, verbose=False)
+    full = Llama(**kw, type_k=LLAMA_CPP_CACHE_TYPES["f16"], type_v=LLAMA_CPP_CACHE_TYPES["f16"])
+    quant = Llama(**kw, type_k=type_k, type_v=type_v, flash_attn=type_v != LLAMA_CPP_CACHE_TYPES["f16"])
+    ours = [p for p in by_prompt[prompts[0]] if p != "full"]
+    out = []
+    for k, (length, index) in enumerate(prompts):
+        r = by_prompt[(length, index)]["full"]
+        target = min(length, ctx - r["continuation_tokens"] - 1)       # as the run's Runner.target_for
+        s = T.make_sample("fidelity", tok, target, r["depth"], r["seed"], index, r["continuation_tokens"])
+        if len(s.ids) != r["prompt_tokens"]:
+            print(f"cannot rebuild fidelity {length} #{index}: prompt differs from the run", file=sys.stderr)
+            return 1
+        t0 = time.perf_counter()
+        m = fidelity_metrics(llama_teacher(full, s.ids, s.continuation), llama_teacher(quant, s.ids, s.continuation))
+        o = {"length": length, "index": index, "prompt_tokens": len(s.ids), "cache_type": args.cache_type,
+             "llama_cpp_kl": m["kl"], "llama_cpp_top1": m["top1"], "seconds": time.perf_counter() - t0,
+             "ours": {p: {"kl": by_prompt[(length, index)][p]["kl"], "top1": by_prompt[(length, index)][p]["top1"]}
+                      for p in ours if p in by_prompt[(length, index)]}}
+        out.append(o)
+        print(f"[{k + 1}/{len(prompts)}] {length} #{index}: llama.cpp {args.cache_type} KL {m['kl']:.4f}  "
+              + "  ".join(f"{p} {v['kl']:.4f}" for p, v in o["ours"].items()) + f" ({o['seconds']:.0f} s)", flush=True)
+    n = len(out)
+    base = np.array([o["llama_cpp_kl"] for o in out])
+    print(f"\n| cache | prompts | mean KL vs its own full-precision cache | top-1 agreement | "
+          f"paired KL ratio vs llama.cpp {args.cache_type} (geometric mean) | lower on |")
+    print("|---|---|---|---|---|---|")
+    print(f"| llama.cpp {args.cache_type} | {n} | {base.mean():.4f} | {np.mean([o['llama_cpp_top1'] for o in out]):.3f} | 1 | |")
+    for p in ours:
+        kl = np.array([o["ours"][p]["kl"] for o in out])
+        ratio = float(np.exp(np.mean(np.log(kl / base))))
+        print(f"| ours {p} | {n} | {kl.mean():.4f} | {np.mean([o['ours'][p]['top1'] for o in out]):.3f} | "
+              f"{ratio:.2f} | {int((kl < base).sum())}/{n} |")
+    with open(args.out, "w") as f:
+        json.dump({"source": args.results, "model": os.path.basename(path), "ctx": ctx, "fidelity": True,
+                   "cache_type": args.cache_type, "rows": out}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", help="results.json or samples.partial.jsonl of an engine eval run")
@@ -80,11 +152,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="results/llamacpp_check.json")
     ap.add_argument("--resume", action="store_true", help="skip the prompts OUT.partial.jsonl already answers")
+    ap.add_argument("--fidelity", action="store_true",
+                    help="compare quantized caches by teacher-forced KL on the run's fidelity prompts (see above)")
     args = ap.parse_args()
 
     from llama_cpp import Llama
 
     meta, rows = load_rows(args.results)
+    if args.fidelity:
+        path = str(model_path_or_default(args.model))
+        g = GgufFile(path)
+        plan = EvalPlan(tasks=["fidelity"], lengths=sorted({r["length"] for r in rows}), policies=())
+        ctx = int(meta.get("ctx") or plan.context(model_config(g).context_length))
+        return fidelity(args, rows, path, Tokenizer(g.metadata), ctx)
     want = set(args.tasks.split(",")) if args.tasks else set(T.RETRIEVAL_TASKS)
     lengths = {int(x) for x in args.lengths.split(",")} if args.lengths else None
     try:
