@@ -330,3 +330,20 @@ def test_kv_pages_split_over_pools_by_a_buffer_cap_change_nothing(models):
     for got in (run(capped), run(capped, capped.new_pool(2 * 1024))):   # room for both caches
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("allocation", ["pyramid", "adaptive"])
+def test_a_cache_with_unequal_budgets_is_not_scored_again(models, allocation):
+    """SnapKV scores rows of one count shared by every layer and head: continuing a
+    pyramid or adaptive cache with compaction fails in one line before any work, and
+    the cache is left as it was (without compaction it continues)."""
+    m = engine.load(models["qwen2-q4_1"], backend="cpu", prefill_chunk=64)
+    cfg = policy(budget=64, allocation=allocation)
+    cache = m.forward.new_cache()
+    m.forward.prefill(PROMPT[:200], cache, snapkv=cfg)
+    before = (cache.logical_length, [l.length for l in cache.layers])
+    with pytest.raises(engine.EngineError, match="cannot be compacted again"):
+        m.forward.prefill(PROMPT[200:260], cache, snapkv=cfg, compact_continued=True)
+    assert (cache.logical_length, [l.length for l in cache.layers]) == before
+    m.forward.prefill(PROMPT[200:260], cache, snapkv=cfg)
+    assert cache.logical_length == 260
