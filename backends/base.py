@@ -37,6 +37,18 @@ one that loaded the model (a server's worker) calls before it runs the model.
 
 A backend that lacks an op fails at load naming it (`check_complete`); it never
 runs the op somewhere else quietly.
+
+Optional ops (a backend may have them; the engine otherwise calls kv_write and
+attention_decode once per KV head): a decode step over a layer whose KV heads hold
+different row counts (adaptive head budgets) in one call, over pools seen with one
+head per page ([n_pages * n_kv_heads, 1, page_size, row_width]) and a table per head:
+    kv_write_heads(k_pages, v_pages, tables, k, v, starts, k_dtype, v_dtype)
+        tables: int32 [n_kv_heads, max_pages]; starts: int64 [n_kv_heads] (host);
+        row t of head h goes to row starts[h] + t of head h's table.
+    attention_decode_heads(q, k_pages, v_pages, tables, n_rows, n_q_heads, scale, out,
+                           k_dtype, v_dtype, row_bias)
+        head h attends its rows 0 .. n_rows[h]-1 (int64 [n_kv_heads], host); row_bias
+        as in attention_decode.
 """
 from __future__ import annotations
 
@@ -63,6 +75,9 @@ OPS = (
     "kv_gather",          # KV compaction: keep rows -> leading rows
     "kv_copy_pages",      # branch a cache: copy whole pages between pools
 )
+
+# Ops a backend may have (see the module docstring): the engine calls them when present.
+OPTIONAL_OPS = ("kv_write_heads", "attention_decode_heads")
 
 
 class Weight(Protocol):

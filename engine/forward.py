@@ -427,11 +427,19 @@ class ForwardPass:
     def _attend_heads(self, kv, qkv, attn, dtypes: dict) -> None:
         """_attend's writes and attention for a layer with ragged heads (adaptive head
         budgets): each KV head over its own rows, as a one-head cache (the segment's head
-        view and the head's table), with its query heads' columns of q and the output."""
+        view and the head's table), with its query heads' columns of q and the output; a
+        decode step in one call of each op where the backend has the one-call ops
+        (Backend's optional kv_write_heads, attention_decode_heads)."""
         b, c = self.backend, self.cfg
         D, G = c.head_dim, c.n_heads // c.n_kv_heads
         k0, v0 = c.q_dim, c.q_dim + c.kv_dim
         k_pages, v_pages = kv.pool.head_view()
+        if qkv.shape[0] == 1 and hasattr(b, "attention_decode_heads"):    # one call for every head
+            tables, starts = kv.head_tables(), kv.head_len
+            b.kv_write_heads(k_pages, v_pages, tables, qkv[:, k0:v0], qkv[:, v0:v0 + c.kv_dim], starts, **dtypes)
+            b.attention_decode_heads(qkv[:, :k0], k_pages, v_pages, tables, starts + 1, c.n_heads, self.scale,
+                                     attn, row_bias=kv.bias(), **dtypes)
+            return
         for h in range(c.n_kv_heads):
             table, start_row, bias = kv.head_table(h), int(kv.head_len[h]), kv.head_bias(h)
             b.kv_write(k_pages, v_pages, table, qkv[:, k0 + h * D:k0 + (h + 1) * D],

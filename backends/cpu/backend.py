@@ -75,6 +75,7 @@ class CpuBackend:
     scale = staticmethod(ops.scale)
     rope = staticmethod(ops.rope)
     kv_write = staticmethod(ops.kv_write)
+    kv_write_heads = staticmethod(ops.kv_write_heads)
     @staticmethod
     def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
                           window=0, k_dtype="bf16", v_dtype="bf16", row_bias=None):
@@ -84,6 +85,7 @@ class CpuBackend:
         kernel.attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out,
                                  window, k_dtype, v_dtype, row_bias)
     attention_decode = staticmethod(ops.attention_decode)
+    attention_decode_heads = staticmethod(ops.attention_decode_heads)
     silu_gate = staticmethod(ops.silu_gate)
     gelu_gate = staticmethod(ops.gelu_gate)
     add = staticmethod(ops.add)

@@ -147,6 +147,33 @@ def _kv_write(k_pages, v_pages, page_table, k, v, start_row):
                 v_pages[page, h, off, i] = _f32_to_bf16(v[t, base + i])
 
 
+@njit(**_JIT)
+def _kv_write_heads(k_pages, v_pages, tables, k, v, starts):
+    page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
+    for t in range(k.shape[0]):
+        for h in range(tables.shape[0]):
+            r = starts[h] + t
+            page = tables[h, r // page_size]
+            off = r % page_size
+            base = h * head_dim
+            for i in range(head_dim):
+                k_pages[page, 0, off, i] = _f32_to_bf16(k[t, base + i])
+                v_pages[page, 0, off, i] = _f32_to_bf16(v[t, base + i])
+
+
+def kv_write_heads(k_pages, v_pages, tables, k, v, starts, k_dtype="bf16", v_dtype="bf16"):
+    """kv_write over ragged heads in one call (see Backend.kv_write_heads)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    if k_dtype == "bf16" and v_dtype == "bf16":
+        _kv_write_heads(k_pages, v_pages, tables, k, v, starts)
+        return
+    head_dim = k.shape[1] // tables.shape[0]
+    for h in range(tables.shape[0]):
+        cols = slice(h * head_dim, (h + 1) * head_dim)
+        kvquant.write_rows(k_pages, tables[h], k[:, cols], int(starts[h]), RowFormat.get(k_dtype, head_dim))
+        kvquant.write_rows(v_pages, tables[h], v[:, cols], int(starts[h]), RowFormat.get(v_dtype, head_dim))
+
+
 def kv_write(k_pages, v_pages, page_table, k, v, start_row, k_dtype="bf16", v_dtype="bf16"):
     """k, v: f32 [n, n_kv_heads*head_dim] -> rows start_row .. start_row+n-1, bf16 (round
     to nearest even) or quantized as KvFormat.quantize does (kvquant.write_rows)."""
@@ -484,21 +511,91 @@ def _decode_parallel(q, k_pages, v_pages, page_table, row_lo, n_rows, n_q_heads,
     o = np.empty(head_dim, dtype=np.float32)
     for h in range(n_q_heads):
         kv = h // group
-        g = h % group
-        base = kv * n_chunks
-        gm = np.float32(_NEG_INF)
-        for c in range(n_chunks):
-            gm = max(gm, part_max[base + c, g])
-        total = np.float32(0.0)
-        for c in range(n_chunks):
-            total += part_sum[base + c, g] * _exp_f32(part_max[base + c, g] - gm)
-        for i in range(head_dim):
-            o[i] = 0.0
-        for c in range(n_chunks):
-            w = _exp_f32(part_max[base + c, g] - gm)
-            pa = part_acc[base + c, g]
-            for i in range(head_dim):
-                o[i] += w * pa[i]
+        total = _merge_chunks(part_acc, part_max, part_sum, kv * n_chunks, (kv + 1) * n_chunks, h % group, o)
+        _store_head(o, np.float32(1.0) / total, vfmt, vrot_t, out, 0, h, head_dim)
+
+
+@njit(inline="always", **_JIT)
+def _merge_chunks(part_acc, part_max, part_sum, first, end, g, o):
+    """o f32 [head_dim] = query g's partial sums of chunks first .. end-1 merged (each
+    rescaled to their largest max); returns the merged softmax denominator."""
+    gm = np.float32(_NEG_INF)
+    for c in range(first, end):
+        gm = max(gm, part_max[c, g])
+    total = np.float32(0.0)
+    for c in range(first, end):
+        total += part_sum[c, g] * _exp_f32(part_max[c, g] - gm)
+    for i in range(o.shape[0]):
+        o[i] = 0.0
+    for c in range(first, end):
+        w = _exp_f32(part_max[c, g] - gm)
+        pa = part_acc[c, g]
+        for i in range(o.shape[0]):
+            o[i] += w * pa[i]
+    return total
+
+
+@njit(**_JIT)
+def _decode_heads_serial(q, k_pages, v_pages, tables, n_rows, n_q_heads, scale, out,
+                         bias, ktag, krot, kcb, vtag, vrot_t, vcb):
+    """_decode_serial over ragged heads: the pools one head per page, KV head kv's rows
+    0 .. n_rows[kv]-1 through tables[kv] (its group's queries, table and bias row passed
+    as those of a one-head cache)."""
+    kfmt = kvquant.fmt_of_tag(ktag)
+    vfmt = kvquant.fmt_of_tag(vtag)
+    n_kv_heads = tables.shape[0]
+    head_dim = q.shape[1] // n_q_heads
+    group = n_q_heads // n_kv_heads
+    qs = np.empty((n_q_heads, head_dim), dtype=np.float32)
+    _prepare_queries(q, 0, n_q_heads, head_dim, scale, kfmt, krot, qs)
+    scores = np.empty((group, _TILE), dtype=np.float32)
+    acc = np.empty((group, head_dim), dtype=np.float32)
+    m = np.empty(group, dtype=np.float32)
+    l = np.empty(group, dtype=np.float32)
+    kt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
+    vt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
+    for kv in range(n_kv_heads):
+        _decode_range(qs[kv * group:(kv + 1) * group], k_pages, v_pages, tables[kv], 0, group, 0, n_rows[kv],
+                      scores, acc, m, l, kt, vt, ktag, kcb, vtag, vcb, bias[kv:kv + 1])
+        for g in range(group):
+            _store_head(acc[g], np.float32(1.0) / l[g], vfmt, vrot_t, out, 0, kv * group + g,
+                        head_dim)
+
+
+@njit(parallel=True, **_JIT)
+def _decode_heads_parallel(q, k_pages, v_pages, tables, n_rows, n_q_heads, scale, out,
+                           chunk_rows, bias, ktag, krot, kcb, vtag, vrot_t, vcb):
+    """_decode_parallel over ragged heads (as _decode_heads_serial): each head's rows in
+    chunks of chunk_rows, the tasks of all heads spread over the threads."""
+    kfmt = kvquant.fmt_of_tag(ktag)
+    vfmt = kvquant.fmt_of_tag(vtag)
+    n_kv_heads = tables.shape[0]
+    head_dim = q.shape[1] // n_q_heads
+    group = n_q_heads // n_kv_heads
+    qs = np.empty((n_q_heads, head_dim), dtype=np.float32)
+    _prepare_queries(q, 0, n_q_heads, head_dim, scale, kfmt, krot, qs)
+    first = np.zeros(n_kv_heads + 1, dtype=np.int64)             # head kv's tasks: first[kv] ..
+    for kv in range(n_kv_heads):
+        first[kv + 1] = first[kv] + (n_rows[kv] + chunk_rows - 1) // chunk_rows
+    n_tasks = first[n_kv_heads]
+    part_acc = np.empty((n_tasks, group, head_dim), dtype=np.float32)
+    part_max = np.empty((n_tasks, group), dtype=np.float32)
+    part_sum = np.empty((n_tasks, group), dtype=np.float32)
+    for task in prange(n_tasks):
+        kv = 0
+        while first[kv + 1] <= task:
+            kv += 1
+        lo = (task - first[kv]) * chunk_rows
+        scores = np.empty((group, _TILE), dtype=np.float32)
+        kt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
+        vt = np.empty((_DEQUANT_ROWS, head_dim), dtype=np.float32)
+        _decode_range(qs[kv * group:(kv + 1) * group], k_pages, v_pages, tables[kv], 0, group, lo,
+                      min(n_rows[kv], lo + chunk_rows), scores, part_acc[task], part_max[task],
+                      part_sum[task], kt, vt, ktag, kcb, vtag, vcb, bias[kv:kv + 1])
+    o = np.empty(head_dim, dtype=np.float32)
+    for h in range(n_q_heads):
+        kv = h // group
+        total = _merge_chunks(part_acc, part_max, part_sum, first[kv], first[kv + 1], h % group, o)
         _store_head(o, np.float32(1.0) / total, vfmt, vrot_t, out, 0, h, head_dim)
 
 
@@ -510,6 +607,21 @@ def _row_bias(row_bias, n_kv_heads):
     if row_bias.ndim != 2 or row_bias.shape[0] != n_kv_heads:
         raise ValueError(f"row_bias must be [{n_kv_heads}, n_bias], got shape {row_bias.shape}")
     return row_bias
+
+
+def attention_decode_heads(q, k_pages, v_pages, tables, n_rows, n_q_heads, scale, out,
+                           k_dtype="bf16", v_dtype="bf16", row_bias=None):
+    """attention_decode over ragged heads in one call (see Backend.attention_decode_heads)."""
+    n_rows = np.asarray(n_rows, dtype=np.int64)
+    bias = _row_bias(row_bias, tables.shape[0])
+    head_dim = q.shape[1] // n_q_heads
+    formats = (*RowFormat.get(k_dtype, head_dim).key_args(), *RowFormat.get(v_dtype, head_dim).value_args())
+    if n_rows.max() <= _SERIAL_MAX_ROWS:
+        _decode_heads_serial(q, k_pages, v_pages, tables, n_rows, n_q_heads, scale, out, bias, *formats)
+    else:
+        chunk_rows = max(1, _CHUNK_ROWS // k_pages.shape[2]) * k_pages.shape[2]
+        _decode_heads_parallel(q, k_pages, v_pages, tables, n_rows, n_q_heads, scale, out, chunk_rows, bias,
+                               *formats)
 
 
 def attention_decode(q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out, window=0,

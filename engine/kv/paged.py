@@ -209,7 +209,9 @@ class PagedKvCache:
         self.head_len: np.ndarray | None = None    # ragged heads: int64 [n_kv_heads] rows of each head
         self._head_tables: np.ndarray | None = None  # int32 [n_kv_heads, max_pages_in_context] of heads
         self._head_dev: list = []                  # backend copies of _head_tables' rows
+        self._tables_dev = None                    # backend copy of _head_tables (one-call ops)
         self._head_stale: set[int] = set()
+        self._tables_stale = False
         self._free_slots: list[int] = []           # sub-pages of held pages no head uses
 
     @property
@@ -389,6 +391,16 @@ class PagedKvCache:
         self._head_stale.discard(h)
         return self._head_dev[h]
 
+    def head_tables(self):
+        """Ragged heads: backend int32 [n_kv_heads, max_pages_in_context], every head's
+        table (for the backends' one-call ops), kept and updated in place."""
+        if self._tables_dev is None:
+            self._tables_dev = self.pool.backend.upload(self._head_tables)
+        elif self._tables_stale:
+            self.pool.backend.update(self._tables_dev, self._head_tables)
+        self._tables_stale = False
+        return self._tables_dev
+
     def _set_head(self, h: int, j: int, slot: int) -> None:
         subs = self.heads[h]
         if j == len(subs):
@@ -397,6 +409,7 @@ class PagedKvCache:
             subs[j] = slot
         self._head_tables[h, j] = slot
         self._head_stale.add(h)
+        self._tables_stale = True
 
     def _take_slot(self) -> int:
         """A free sub-page of the layer's pages, or of a page newly taken from the pool."""
@@ -411,14 +424,14 @@ class PagedKvCache:
         """Ragged heads from the shared layout (each head's rows 0..lengths[h]-1 where the
         layer's table puts them), or back to the shared layout (None: the layer is empty)."""
         if lengths is None:
-            self.heads = self.head_len = self._head_tables = None
+            self.heads = self.head_len = self._head_tables = self._tables_dev = None
             self._head_dev, self._head_stale, self._free_slots = [], set(), []
             return
         H, ps = self.pool.n_kv_heads, self.pool.page_size
         self.head_len = np.asarray(lengths, dtype=np.int64).copy()
         self.heads = [[] for _ in range(H)]
         self._head_tables = np.zeros((H, len(self._table)), dtype=np.int32)
-        self._head_dev, self._head_stale = [None] * H, set()
+        self._head_dev, self._head_stale, self._tables_dev = [None] * H, set(), None
         for h, n in enumerate(self.head_len):
             for j in range(-(-int(n) // ps)):
                 self._set_head(h, j, self.pages[j] * H + h)
@@ -465,7 +478,7 @@ class PagedKvCache:
         self._head_tables = np.zeros_like(other._head_tables)
         for h, subs in enumerate(self.heads):
             self._head_tables[h, :len(subs)] = subs
-        self._head_dev, self._head_stale = [None] * H, set()
+        self._head_dev, self._head_stale, self._tables_dev = [None] * H, set(), None
         self._free_slots = [slot(s) for s in other._free_slots]
 
     def bias(self):

@@ -35,7 +35,8 @@ class CpuOpsShim:
 
     def __init__(self):
         from backends.cpu import CpuBackend
-        for op in _OPS:
+        from backends.base import OPTIONAL_OPS
+        for op in _OPS + tuple(o for o in OPTIONAL_OPS if hasattr(CpuBackend, o)):
             setattr(self, op, getattr(CpuBackend, op))
         self.kv_dtypes = getattr(CpuBackend, "kv_dtypes", ("bf16",))
 

@@ -789,3 +789,62 @@ def test_attention_prefill_row_bias(backend, kv, n_q, n_kv, head_dim, page_size,
     _, (got,) = run_op(backend, "attention_prefill", q, k_pages, v_pages, page_table, start_row, n_q, scale,
                        np.zeros_like(q), 0, *kv, bias, outputs=(7,))
     assert nmse(got, want) < TOL_ATTN
+
+
+# -- ragged heads: the optional one-call decode ops --------------------------------
+def ragged_pool(rng, rows, page_size, head_dim, kv):
+    """A pool seen with one head per page (PageSegment.head_view), NaN-poisoned, with a
+    permuted table of its own per KV head covering rows[h] rows, one spare entry each."""
+    used = [-(-n // page_size) for n in rows]
+    n_pages = sum(used) + 3
+    k_pages, v_pages = (np.full(f.page_shape(n_pages, 1, page_size), poison(np.zeros(1, f.storage)), f.storage)
+                        for f in (KvFormat.get(d, head_dim) for d in kv))
+    ids = rng.permutation(n_pages).astype(np.int32)
+    tables = np.zeros((len(rows), max(used) + 1), dtype=np.int32)
+    at = 0
+    for h, u in enumerate(used):
+        tables[h, :u + 1] = ids[at:at + u + 1]
+        at += u
+    return k_pages, v_pages, tables
+
+
+@pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", ATTN_SHAPES[:2])
+@pytest.mark.parametrize("rows", [(1, 17, 300), (1000, 40, 2500), (64, 1100, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_ragged_head_decode_in_one_call(backend, kv, n_q, n_kv, head_dim, page_size, rows, bias):
+    """kv_write_heads and attention_decode_heads (where a backend has them) equal the
+    per-head calls of the reference: each head written at its own row through its own
+    table (bit for bit), and attending only its own rows (serial and parallel paths)."""
+    if not hasattr(backend, "attention_decode_heads"):
+        pytest.skip(f"{backend.name} backend decodes ragged heads one call per head")
+    rng = np.random.default_rng(sum(rows) + head_dim)
+    rows = (list(rows) * n_kv)[:n_kv]
+    k_pages, v_pages, tables = ragged_pool(rng, [n + 1 for n in rows], page_size, head_dim, kv)
+    for h, n in enumerate(rows):                       # each head's rows, by the reference
+        k, v = (rng.standard_normal((n, head_dim)).astype(np.float32) * s for s in (2.0, 1.0))
+        REF.kv_write(k_pages, v_pages, tables[h], k, v, 0, *kv)
+    k_new, v_new = (rng.standard_normal((1, n_kv * head_dim)).astype(np.float32) for _ in range(2))
+    starts = np.array(rows, dtype=np.int64)
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    for h in range(n_kv):
+        cols = slice(h * head_dim, (h + 1) * head_dim)
+        REF.kv_write(want_k, want_v, tables[h], k_new[:, cols], v_new[:, cols], int(starts[h]), *kv)
+    _, (got_k, got_v) = run_op(backend, "kv_write_heads", k_pages, v_pages, tables, k_new, v_new, starts, *kv,
+                               outputs=(0, 1))
+    np.testing.assert_array_equal(got_k, want_k)
+    np.testing.assert_array_equal(got_v, want_v)
+    q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
+    scale, group = 1.0 / math.sqrt(head_dim), n_q // n_kv
+    row_bias = rng.standard_normal((n_kv, 5)).astype(np.float32) if bias else None
+    want = np.empty_like(q)
+    for h in range(n_kv):
+        cols = slice(h * group * head_dim, (h + 1) * group * head_dim)
+        out = np.empty((1, group * head_dim), np.float32)
+        REF.attention_decode(np.ascontiguousarray(q[:, cols]), want_k, want_v, tables[h], int(starts[h]) + 1, group,
+                             scale, out, 0, *kv, row_bias=None if row_bias is None else row_bias[h:h + 1])
+        want[:, cols] = out
+    dev = [backend.upload(a) for a in (q, want_k, want_v, tables)]
+    out = backend.upload(np.zeros_like(q))
+    backend.attention_decode_heads(*dev, starts + 1, n_q, scale, out, *kv,
+                                   row_bias=None if row_bias is None else backend.upload(row_bias))
+    assert nmse(backend.download(out), want) < TOL_ATTN
