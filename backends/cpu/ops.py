@@ -616,7 +616,7 @@ def attention_decode_heads(q, k_pages, v_pages, tables, n_rows, n_q_heads, scale
     bias = _row_bias(row_bias, tables.shape[0])
     head_dim = q.shape[1] // n_q_heads
     formats = (*RowFormat.get(k_dtype, head_dim).key_args(), *RowFormat.get(v_dtype, head_dim).value_args())
-    if n_rows.max() <= _SERIAL_MAX_ROWS:
+    if n_rows.sum() <= tables.shape[0] * _SERIAL_MAX_ROWS:     # attention_decode's rule, by total rows
         _decode_heads_serial(q, k_pages, v_pages, tables, n_rows, n_q_heads, scale, out, bias, *formats)
     else:
         chunk_rows = max(1, _CHUNK_ROWS // k_pages.shape[2]) * k_pages.shape[2]

@@ -68,6 +68,15 @@ def make_backend(name: str):
     return getattr(importlib.import_module(module), cls)(**(kwargs[0] if kwargs else {}))
 
 
+def backend_class(name: str):
+    """The class a backend name builds, without building it (no device needed)."""
+    if name == "cpu":
+        from backends.cpu import CpuBackend
+        return CpuBackend
+    module, cls, *_ = _DEVICE_BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
 def available_backends() -> list[str]:
     names = ["cpu"]
     for name in _DEVICE_BACKENDS:

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import pytest
 
-from _backends import assert_rows_written, available_backends, make_backend, nmse
+from _backends import assert_rows_written, available_backends, backend_class, make_backend, nmse
 from backends.bf16 import BF16_QNAN, bf16_to_f32, f32_to_bf16
 from backends.kvformat import KvFormat
 from backends.reference import ReferenceBackend
@@ -808,15 +808,21 @@ def ragged_pool(rng, rows, page_size, head_dim, kv):
     return k_pages, v_pages, tables
 
 
+ONE_CALL_BACKENDS = [n for n in BACKENDS if hasattr(backend_class(n), "attention_decode_heads")]
+
+
+@pytest.mark.parametrize("name", ONE_CALL_BACKENDS)
+@pytest.mark.parametrize("kv", KV_CASES, ids=KV_IDS)
 @pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", ATTN_SHAPES[:2])
 @pytest.mark.parametrize("rows", [(1, 17, 300), (1000, 40, 2500), (64, 1100, 7)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_ragged_head_decode_in_one_call(backend, kv, n_q, n_kv, head_dim, page_size, rows, bias):
-    """kv_write_heads and attention_decode_heads (where a backend has them) equal the
-    per-head calls of the reference: each head written at its own row through its own
-    table (bit for bit), and attending only its own rows (serial and parallel paths)."""
-    if not hasattr(backend, "attention_decode_heads"):
-        pytest.skip(f"{backend.name} backend decodes ragged heads one call per head")
+def test_ragged_head_decode_in_one_call(name, kv, n_q, n_kv, head_dim, page_size, rows, bias):
+    """kv_write_heads and attention_decode_heads (the backends that have them; the
+    others run the engine's one call per head) equal the per-head calls of the
+    reference: each head written at its own row through its own table (bit for bit),
+    and attending only its own rows (serial and parallel paths)."""
+    backend = make_backend(name)
+    require_kv(backend, kv)
     rng = np.random.default_rng(sum(rows) + head_dim)
     rows = (list(rows) * n_kv)[:n_kv]
     k_pages, v_pages, tables = ragged_pool(rng, [n + 1 for n in rows], page_size, head_dim, kv)
