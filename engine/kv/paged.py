@@ -164,6 +164,16 @@ def layer_pages(max_rows: int, page_size: int, window: int = 0, max_step: int | 
     return min(full, -(-(window - 1 + step) // page_size) + 1)
 
 
+def _synced(backend, dev, host: np.ndarray, stale: bool):
+    """The backend copy of a host page table: uploaded when there is none, updated in
+    place when stale (the device buffer, and the pipelines that bind it, stay)."""
+    if dev is None:
+        return backend.upload(host)
+    if stale:
+        backend.update(dev, host)
+    return dev
+
+
 @dataclass(frozen=True)
 class CompactReport:
     rows_before: int
@@ -374,30 +384,21 @@ class PagedKvCache:
         that bind it stay cached). Not for ragged heads (head_table)."""
         if self.ragged:
             raise KvCacheError("a layer whose KV heads hold their own rows has a page table per head")
-        if self._table_dev is None:
-            self._table_dev = self.pool.backend.upload(self._table)
-        elif self._table_stale:
-            self.pool.backend.update(self._table_dev, self._table)
+        self._table_dev = _synced(self.pool.backend, self._table_dev, self._table, self._table_stale)
         self._table_stale = False
         return self._table_dev
 
     def head_table(self, h: int):
         """Ragged heads: backend int32 [max_pages_in_context] table of head h's sub-pages
         (PageSegment.head_view), kept and updated in place like page_table."""
-        if self._head_dev[h] is None:
-            self._head_dev[h] = self.pool.backend.upload(self._head_tables[h])
-        elif h in self._head_stale:
-            self.pool.backend.update(self._head_dev[h], self._head_tables[h])
+        self._head_dev[h] = _synced(self.pool.backend, self._head_dev[h], self._head_tables[h], h in self._head_stale)
         self._head_stale.discard(h)
         return self._head_dev[h]
 
     def head_tables(self):
         """Ragged heads: backend int32 [n_kv_heads, max_pages_in_context], every head's
         table (for the backends' one-call ops), kept and updated in place."""
-        if self._tables_dev is None:
-            self._tables_dev = self.pool.backend.upload(self._head_tables)
-        elif self._tables_stale:
-            self.pool.backend.update(self._tables_dev, self._head_tables)
+        self._tables_dev = _synced(self.pool.backend, self._tables_dev, self._head_tables, self._tables_stale)
         self._tables_stale = False
         return self._tables_dev
 
