@@ -8,6 +8,7 @@ Pages are `[n_pages, n_kv_heads, page_size, row_width]` arrays of `storage`:
                                           nibbles (value j low nibble, value j+16 high)
     tq4    uint8  [.., 2 + head_dim/2]    TurboQuant-style: f16 s, 4-bit codes
     tq3    uint8  [.., 2 + 3*head_dim/8]  TurboQuant-style: f16 s, 3-bit codes
+    rq4_0  uint8  [.., 18 * head_dim/32]  q4_0 blocks of the Walsh-Hadamard-rotated row
 
 q8_0 and q4_0 round exactly as ggml's reference quantizers (quantize_row_q8_0_ref,
 quantize_row_q4_0_ref), so a row holds the bytes llama.cpp's quantized cache would.
@@ -25,6 +26,15 @@ Codes: tq4 packs value 2j in the low nibble of byte j and 2j+1 in the high nibbl
 tq3 packs each 8 values into 3 bytes, value i of the group at bits 3i..3i+2 of the
 little-endian 24-bit word.
 
+rq4_0 is what llama.cpp's q4_0 cache stores since it rotates quantized caches (its
+`attn_rot_k` / `attn_rot_v`): the row times a normalized Walsh-Hadamard matrix H
+(Sylvester's construction, as ggml_gen_hadamard; block-diagonal in blocks of 64 values,
+llama.cpp's block for values, or the largest power of two dividing head_dim below
+that), then ggml's q4_0 quantizer. H = H^T = H^-1 spreads a row's outlier channels
+over its block, so the per-32 scales fit the values better: on the default model a
+third of q4_0's attention KL (README). Rows read back in the rotated basis like tq's
+(q . x^ = (H q) . y), so kernels read them as q4_0 rows and rotate queries and outputs.
+
 Everything here is numpy on the host: the oracle the backends' kernels are tested
 against, and the tables (rotation, codebook) the kernels upload.
 """
@@ -40,10 +50,11 @@ from engine.errors import ConfigError
 
 from .bf16 import bf16_to_f32, f32_to_bf16
 
-KV_DTYPES = ("bf16", "q8_0", "q4_0", "tq4", "tq3")
+KV_DTYPES = ("bf16", "q8_0", "q4_0", "tq4", "tq3", "rq4_0")
 QK = 32                      # values per q8_0 / q4_0 block
 TQ_BITS = {"tq4": 4, "tq3": 3}
 ROTATION_SEED = 20250425     # the rotation is a fixed function of head_dim
+HADAMARD_BLOCK = 64          # rq4_0's Walsh-Hadamard block (llama.cpp's attn_rot_v block)
 
 
 def parse_kv_dtype(text: str, what: str = "KV dtype") -> tuple[str, str]:
@@ -53,6 +64,19 @@ def parse_kv_dtype(text: str, what: str = "KV dtype") -> tuple[str, str]:
         raise ConfigError(f"{what} must be one of {', '.join(KV_DTYPES)} or KEYS/VALUES "
                           f"(e.g. q8_0/tq4), got {text!r}")
     return (parts[0], parts[-1])
+
+
+def row_layout(name: str) -> str:
+    """The dtype whose row layout a dtype's rows have: rq4_0 rows are q4_0 rows (of the
+    rotated row), the others their own. Kernels that only move or read rows in the
+    rotated basis treat a dtype as its layout."""
+    return "q4_0" if name == "rq4_0" else name
+
+
+def is_rotated(name: str) -> bool:
+    """Whether a dtype's rows hold y = R x (KvFormat.rotation), read back in that basis:
+    tq4, tq3, rq4_0."""
+    return name in TQ_BITS or name == "rq4_0"
 
 
 def kv_dtype_name(k_dtype: str, v_dtype: str) -> str:
@@ -71,7 +95,7 @@ class KvFormat:
     def get(name: str, head_dim: int) -> "KvFormat":
         if name not in KV_DTYPES:
             raise ConfigError(f"KV dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
-        if name in ("q8_0", "q4_0") and head_dim % QK:
+        if name in ("q8_0", "q4_0", "rq4_0") and head_dim % QK:
             raise ConfigError(f"KV dtype {name} needs a head_dim divisible by {QK}, got {head_dim}")
         if name in TQ_BITS and head_dim % 8:
             raise ConfigError(f"KV dtype {name} needs a head_dim divisible by 8, got {head_dim}")
@@ -85,7 +109,7 @@ class KvFormat:
     @property
     def row_bytes(self) -> int:
         d = self.head_dim
-        return {"bf16": 2 * d, "q8_0": 34 * d // QK, "q4_0": 18 * d // QK,
+        return {"bf16": 2 * d, "q8_0": 34 * d // QK, "q4_0": 18 * d // QK, "rq4_0": 18 * d // QK,
                 "tq4": 2 + d // 2, "tq3": 2 + 3 * d // 8}[self.name]
 
     @property
@@ -96,6 +120,22 @@ class KvFormat:
     @property
     def bits_per_value(self) -> float:
         return 8.0 * self.row_bytes / self.head_dim
+
+    @property
+    def blocks(self) -> str:
+        return row_layout(self.name)
+
+    @property
+    def rotated(self) -> bool:
+        return is_rotated(self.name)
+
+    @property
+    def rotation(self) -> np.ndarray | None:
+        """f32 [head_dim, head_dim] orthogonal R of a rotated format (y = R x, rows of R
+        the rotated basis; x^ = y @ R), read-only; None for the others."""
+        if self.name in TQ_BITS:
+            return rotation(self.head_dim)
+        return walsh_hadamard(self.head_dim) if self.name == "rq4_0" else None
 
     def page_shape(self, n_pages: int, n_kv_heads: int, page_size: int) -> tuple[int, int, int, int]:
         return (n_pages, n_kv_heads, page_size, self.row_width)
@@ -110,21 +150,27 @@ class KvFormat:
             return f32_to_bf16(x)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.head_dim)
-        out = {"q8_0": _q8_0, "q4_0": _q4_0}.get(self.name, self._tq)(rows)
+        if self.name == "rq4_0":
+            rows = rows @ self.rotation.T
+        out = {"q8_0": _q8_0, "q4_0": _q4_0, "rq4_0": _q4_0}.get(self.name, self._tq)(rows)
         return out.reshape(*lead, self.row_bytes)
 
     def dequantize(self, rows: np.ndarray) -> np.ndarray:
         """storage [..., row_width] -> f32 [..., head_dim] (what attention reads)."""
         rows = np.asarray(rows)
-        if self.name in TQ_BITS:
+        if self.rotated:
             y = self.dequantize_rotated(rows)
-            return (y.reshape(-1, self.head_dim) @ rotation(self.head_dim)).reshape(y.shape)
+            return (y.reshape(-1, self.head_dim) @ self.rotation).reshape(y.shape)
+        return self._dequantize_blocks(rows)
+
+    def _dequantize_blocks(self, rows: np.ndarray) -> np.ndarray:
+        """bf16 / q8_0 / q4_0 (and rq4_0's q4_0 blocks) -> f32 as stored."""
         if self.name == "bf16":
             return bf16_to_f32(rows)
         lead = rows.shape[:-1]
         blocks = np.ascontiguousarray(rows, dtype=np.uint8).reshape(-1, self.head_dim // QK, self.row_bytes * QK // self.head_dim)
         d = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)     # [n, nb]
-        if self.name == "q8_0":
+        if self.blocks == "q8_0":
             q = blocks[:, :, 2:].view(np.int8).astype(np.float32)                  # [n, nb, 32]
         else:
             qs = blocks[:, :, 2:]
@@ -132,8 +178,10 @@ class KvFormat:
         return (q * d[..., None]).reshape(*lead, self.head_dim)
 
     def dequantize_rotated(self, rows: np.ndarray) -> np.ndarray:
-        """tq4 / tq3 storage [..., row_bytes] -> f32 s * c[codes] [..., head_dim]: the row
-        in the rotated basis (x^ = that @ rotation(head_dim))."""
+        """Rows of a rotated format [..., row_bytes] -> f32 [..., head_dim]: the row in
+        the rotated basis (x^ = that @ self.rotation); tq: s * c[codes]."""
+        if self.name == "rq4_0":
+            return self._dequantize_blocks(rows)
         rows = np.ascontiguousarray(rows, dtype=np.uint8)
         lead = rows.shape[:-1]
         flat = rows.reshape(-1, self.row_bytes)
@@ -200,6 +248,22 @@ def rotation(head_dim: int) -> np.ndarray:
     q, r = np.linalg.qr(g)
     q *= np.sign(np.diag(r))[None, :]
     out = np.ascontiguousarray(q.T, dtype=np.float32)     # rows are the rotated basis
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=None)
+def walsh_hadamard(head_dim: int) -> np.ndarray:
+    """f32 [head_dim, head_dim] symmetric orthogonal, read-only: block-diagonal normalized
+    Walsh-Hadamard matrices (Sylvester: H[i, j] = (-1)^popcount(i & j) / sqrt(b)) of b =
+    the largest power of two dividing head_dim, at most HADAMARD_BLOCK."""
+    b = 1
+    while b < HADAMARD_BLOCK and head_dim % (2 * b) == 0:
+        b *= 2
+    i = np.arange(b)
+    parity = np.vectorize(lambda v: bin(v).count("1") & 1)(i[:, None] & i[None, :])
+    h = np.where(parity, -1.0, 1.0) / math.sqrt(b)
+    out = np.ascontiguousarray(np.kron(np.eye(head_dim // b), h), dtype=np.float32)
     out.setflags(write=False)
     return out
 

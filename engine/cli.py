@@ -29,7 +29,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", help="CPU threads (env SHARPI_THREADS)")
     p.add_argument("--ctx", help="context size in tokens (env SHARPI_CTX)")
     p.add_argument("--prefill-chunk", dest="prefill_chunk", help="prompt tokens per prefill step")
-    p.add_argument("--kv-dtype", dest="kv_dtype", help="KV cache rows: bf16 (default), q8_0, q4_0, tq4, tq3, "
+    p.add_argument("--kv-dtype", dest="kv_dtype", help="KV cache rows: bf16 (default), q8_0, q4_0, tq4, tq3, rq4_0, "
                    "or KEYS/VALUES such as q8_0/tq4 (env SHARPI_KV_DTYPE)")
 
 

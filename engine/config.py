@@ -80,7 +80,7 @@ SETTINGS = (
     Spec("prefill_chunk", "SHARPI_PREFILL_CHUNK", "--prefill-chunk", _int(1), 256,
          "prompt tokens per prefill step"),
     Spec("kv_dtype", "SHARPI_KV_DTYPE", "--kv-dtype", _kv_dtype, "bf16",
-         "KV cache row format: bf16, q8_0, q4_0, tq4, tq3, or KEYS/VALUES such as q8_0/tq4"),
+         "KV cache row format: bf16, q8_0, q4_0, tq4, tq3, rq4_0, or KEYS/VALUES such as q8_0/tq4"),
     Spec("snapkv_budget", "SHARPI_SNAPKV_BUDGET", "--kv-budget", _optional_int(0), None,
          "SnapKV KV budget per layer: N>0 on, 0 off (also disables auto-on), unset = auto policy"),
     Spec("snapkv_window", "SHARPI_SNAPKV_WINDOW", "--kv-window", _int(1), 32,

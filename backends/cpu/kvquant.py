@@ -10,6 +10,10 @@ kernel's small format checks (`fmt_of_tag(tag) == BF16`) fold to constants. (A
 runtime int would compile every format into every kernel; numba.literally costs
 a re-typing on every call.)
 
+rq4_0 rows are q4_0 rows of the Walsh-Hadamard-rotated row: written by rotating and
+then quantizing as q4_0, read as q4_0 rows in the rotated basis (storage order is
+the identity; rot = H).
+
 tq4 / tq3 rows are read in the rotated basis and in *storage order*: position p
 of a dequantized row is rotated coordinate perm[p], the order in which the codes
 unpack with contiguous loads (tq4: the low nibbles, then the high nibbles; tq3:
@@ -29,12 +33,12 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from backends.kvformat import KV_DTYPES, QK, TQ_BITS, KvFormat, boundaries, codebook, rotation
+from backends.kvformat import KV_DTYPES, QK, TQ_BITS, KvFormat, boundaries, codebook
 
 from . import kvsimd
 from .jit import _JIT, _JIT_EXACT, _bf16_to_f32, _f16_to_f32, _f32_to_bf16, _f32_to_f16
 
-BF16, Q8_0, Q4_0, TQ4, TQ3 = (KV_DTYPES.index(n) for n in ("bf16", "q8_0", "q4_0", "tq4", "tq3"))
+BF16, Q8_0, Q4_0, TQ4, TQ3, RQ4_0 = (KV_DTYPES.index(n) for n in ("bf16", "q8_0", "q4_0", "tq4", "tq3", "rq4_0"))
 _Q8_BLOCK = 2 + QK          # bytes per q8_0 block: f16 d, 32 x int8
 _Q4_BLOCK = 2 + QK // 2     # bytes per q4_0 block: f16 d, 16 bytes of nibbles
 
@@ -56,7 +60,7 @@ class RowFormat:
     name: str
     head_dim: int
     tag: np.ndarray        # uint8, empty, ndim = format code + 1
-    rot: np.ndarray        # f32 [head_dim, head_dim] R[perm] (tq); [1, 1] zeros otherwise
+    rot: np.ndarray        # f32 [head_dim, head_dim] R[perm] (rotated formats); [1, 1] zeros otherwise
     rot_t: np.ndarray      # f32 [head_dim, head_dim] rot.T, contiguous (rotating outputs back)
     codebook: np.ndarray   # f32 [16]: tq levels, zero-padded
     bounds: np.ndarray     # f32 [2^bits - 1] level midpoints (tq); [1] otherwise
@@ -67,23 +71,23 @@ class RowFormat:
 
     @property
     def rotated(self) -> bool:
-        return self.name in TQ_BITS
+        return KvFormat.get(self.name, self.head_dim).rotated
 
     @staticmethod
     @lru_cache(maxsize=None)
     def get(name: str, head_dim: int) -> "RowFormat":
-        KvFormat.get(name, head_dim)                          # validates name and head_dim
+        kf = KvFormat.get(name, head_dim)                     # validates name and head_dim
         code = KV_DTYPES.index(name)
         tag = np.empty((0,) * (code + 1), dtype=np.uint8)
         cb = np.zeros(16, dtype=np.float32)
+        bounds = np.zeros(1, dtype=np.float32)
+        rot = np.zeros((1, 1), dtype=np.float32)
+        if kf.rotated:
+            rot = np.ascontiguousarray(kf.rotation[storage_order(name, head_dim)])
         if name in TQ_BITS:
-            rot = np.ascontiguousarray(rotation(head_dim)[storage_order(name, head_dim)])
             bits = TQ_BITS[name]
             cb[:1 << bits] = codebook(bits)
             bounds = np.array(boundaries(bits), dtype=np.float32)
-        else:
-            rot = np.zeros((1, 1), dtype=np.float32)
-            bounds = np.zeros(1, dtype=np.float32)
         rot_t = np.ascontiguousarray(rot.T)
         for a in (tag, rot, rot_t, cb, bounds):
             a.setflags(write=False)
@@ -119,8 +123,8 @@ def fmt_of_tag(tag):
 
 @njit(inline="always", **_JIT)
 def is_rotated(fmt):
-    """Whether rows of format code `fmt` read back in the rotated basis (tq4, tq3)."""
-    return fmt == TQ4 or fmt == TQ3
+    """Whether rows of format code `fmt` read back in the rotated basis (tq4, tq3, rq4_0)."""
+    return fmt == TQ4 or fmt == TQ3 or fmt == RQ4_0
 
 
 # -- reading -----------------------------------------------------------------
@@ -198,7 +202,7 @@ def _dequant_tq3(rows, r0, n, tag, cb, head_dim, dst):
 
 @overload(dequant_rows, jit_options=_JIT)
 def _dequant_rows_impl(rows, r0, n, tag, cb, head_dim, dst):
-    return (_dequant_bf16, _dequant_q8_0, _dequant_q4_0, _dequant_tq4, _dequant_tq3)[fmt_of(tag)]
+    return (_dequant_bf16, _dequant_q8_0, _dequant_q4_0, _dequant_tq4, _dequant_tq3, _dequant_q4_0)[fmt_of(tag)]
 
 
 # -- writing (kv_write) --------------------------------------------------------
@@ -304,18 +308,22 @@ def _tq_encode(y, dst, cb, bounds, codes):
             dst[4 + 3 * i] = np.uint8(word >> np.uint32(16))
 
 
-@njit(**_JIT)
-def _quantize_tq(x, dst, rot, cb, bounds, y, codes):
+@njit(inline="always", **_JIT)
+def _rotate_row(x, rot, y):
     """y = rot @ x (rows of rot as dot products: the column-update form measured 7x
-    slower), then _tq_encode. The rotation's summation order differs from numpy's
-    sgemm, so a code may go to the neighbouring level where a rotated value sits on a
-    boundary."""
+    slower). The summation order differs from numpy's sgemm, so a code may go to the
+    neighbouring level where a rotated value sits on a boundary."""
     head_dim = x.shape[0]
     for p in range(head_dim):
         s = np.float32(0.0)
         for k in range(head_dim):
             s += rot[p, k] * x[k]
         y[p] = s
+
+
+@njit(**_JIT)
+def _quantize_tq(x, dst, rot, cb, bounds, y, codes):
+    _rotate_row(x, rot, y)
     _tq_encode(y, dst, cb, bounds, codes)
 
 
@@ -323,9 +331,23 @@ def _quantize_tq_call(x, dst, tag, rot, cb, bounds, y, codes):
     _quantize_tq(x, dst, rot, cb, bounds, y, codes)
 
 
+@njit(**_JIT)
+def _rotate_row_call(x, rot, y):
+    _rotate_row(x, rot, y)
+
+
+_quantize_q4_0_exact = njit(**_JIT_EXACT)(_quantize_q4_0)
+
+
+def _quantize_rq4_0(x, dst, tag, rot, cb, bounds, y, codes):
+    _rotate_row_call(x, rot, y)
+    _quantize_q4_0_exact(y, dst, tag, rot, cb, bounds, y, codes)
+
+
 @overload(quantize_row, jit_options=_JIT_EXACT)
 def _quantize_row_impl(x, dst, tag, rot, cb, bounds, y, codes):
-    return (_quantize_bf16, _quantize_q8_0, _quantize_q4_0, _quantize_tq_call, _quantize_tq_call)[fmt_of(tag)]
+    return (_quantize_bf16, _quantize_q8_0, _quantize_q4_0, _quantize_tq_call, _quantize_tq_call,
+            _quantize_rq4_0)[fmt_of(tag)]
 
 
 @njit(inline="always", **_JIT_EXACT)

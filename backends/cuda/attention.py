@@ -23,8 +23,9 @@ from ..kvformat import KV_DTYPES
 from . import kvrows
 from .elementwise import row_stride
 
-VARIANTS = ([("attention.cu", kvrows.defines(k, v)) for k in KV_DTYPES for v in KV_DTYPES]
-            + [("snapkv_votes.cu", kvrows.defines(k)) for k in KV_DTYPES] + [("rotate.cu", ())])
+VARIANTS = list(dict.fromkeys(      # rq4_0 rows are read as q4_0: no variants of their own
+    [("attention.cu", kvrows.defines(k, v)) for k in KV_DTYPES for v in KV_DTYPES]
+    + [("snapkv_votes.cu", kvrows.defines(k)) for k in KV_DTYPES] + [("rotate.cu", ())]))
 
 _i32, _f32 = np.int32, np.float32
 MAX_HEAD_DIM = 256
@@ -137,7 +138,7 @@ def prefill_smem_bytes(bq: int, head_dim: int, k_dtype: str = "bf16", v_dtype: s
     fmts = (kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype])
     ws = max((head_dim // f.unit) | 1 for f in fmts)
     ss = max((f.n_scales(head_dim) | 1) if f.scaled else 0 for f in fmts)
-    cb = 32 if any(f.rotated for f in fmts) else 0
+    cb = 32 if any(f.coded for f in fmts) else 0
     return 4 * (bq * head_dim + PRE_BK * (ws + ss) + bq * (PRE_BK + 16 // qt) + 3 * bq + cb)
 
 
@@ -163,8 +164,8 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
     q_in, q_stride = q, row_stride(q)
     if k_spec.rotated:                               # q' = R q, once per query head
         q_in, q_stride = _scratch(ex, "attention_prefill_q", n * width)[:n * width].reshape(n, width), width
-        rotate(ex, q, row_stride(q), q_in, q_stride, kvrows.rotation(ex, head_dim)[0], n * n_q_heads,
-               n_q_heads, head_dim)
+        rotate(ex, q, row_stride(q), q_in, q_stride, kvrows.rotation(ex, k_dtype, head_dim)[0],
+               n * n_q_heads, n_q_heads, head_dim)
     name, bq = prefill_kernel(head_dim)
     grid, block = (-(-n // bq), n_q_heads), (PRE_THREADS,)
     ex.function("attention.cu", name, kvrows.defines(k_dtype, v_dtype))(
@@ -174,8 +175,8 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
          _i32(page_size), _i32(window), _f32(scale)),
         shared_mem=prefill_smem_bytes(bq, head_dim, k_dtype, v_dtype))
     if v_spec.rotated:                               # out = R^T y, in place
-        rotate(ex, out, row_stride(out), out, row_stride(out), kvrows.rotation(ex, head_dim)[1], n * n_q_heads,
-               n_q_heads, head_dim)
+        rotate(ex, out, row_stride(out), out, row_stride(out), kvrows.rotation(ex, v_dtype, head_dim)[1],
+               n * n_q_heads, n_q_heads, head_dim)
 
 
 # -- decode ----------------------------------------------------------------------------------
@@ -217,17 +218,21 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
     if k_spec.rotated:                               # q' = R q, once per query head
         width = n_q_heads * head_dim
         q_rot = _scratch(ex, "attention_decode_q", width)[:width].reshape(1, width)
-        rotate(ex, q, width, q_rot, width, kvrows.rotation(ex, head_dim)[0], n_q_heads, n_q_heads, head_dim)
+        rotate(ex, q, width, q_rot, width, kvrows.rotation(ex, k_dtype, head_dim)[0], n_q_heads, n_q_heads, head_dim)
         q = q_rot
     ex.function("attention.cu", "attention_decode_split", defines)(
         (n_kv * n_chunks, n_splits), (DEC_THREADS,),
         (q, k_pages, v_pages, page_table, *_codebooks(ex, k_dtype, v_dtype), *bias, out, part_acc, part_ml,
          _i32(row0), _i32(n_rows), _i32(rows_per_split), _i32(n_q_heads), _i32(n_kv), _i32(head_dim),
          _i32(page_size), _i32(heads_per_block), _f32(scale)))
-    if n_splits > 1 or v_spec.rotated:               # else the first kernel wrote out
-        v_rot = kvrows.rotation(ex, head_dim)[1] if v_spec.rotated else part_ml     # any pointer: unread
+    # tq values: the combine rotates them back; rq4_0 values (read as q4_0 rows): rotate.cu after
+    if n_splits > 1 or v_spec.coded:                 # else the first kernel wrote out
+        v_rot = kvrows.rotation(ex, v_dtype, head_dim)[1] if v_spec.coded else part_ml     # any pointer: unread
         ex.function("attention.cu", "attention_decode_combine", defines)(
             (n_q_heads,), (DEC_THREADS,), (part_acc, part_ml, v_rot, out, _i32(n_splits), _i32(head_dim)))
+    if v_spec.rotated and not v_spec.coded:          # out = R^T y, in place
+        rotate(ex, out, row_stride(out), out, row_stride(out), kvrows.rotation(ex, v_dtype, head_dim)[1],
+               n_q_heads, n_q_heads, head_dim)
 
 
 # -- SnapKV votes --------------------------------------------------------------------------
@@ -269,8 +274,8 @@ def snapkv_votes(ex, q_window, k_pages, page_table, n_rows: int, scale: float, k
     if kvrows.SPECS[k_dtype].rotated:                # q' = R q for every window query
         n_vec = n_q_heads * window
         q_rot = _scratch(ex, "snapkv_votes_q", n_vec * head_dim)[:n_vec * head_dim].reshape(n_vec, head_dim)
-        rotate(ex, q_window.reshape(n_vec, head_dim), head_dim, q_rot, head_dim, kvrows.rotation(ex, head_dim)[0],
-               n_vec, 1, head_dim)
+        rotate(ex, q_window.reshape(n_vec, head_dim), head_dim, q_rot, head_dim,
+               kvrows.rotation(ex, k_dtype, head_dim)[0], n_vec, 1, head_dim)
         q_window = q_rot
     dims = (_i32(n_q_heads), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(n_rows), _i32(window))
     defines, cb = kvrows.defines(k_dtype), kvrows.codebook_dev(ex, k_dtype)

@@ -152,8 +152,15 @@ def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: st
         return
     for pages, x, dtype in ((k_pages, k, k_dtype), (v_pages, v, v_dtype)):
         cb = kvrows.codebook_dev(ex, dtype)
-        rot_t = kvrows.rotation(ex, head_dim)[0] if kvrows.SPECS[dtype].rotated else cb     # else unread
-        ex.function("kv.cu", f"kv_write_{dtype}")(
+        rot_t = kvrows.rotation(ex, dtype, head_dim)[0] if kvrows.SPECS[dtype].rotated else cb     # else unread
+        kernel = dtype
+        if dtype == "rq4_0":                         # rotate the rows (rotate.cu), then write them as q4_0
+            from .attention import _scratch, rotate      # (attention imports this module)
+            width = n_kv * head_dim
+            y = _scratch(ex, f"kv_write_rotated_{'k' if x is k else 'v'}", n * width)[:n * width].reshape(n, width)
+            rotate(ex, x, row_stride(x), y, width, rot_t, n * n_kv, n_kv, head_dim)
+            x, kernel = y, "q4_0"
+        ex.function("kv.cu", f"kv_write_{kernel}")(
             (n, n_kv), (KVW_THREADS,),
             (pages, page_table, x, row_stride(x), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row),
              rot_t, cb, kvrows.bounds_dev(ex, dtype)))

@@ -26,10 +26,11 @@ device (lavapipe) runs dispatches in order and needs neither.
 
 KV pages come in every row format of backends/kvformat.py (keys and values may
 differ): a pool is one buffer holding the pages' bytes unchanged, and each KV shader
-is compiled per format (shaders.kv_defines). tq rows live in a rotated basis: a small
-kv_rotate dispatch rotates rows before kv_write, queries before attention and votes
-over tq keys, and attention outputs over tq values back, with R = rotation(head_dim)
-uploaded once per head_dim; their rotated copies go to two scratch buffers the
+is compiled per format (shaders.kv_defines). tq and rq4_0 rows live in a rotated basis:
+a small kv_rotate dispatch rotates rows before kv_write, queries before attention and
+votes over such keys, and attention outputs over such values back, with R =
+KvFormat.rotation uploaded once per rotation and head_dim (rq4_0 rows are then q4_0
+rows to the shaders); their rotated copies go to two scratch buffers the
 backend keeps (so the pipelines that bind them stay cached).
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ from engine.errors import BackendUnavailable
 
 from . import shaders
 from ..base import check_kv_dtypes, rope_inv_freq
-from ..kvformat import KV_DTYPES, TQ_BITS, KvFormat, rotation
+from ..kvformat import KV_DTYPES, TQ_BITS, KvFormat, is_rotated
 from .arrays import PER_WORD, Buffer, DeviceArray, to_words
 from .device import (check_buffer, check_device, check_grid, list_devices, manager, max_buffer_bytes,
                      pick_device)
@@ -488,12 +489,14 @@ class VulkanBackend:
     def _row_bytes(pages) -> int:
         return pages.shape[3] * pages.dtype.itemsize
 
-    def _rot_table(self, head_dim: int) -> DeviceArray:
-        """f32 [2, head_dim, head_dim]: R^T then R (R = kvformat.rotation), uploaded once."""
-        table = self._rot_tables.get(head_dim)
+    def _rot_table(self, dtype: str, head_dim: int) -> DeviceArray:
+        """f32 [2, head_dim, head_dim]: R^T then R of a rotated dtype (KvFormat.rotation;
+        tq4 and tq3 share one), uploaded once."""
+        r = KvFormat.get(dtype, head_dim).rotation
+        key = ("tq" if dtype in TQ_BITS else dtype, head_dim)
+        table = self._rot_tables.get(key)
         if table is None:
-            r = rotation(head_dim)
-            table = self._rot_tables[head_dim] = self.upload(np.stack([r.T, r]))
+            table = self._rot_tables[key] = self.upload(np.stack([r.T, r]))
         return table
 
     def _kept_scratch(self, role: str, n_words: int) -> Buffer:
@@ -511,9 +514,11 @@ class VulkanBackend:
         """Scratch f32 [n, width] for rotated rows ("a": queries, "b": attention output)."""
         return DeviceArray(self._kept_scratch(role, n * width), F32, (n, width))
 
-    def _rotate(self, x: DeviceArray, y: DeviceArray, n_heads: int, head_dim: int, back: bool) -> None:
-        """Each head_dim-wide head of x's rows -> y: R x (into the tq basis) or R^T x (back)."""
-        table = self._rot_table(head_dim)
+    def _rotate(self, x: DeviceArray, y: DeviceArray, dtype: str, n_heads: int, head_dim: int,
+                back: bool) -> None:
+        """Each head_dim-wide head of x's rows -> y: R x (into the basis of dtype's rows) or
+        R^T x (back)."""
+        table = self._rot_table(dtype, head_dim)
         push = _u32(head_dim, x.offset, x.row_stride, y.offset, y.row_stride,
                     head_dim * head_dim if back else 0)
         self._dispatch("kv_rotate", (), [x.buffer, table.buffer, y.buffer], (n_heads, x.shape[0], 1), push)
@@ -531,12 +536,12 @@ class VulkanBackend:
         self._kv_format(v_pages, v_dtype, head_dim, "kv_write")
         if n == 0:
             return
-        if k_dtype in TQ_BITS:                             # tq rows are coded in the rotated basis
+        if is_rotated(k_dtype):                           # rows are coded in the rotated basis
             k, k_src = self._rot_buffer("a", n, width), k
-            self._rotate(k_src, k, n_kv, head_dim, back=False)
-        if v_dtype in TQ_BITS:
+            self._rotate(k_src, k, k_dtype, n_kv, head_dim, back=False)
+        if is_rotated(v_dtype):
             v, v_src = self._rot_buffer("b", n, width), v
-            self._rotate(v_src, v, n_kv, head_dim, back=False)
+            self._rotate(v_src, v, v_dtype, n_kv, head_dim, back=False)
         page_size = k_pages.shape[2]
         push = _u32(n, n_kv, head_dim, page_size, start_row, k.offset, k.row_stride, v.offset, v.row_stride)
         self._dispatch("kv_write", shaders.kv_defines(k_dtype, v_dtype),
@@ -559,10 +564,10 @@ class VulkanBackend:
         bias_buf, bias_off, bias_stride, n_bias = self._row_bias(row_bias, n_kv)
         if n == 0:
             return
-        if k_dtype in TQ_BITS:                             # score in the keys' basis: (R q) . y
+        if is_rotated(k_dtype):                           # score in the keys' basis: (R q) . y
             q, q_src = self._rot_buffer("a", n, width), q
-            self._rotate(q_src, q, n_q_heads, head_dim, back=False)
-        o = self._rot_buffer("b", n, width) if v_dtype in TQ_BITS else out
+            self._rotate(q_src, q, k_dtype, n_q_heads, head_dim, back=False)
+        o = self._rot_buffer("b", n, width) if is_rotated(v_dtype) else out
         page_size = k_pages.shape[2]
         push = _u32(n, n_q_heads, n_kv, head_dim, page_size, start_row, q.offset, q.row_stride,
                     o.offset, o.row_stride, _fbits(scale), window, bias_off, bias_stride, n_bias)
@@ -590,7 +595,7 @@ class VulkanBackend:
             self._dispatch("attention_combine", (), [part, o.buffer], (n_q_heads, 1, 1),
                            _u32(head_dim, splits, o.offset))
         if o is not out:                                   # sum_j p_j y_j back from the values' basis
-            self._rotate(o, out, n_q_heads, head_dim, back=True)
+            self._rotate(o, out, v_dtype, n_q_heads, head_dim, back=True)
 
     def _row_bias(self, row_bias, n_kv: int) -> tuple:
         """(buffer, offset, row stride, n_bias) of attention's row bias, f32 [n_kv, n_bias]
@@ -659,10 +664,10 @@ class VulkanBackend:
         if prefix <= 0:
             return np.zeros((n_kv, max(prefix, 0)), np.float32)
         q_buf, q_off = q_window.buffer, q_window.offset
-        if k_dtype in TQ_BITS:                             # window queries into the keys' basis
+        if is_rotated(k_dtype):                           # window queries into the keys' basis
             flat = DeviceArray(q_buf, F32, (n_q_heads * window, head_dim), q_off)
             rotated = self._rot_buffer("a", n_q_heads * window, head_dim)
-            self._rotate(flat, rotated, 1, head_dim, back=False)
+            self._rotate(flat, rotated, k_dtype, 1, head_dim, back=False)
             q_buf, q_off = rotated.buffer, 0
         stats = self._scratch(2 * n_q_heads * window)
         votes = self._scratch(n_kv * prefix)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine.errors import BackendUnavailable
 
-from ..kvformat import KV_DTYPES, TQ_BITS, boundaries, codebook
+from ..kvformat import KV_DTYPES, TQ_BITS, boundaries, codebook, row_layout
 
 SHADER_DIR = Path(__file__).resolve().parents[2] / "shaders"
 
@@ -79,12 +79,13 @@ def _f32_list(values) -> str:
 
 @lru_cache(maxsize=None)
 def kv_defines(k_dtype: str | None = None, v_dtype: str | None = None) -> tuple[str, ...]:
-    """The #defines of a KV shader variant (shaders/kv.glsl): K_FMT / V_FMT = the dtype's
-    index in kvformat.KV_DTYPES, and for tq dtypes the codebook and its boundaries."""
+    """The #defines of a KV shader variant (shaders/kv.glsl): K_FMT / V_FMT = the index in
+    kvformat.KV_DTYPES of the dtype's row layout (rq4_0: q4_0's; the backend rotates its
+    rows), and for tq dtypes the codebook and its boundaries."""
     out = []
     for name, dtype in (("K_FMT", k_dtype), ("V_FMT", v_dtype)):
         if dtype is not None:
-            out.append(f"{name}={KV_DTYPES.index(dtype)}")
+            out.append(f"{name}={KV_DTYPES.index(row_layout(dtype))}")
     for bits in sorted({TQ_BITS[d] for d in (k_dtype, v_dtype) if d in TQ_BITS}, reverse=True):
         out.append(f"TQ{bits}_LEVELS={_f32_list(codebook(bits))}")
         out.append(f"TQ{bits}_BOUNDS={_f32_list(boundaries(bits))}")
@@ -96,9 +97,10 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     out = [("rms_norm", ()), ("rope", ()), ("kv_rotate", ()),
            ("kv_gather", ("PASS_GATHER",)), ("kv_gather", ("PASS_SCATTER",)), ("kv_copy_pages", ()),
            ("copy_words", ()), ("copy_words", ("FILL",)), ("attention_combine", ())]
-    for k in KV_DTYPES:
+    layouts = list(dict.fromkeys(map(row_layout, KV_DTYPES)))
+    for k in layouts:
         out += [("snapkv_votes", ("PASS_STATS",) + kv_defines(k)), ("snapkv_votes", ("PASS_VOTES",) + kv_defines(k))]
-        for v in KV_DTYPES:
+        for v in layouts:
             out += [("kv_write", kv_defines(k, v)), ("attention", kv_defines(k, v)),
                     ("attention_lanes", kv_defines(k, v)),
                     ("attention", kv_defines(k, v) + (f"SPLIT={DECODE_SPLITS}u",))]

@@ -46,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--policies", help="exact policy list instead of the sweep, e.g. "
                                       "full,snapkv-b1024-head-avg-k31-w32-s4,snapkv-bL/8-layer-max-k15-w32-s0")
     p.add_argument("--kv-dtypes", dest="kv_dtypes",
-                   help="KV storage types every policy runs with, from bf16,q8_0,q4_0,tq4,tq3 or KEYS/VALUES "
+                   help="KV storage types every policy runs with, from bf16,q8_0,q4_0,tq4,tq3,rq4_0 or KEYS/VALUES "
                         "pairs like q8_0/tq4 (default bf16; policies over another type are named +<type>)")
     p.add_argument("--samples", type=int, help="prompts per task and length; needle depths spread over them "
                                                "(default 11 = one per depth)")

@@ -103,23 +103,29 @@ def nmse(got, want) -> float:
 
 
 def assert_rows_written(got, want, dtype: str, head_dim: int) -> None:
-    """Pages after kv_write: bit-exact, except that a tq code may go to the neighbouring
-    level where the rotated value sits on a boundary to within summation order (at
-    most 1e-3 of the codes) and its row's f16 scale may move by 1 ulp. Rows left
-    unwritten (all 0xFF, the NaN poison) must stay so."""
-    from backends.kvformat import TQ_BITS, _unpack
-    if dtype not in TQ_BITS:
+    """Pages after kv_write: bit-exact, except in the rotated formats, where a code may
+    go to the neighbouring level where the rotated value sits on a boundary to within
+    summation order (at most 1e-3 of the codes) and an f16 scale may move by 1 ulp
+    (tq: one per row; rq4_0: one per block of 32). Rows left unwritten (all 0xFF, the
+    NaN poison) must stay so."""
+    from backends.kvformat import QK, TQ_BITS, _unpack
+    if dtype not in TQ_BITS and dtype != "rq4_0":
         np.testing.assert_array_equal(got, want)
         return
     g, w = got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1])
     written = ~np.all(w == 0xFF, axis=1)
     np.testing.assert_array_equal(np.all(g == 0xFF, axis=1), ~written)
     g, w = g[written], w[written]
+    if dtype == "rq4_0":                             # q4_0 blocks: f16 d, 16 bytes of nibbles
+        g, w = g.reshape(-1, 2 + QK // 2), w.reshape(-1, 2 + QK // 2)
+        cg = np.concatenate([g[:, 2:] & 15, g[:, 2:] >> 4], axis=1).astype(np.int32)
+        cw = np.concatenate([w[:, 2:] & 15, w[:, 2:] >> 4], axis=1).astype(np.int32)
+    else:
+        cg = _unpack(g[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
+        cw = _unpack(w[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
     sg = g[:, :2].copy().view(np.int16)[:, 0].astype(np.int32)
     sw = w[:, :2].copy().view(np.int16)[:, 0].astype(np.int32)
     assert np.abs(sg - sw).max() <= 1
-    cg = _unpack(g[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
-    cw = _unpack(w[:, 2:], TQ_BITS[dtype], head_dim).astype(np.int32)
     assert np.abs(cg - cw).max() <= 1 and (cg != cw).mean() <= 1e-3
 
 

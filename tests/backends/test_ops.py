@@ -39,7 +39,7 @@ def backend(request):
 
 # (k_dtype, v_dtype) pairs the KV ops run with; q8_0/tq4: keys and values differ
 KV_CASES = [("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("tq4", "tq4"), ("tq3", "tq3"),
-            ("q8_0", "tq4")]
+            ("rq4_0", "rq4_0"), ("q8_0", "tq4")]
 KV_IDS = ["/".join(dict.fromkeys(c)) for c in KV_CASES]
 QUANT_CASES = KV_CASES[1:]
 

@@ -457,7 +457,7 @@ def test_kv_ops_on_rows_of_odd_byte_widths(vk):
     np.testing.assert_array_equal(vk.download(dv), v_pages)
 
 
-@pytest.mark.parametrize("kv", [("bf16", "bf16"), ("q8_0", "q4_0"), ("tq4", "tq3")], ids="/".join)
+@pytest.mark.parametrize("kv", [("bf16", "bf16"), ("q8_0", "q4_0"), ("tq4", "tq3"), ("rq4_0", "rq4_0")], ids="/".join)
 @pytest.mark.parametrize("n_rows,window", [(1, 0), (7, 0), (300, 0), (2500, 0), (700, 256)])
 def test_split_decode_attention_matches_the_reference(vk, kv, n_rows, window):
     """Flash-decoding, the GPU path (spans of the context, then a merge pass), forced on

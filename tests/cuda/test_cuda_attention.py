@@ -400,16 +400,17 @@ def test_rejects_unsupported_shapes(ex):
 # sliding window, votes over two 128-value slices; mixed pairs with the rotated format on
 # either side. Unused slots hold 0xFF bytes (an f16 NaN scale); pages below a window are
 # gone from the table (-1). The reference reads what KvFormat.dequantize gives.
-QKV = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("tq4", "tq4"), ("tq3", "tq3"), ("tq3", "q4_0"), ("q8_0", "tq4")]
+QKV = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("tq4", "tq4"), ("tq3", "tq3"), ("rq4_0", "rq4_0"), ("tq3", "q4_0"),
+       ("q8_0", "tq4")]
 QKV_IDS = ["/".join(dict.fromkeys(c)) for c in QKV]
 
 
 def quant_cases(shapes):
-    """(kv, *shape) for every pair of QKV and shape its formats allow (q8_0 / q4_0: head_dim
+    """(kv, *shape) for every pair of QKV and shape its formats allow (q8_0 / q4_0 / rq4_0: head_dim
     a multiple of 32), with readable ids."""
     return [pytest.param(kv, *shape, id=f"{kv_id}-{'-'.join(map(str, shape))}")
             for kv, kv_id in zip(QKV, QKV_IDS) for shape in shapes
-            if not (shape[2] % 32 and any(d.startswith("q") for d in kv))]
+            if not (shape[2] % 32 and any("q" in d for d in kv))]
 
 
 def quant_pool(rng, n_rows, n_kv, page_size, head_dim, kv, kscale=2.0):
@@ -481,7 +482,7 @@ def test_attention_prefill_quantized(ex, kv, n_q, n_kv, head_dim, page_size, sta
     assert np.all(np.isnan(got[:, :4])) and np.all(np.isnan(got[:, 4 + width:]))
 
 
-@pytest.mark.parametrize("k_dtype", ["q8_0", "q4_0", "tq4", "tq3"])
+@pytest.mark.parametrize("k_dtype", ["q8_0", "q4_0", "tq4", "tq3", "rq4_0"])
 @pytest.mark.parametrize("n_q,n_kv,head_dim,page_size,n_rows,window", [
     (9, 3, 64, 16, 301, 32), (4, 1, 256, 16, 1000, 32)])
 def test_snapkv_votes_quantized(ex, k_dtype, n_q, n_kv, head_dim, page_size, n_rows, window):
@@ -500,19 +501,22 @@ def test_prefill_shared_memory_fits_every_format():
         name, bq = attention.prefill_kernel(head_dim)
         for k_dtype in KV_DTYPES:
             for v_dtype in KV_DTYPES:
-                if head_dim % 32 and (k_dtype[0] == "q" or v_dtype[0] == "q"):
+                if head_dim % 32 and ("q" in k_dtype or "q" in v_dtype):
                     continue
                 assert attention.prefill_smem_bytes(bq, head_dim, k_dtype, v_dtype) <= 48 * 1024, \
                     (head_dim, k_dtype, v_dtype)
 
 
 def test_rotated_formats_rotate_once(ex):
-    """tq keys rotate the queries once, tq values rotate the output back once: the launches
-    around the attention kernels, and no rotation for the other formats."""
+    """Rotated keys rotate the queries once, rotated values the output back once: the
+    launches around the attention kernels (tq values in the combine, rq4_0 values, read
+    as q4_0 rows, by rotate.cu), and no rotation for the other formats."""
     rng = np.random.default_rng(21)
     n_q, n_kv, head_dim, n_rows = 9, 3, 64, 300
     q = rng.standard_normal((1, n_q * head_dim)).astype(np.float32)
     for kv, want in [(("tq4", "tq3"), ["rotate_vectors_1", "attention_decode_split", "attention_decode_combine"]),
+                     (("rq4_0", "rq4_0"), ["rotate_vectors_1", "attention_decode_split", "attention_decode_combine",
+                                           "rotate_vectors_1"]),
                      (("q8_0", "q4_0"), ["attention_decode_split", "attention_decode_combine"])]:
         log = LaunchLog(ex)
         pools = upload(ex, *quant_pool(rng, n_rows, n_kv, 16, head_dim, kv))
@@ -522,7 +526,7 @@ def test_rotated_formats_rotate_once(ex):
         attention.attention_prefill(log, ex.asarray(np.repeat(q, 5, 0)), *pools, n_rows - 5, n_q, 0.125,
                                     ex.zeros((5, q.shape[1])), 0, *kv)
         rotations = [name for name, _ in log.launches if name.startswith("rotate")]
-        assert len(rotations) == (2 if kv[0] == "tq4" else 0)
+        assert len(rotations) == (0 if kv[0] == "q8_0" else 2)
 
 
 def test_rejects_pool_of_another_format(ex):

@@ -17,11 +17,11 @@ import pytest
 
 from _backends import assert_rows_written
 from backends.cuda import elementwise
-from backends.kvformat import TQ_BITS, KvFormat
+from backends.kvformat import KvFormat, is_rotated
 from backends.reference import ReferenceBackend
 
 REF = ReferenceBackend()
-QUANT = ["q8_0", "q4_0", "tq4", "tq3"]
+QUANT = ["q8_0", "q4_0", "tq4", "tq3", "rq4_0"]
 
 
 def empty_pools(n_pages, n_kv, page_size, head_dim, kv):
@@ -42,8 +42,8 @@ def awkward_rows(head_dim: int, dtype: str) -> np.ndarray:
     rows[4, ::11] = top
     rows[5] = np.float32(65504.0 * 8 * 0.999)                       # scales near the f16 top
     rows[5, 1::2] *= -1
-    if dtype in TQ_BITS:
-        rows[5] /= 16                                               # (tq: s ~ |x|, which would overflow)
+    if is_rotated(dtype):
+        rows[5] /= 16                                               # (rotated: a value up to sqrt(64) |x|)
     rows[6] *= np.float32(1e4)
     rows[7, :] = np.float32(-8.0)                                   # q4_0: max = -8, d = 1
     rows[7, 3] = 7.5
@@ -51,7 +51,7 @@ def awkward_rows(head_dim: int, dtype: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(d, h) for d in QUANT for h in (64, 256, 40)
-                                             if not (h % 32 and d.startswith("q"))])   # q*: D % 32 == 0
+                                             if not (h % 32 and "q" in d)])   # q8_0, q4_0, rq4_0: D % 32 == 0
 def test_kv_write_bytes(ex, dtype, head_dim):
     """kv_write into a pool of one format (V bf16) through a permuted page table, random
     rows and the awkward ones, at start_row past a page boundary."""

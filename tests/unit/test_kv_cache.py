@@ -515,7 +515,7 @@ def test_layers_take_pages_from_segments_within_the_backend_buffer_limit():
 # -- quantized rows (backends/kvformat.py) ----------------------------------------------
 
 QD = 32                                        # head_dim every KV dtype accepts
-KV_DTYPES_TESTED = ["bf16", "q8_0", "q4_0", "tq4", "tq3", "q8_0/tq4"]
+KV_DTYPES_TESTED = ["bf16", "q8_0", "q4_0", "tq4", "tq3", "rq4_0", "q8_0/tq4"]
 
 
 def quantized_cache(kv_dtype: str, n_layers: int = 2, page_size: int = 4, max_rows: int = 64) -> KvCache:

@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize
 
 from backends.kvformat import (KV_DTYPES, KvFormat, _pack, _unpack, boundaries, codebook, kv_dtype_name,
-                               parse_kv_dtype, rotation)
+                               parse_kv_dtype, rotation, walsh_hadamard)
 from engine.errors import ConfigError
 
 QUANTIZED = [d for d in KV_DTYPES if d != "bf16"]
@@ -31,7 +31,8 @@ def scales_of(rows: np.ndarray, block_bytes: int) -> np.ndarray:
 
 # -- layout -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,bytes_per_row", [("bf16", 128), ("q8_0", 68), ("q4_0", 36), ("tq4", 34), ("tq3", 26)])
+@pytest.mark.parametrize("name,bytes_per_row", [("bf16", 128), ("q8_0", 68), ("q4_0", 36), ("tq4", 34), ("tq3", 26),
+                                                ("rq4_0", 36)])
 def test_layout_at_head_dim_64(name, bytes_per_row):
     f = KvFormat.get(name, 64)
     assert f.row_bytes == bytes_per_row
@@ -42,7 +43,8 @@ def test_layout_at_head_dim_64(name, bytes_per_row):
     assert f.dequantize(q).shape == (7, 1, 64)
 
 
-@pytest.mark.parametrize("name,head_dim", [("q8_0", 48), ("q4_0", 16), ("tq4", 12), ("tq3", 100), ("fp8", 64)])
+@pytest.mark.parametrize("name,head_dim", [("q8_0", 48), ("q4_0", 16), ("tq4", 12), ("tq3", 100), ("rq4_0", 48),
+                                           ("fp8", 64)])
 def test_bad_head_dim_or_name_is_a_config_error(name, head_dim):
     with pytest.raises(ConfigError, match=name):
         KvFormat.get(name, head_dim)
@@ -103,6 +105,38 @@ def test_zero_rows_read_back_as_zeros(name):
 
 # -- TurboQuant -----------------------------------------------------------------------
 
+def test_rq4_0_rows_are_ggml_q4_0_blocks_of_the_hadamard_rotated_row():
+    """llama.cpp's rotated q4_0 cache: ggml's q4_0 bytes of x @ H, read back through H."""
+    rows = outlier_rows(32, 128)
+    f = KvFormat.get("rq4_0", 128)
+    assert f.row_bytes == KvFormat.get("q4_0", 128).row_bytes and f.rotated and f.blocks == "q4_0"
+    ours = f.quantize(rows)
+    h = walsh_hadamard(128)
+    np.testing.assert_array_equal(ours, gguf_quantize(rows @ h, Q.Q4_0).reshape(ours.shape))
+    np.testing.assert_allclose(f.dequantize(ours), f.dequantize_rotated(ours) @ h, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [gaussian_rows(200, 64), outlier_rows(200, 64)])
+def test_rq4_0_beats_q4_0_on_rows_with_outlier_channels(rows):
+    """The point of the rotation: an outlier channel no longer sets its block's step."""
+    err = {n: np.linalg.norm(KvFormat.get(n, 64).dequantize(KvFormat.get(n, 64).quantize(rows)) - rows)
+           for n in ("q4_0", "rq4_0")}
+    assert err["rq4_0"] < err["q4_0"] * (0.75 if rows[:, 5].std() > 10 else 1.1)
+
+
+@pytest.mark.parametrize("head_dim,block", [(32, 32), (64, 64), (96, 32), (256, 64)])
+def test_walsh_hadamard_is_ggml_gen_hadamard_per_block(head_dim, block):
+    """Sylvester's construction as ggml_gen_hadamard builds it (H[0, 0] = 1/sqrt(n), then
+    [[H, H], [H, -H]]), block-diagonal in blocks of at most 64; symmetric, H H = I."""
+    g = np.array([[1.0]]) / np.sqrt(block)
+    while g.shape[0] < block:
+        g = np.block([[g, g], [g, -g]])
+    h = walsh_hadamard(head_dim)
+    assert h.dtype == np.float32 and not h.flags.writeable
+    np.testing.assert_allclose(h, np.kron(np.eye(head_dim // block), g), atol=1e-7)
+    np.testing.assert_allclose(h @ h, np.eye(head_dim), atol=1e-6)
+
+
 @pytest.mark.parametrize("name,limit", [("tq4", 0.013), ("tq3", 0.045)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_tq_relative_mse_near_lloyd_max(name, limit, head_dim):
@@ -115,14 +149,14 @@ def test_tq_relative_mse_near_lloyd_max(name, limit, head_dim):
         assert rel.max() < 8 * limit                       # no row falls apart
 
 
-@pytest.mark.parametrize("name", ["tq4", "tq3"])
-def test_tq_scores_in_the_rotated_basis(name):
+@pytest.mark.parametrize("name", ["tq4", "tq3", "rq4_0"])
+def test_rotated_rows_score_in_the_rotated_basis(name):
     """q . x^ == (R q) . dequantize_rotated(x): what a kernel that rotates the query once computes."""
     f = KvFormat.get(name, 64)
     stored = f.quantize(gaussian_rows(10, 64))
     q = gaussian_rows(1, 64, 9)[0]
     direct = f.dequantize(stored) @ q
-    rotated = f.dequantize_rotated(stored) @ (rotation(64) @ q)
+    rotated = f.dequantize_rotated(stored) @ (f.rotation @ q)
     np.testing.assert_allclose(direct, rotated, rtol=1e-4, atol=1e-4)
 
 
