@@ -25,7 +25,9 @@ as it comes; --resume skips the prompts already there, so a long run can go in p
 teacher-forces the continuation with its f16 cache and with --cache-type, and the mean
 KL(f16 || quantized) of its next-token distributions is set beside our KL of each
 quantized policy of the run against our bf16 full cache (each engine against its own
-full-precision cache; prompt by prompt, paired).
+full-precision cache; prompt by prompt, paired). With --resume, llama.cpp's KL of the
+prompts already in OUT (same cache type) is kept and only ours is read again, so a
+new policy of the run can be set beside llama.cpp without running it again.
 
     .venv/bin/python tools/eval_llamacpp.py docs/eval2k_kvquant_fidelity/results.json \
         --fidelity --cache-type q4_0 --out docs/eval2k_kvquant_fidelity/llamacpp_q4_0.json
@@ -100,8 +102,13 @@ def fidelity(args, rows: list[dict], path: str, tok: Tokenizer, ctx: int) -> int
     type_k, type_v = llama_cpp_cache_types(args.cache_type)
     kw = dict(model_path=path, n_ctx=ctx, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
               logits_all=True, verbose=False)
-    full = Llama(**kw, type_k=LLAMA_CPP_CACHE_TYPES["f16"], type_v=LLAMA_CPP_CACHE_TYPES["f16"])
-    quant = Llama(**kw, type_k=type_k, type_v=type_v, flash_attn=type_v != LLAMA_CPP_CACHE_TYPES["f16"])
+    llms = []                                        # (f16, quantized), made when a prompt needs them
+    done = {}                                        # --resume: llama.cpp's side of an earlier OUT
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            prev = json.load(f)
+        if prev.get("fidelity") and prev.get("cache_type") == args.cache_type:
+            done = {(o["length"], o["index"]): o for o in prev["rows"]}
     ours = [p for p in by_prompt[prompts[0]] if p != "full"]
     out = []
     for k, (length, index) in enumerate(prompts):
@@ -112,7 +119,14 @@ def fidelity(args, rows: list[dict], path: str, tok: Tokenizer, ctx: int) -> int
             print(f"cannot rebuild fidelity {length} #{index}: prompt differs from the run", file=sys.stderr)
             return 1
         t0 = time.perf_counter()
-        m = fidelity_metrics(llama_teacher(full, s.ids, s.continuation), llama_teacher(quant, s.ids, s.continuation))
+        if (length, index) in done and done[(length, index)]["prompt_tokens"] == len(s.ids):
+            m = {"kl": done[(length, index)]["llama_cpp_kl"], "top1": done[(length, index)]["llama_cpp_top1"]}
+            t0 -= done[(length, index)]["seconds"]
+        else:
+            if not llms:
+                llms = [Llama(**kw, type_k=LLAMA_CPP_CACHE_TYPES["f16"], type_v=LLAMA_CPP_CACHE_TYPES["f16"]),
+                        Llama(**kw, type_k=type_k, type_v=type_v, flash_attn=type_v != LLAMA_CPP_CACHE_TYPES["f16"])]
+            m = fidelity_metrics(*(llama_teacher(llm, s.ids, s.continuation) for llm in llms))
         o = {"length": length, "index": index, "prompt_tokens": len(s.ids), "cache_type": args.cache_type,
              "llama_cpp_kl": m["kl"], "llama_cpp_top1": m["top1"], "seconds": time.perf_counter() - t0,
              "ours": {p: {"kl": by_prompt[(length, index)][p]["kl"], "top1": by_prompt[(length, index)][p]["top1"]}
@@ -151,7 +165,8 @@ def main() -> int:
     ap.add_argument("--ours", default="full", help="the run's policy to compare with (default full)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="results/llamacpp_check.json")
-    ap.add_argument("--resume", action="store_true", help="skip the prompts OUT.partial.jsonl already answers")
+    ap.add_argument("--resume", action="store_true", help="skip the prompts OUT.partial.jsonl already answers "
+                    "(--fidelity: the prompts OUT already has)")
     ap.add_argument("--fidelity", action="store_true",
                     help="compare quantized caches by teacher-forced KL on the run's fidelity prompts (see above)")
     args = ap.parse_args()

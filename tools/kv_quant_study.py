@@ -86,8 +86,8 @@ def study(model_name: str, tokens: int, window: int, seed: int) -> dict:
         m.forward.window_capture = None
     d, group = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
     scale = 1.0 / math.sqrt(d)
-    variants = ["q8_0", "q4_0", "tq4", "tq3", "tq3+qjl", "tq4+qjl", "q4_0+center", "tq4+center", "tq3+center",
-                "q4_0+center256", "tq4+center256"]
+    variants = ["q8_0", "q4_0", "rq4_0", "tq4", "tq3", "tq3+qjl", "tq4+qjl", "q4_0+center", "rq4_0+center",
+                "tq4+center", "tq3+center", "q4_0+center256", "rq4_0+center256", "tq4+center256"]
     acc = {v: {"key_kl": [], "out_err": []} for v in variants}
     for layer in cache.full_layers:
         k, v = cached_rows(cache, layer, len(ids))
