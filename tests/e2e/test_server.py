@@ -258,6 +258,26 @@ def test_a_follow_up_to_an_evicted_conversation_continues_its_whole_prompt(serve
                                                                    snapkv=KV_POLICY).text
 
 
+def test_a_follow_up_to_an_adaptive_conversation_is_evicted_again(served, reference):
+    """Adaptive head budgets leave a cache that SnapKV cannot score again, but the next
+    turn reuses the branch kept before compaction, so it is evicted as a whole as with
+    uniform budgets, and answers as a fresh prefill does."""
+    c = served.client()
+    adaptive = dataclasses.replace(KV_POLICY, allocation="adaptive")
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=10, temperature=0,
+              extra_body={**KV, "kv_allocation": "adaptive"})
+    turn1 = [{"role": "user", "content": DOC + " Which word comes second?"}]
+    first = c.chat.completions.create(messages=turn1, **kw)
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And the third?"}]
+    second = c.chat.completions.create(messages=turn2, **kw)
+    u = second.usage.model_extra
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
+    assert "adaptive head budgets" in u["kv_policy"] and u["kv_bytes"] < u["kv_bytes_full"]
+    assert second.choices[0].message.content == reference.generate(turn2, chat=True, max_tokens=10, temperature=0.0,
+                                                                   snapkv=adaptive).text
+
+
 def test_seeded_sampling_is_reproducible(served):
     c = served.client()
     kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt="Once upon a time", max_tokens=6, temperature=0.9,
