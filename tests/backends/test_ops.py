@@ -41,7 +41,9 @@ def backend(request):
 KV_CASES = [("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("tq4", "tq4"), ("tq3", "tq3"),
             ("rq4_0", "rq4_0"), ("q8_0", "tq4")]
 KV_IDS = ["/".join(dict.fromkeys(c)) for c in KV_CASES]
-QUANT_CASES = KV_CASES[1:]
+# the windowed variants without rq4_0: its rows are q4_0's, read after tq's rotations (both tested)
+QUANT_CASES = [c for c in KV_CASES[1:] if c[0] != "rq4_0"]
+QUANT_IDS = ["/".join(dict.fromkeys(c)) for c in QUANT_CASES]
 
 
 @pytest.fixture(params=KV_CASES, ids=KV_IDS)
@@ -521,7 +523,7 @@ def check_prefill_window(backend, kv, n_q, n_kv, head_dim, page_size, window, st
 QUANT_WINDOW_SHAPES = [(9, 3, 64, 16), (4, 1, 256, 16)]
 
 
-@pytest.mark.parametrize("kvq", QUANT_CASES, ids=KV_IDS[1:])
+@pytest.mark.parametrize("kvq", QUANT_CASES, ids=QUANT_IDS)
 @pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", QUANT_WINDOW_SHAPES)
 @pytest.mark.parametrize("window,start_row,n", [(7, 37, 7), (1, 600, 1), (64, 5, 40),
                                                 (64, 700, 300), (512, 700, 300)])
@@ -553,7 +555,7 @@ def check_decode_window(backend, kv, n_q, n_kv, head_dim, page_size, window, n_r
     assert nmse(got, want) < TOL_ATTN
 
 
-@pytest.mark.parametrize("kvq", QUANT_CASES, ids=KV_IDS[1:])
+@pytest.mark.parametrize("kvq", QUANT_CASES, ids=QUANT_IDS)
 @pytest.mark.parametrize("n_q,n_kv,head_dim,page_size", QUANT_WINDOW_SHAPES)
 @pytest.mark.parametrize("window,n_rows", [(7, 300), (64, 17), (512, 2000), (1500, 3000),
                                            (1030, 5000)])
