@@ -1,6 +1,6 @@
 """Attention ops of the CUDA backend: causal prefill attention, flash-decoding and the
 SnapKV window votes; argument lists, launch geometry and scratch of
-kernels/attention.cu, kernels/snapkv_votes.cu and kernels/rotate.cu.
+kernels/attention.cu and kernels/snapkv_votes.cu (rotations: elementwise.rotate).
 
 KV pools are pages of any KV row format (kvrows.py: uint16 [n_pages, n_kv, page_size,
 head_dim] bf16 bits, or uint8 [.., row_bytes] quantized rows), named by the ops'
@@ -21,11 +21,11 @@ import numpy as np
 
 from ..kvformat import KV_DTYPES
 from . import kvrows
-from .elementwise import row_stride
+from .elementwise import scratch, rotate, row_stride
 
 VARIANTS = list(dict.fromkeys(      # rq4_0 rows are read as q4_0: no variants of their own
     [("attention.cu", kvrows.defines(k, v)) for k in KV_DTYPES for v in KV_DTYPES]
-    + [("snapkv_votes.cu", kvrows.defines(k)) for k in KV_DTYPES] + [("rotate.cu", ())]))
+    + [("snapkv_votes.cu", kvrows.defines(k)) for k in KV_DTYPES]))
 
 _i32, _f32 = np.int32, np.float32
 MAX_HEAD_DIM = 256
@@ -50,9 +50,6 @@ SNAP_QC = 32                 # window queries per block (query chunk)
 SNAP_RT = 32                 # cache rows per tile
 SNAP_TARGET_BLOCKS = 512     # the stats pass splits the rows until it has about this many blocks
 
-# Rotations (rotate.cu): a block per vector (rotate_vectors_1) up to this many vectors, else 8 per block.
-ROT_THREADS = 128
-ROT_ONE_MAX = 64
 
 
 def _kv_dims(k_pages, v_pages, n_q_heads: int, op: str, k_dtype: str = "bf16",
@@ -96,25 +93,6 @@ def _bias_args(row_bias, n_kv: int, unread, op: str) -> tuple:
     if row_bias.shape[1] == 0:
         return unread, _i32(0), _i32(0)
     return row_bias, _i32(row_bias.strides[0] // row_bias.itemsize), _i32(row_bias.shape[1])
-
-
-def _scratch(ex, key: str, n_floats: int):
-    """f32 [>= n_floats] kept in ex.cache[key]; reallocated only to grow."""
-    buf = ex.cache.get(key)
-    if buf is None or buf.shape[0] < n_floats:
-        buf = ex.cache[key] = ex.empty((n_floats,), np.float32)
-    return buf
-
-
-def rotate(ex, x, x_stride, out, out_stride, table, n_vec: int, n_heads: int, head_dim: int) -> None:
-    """Vector v = (row v // n_heads, head v % n_heads) of x -> out: out_v[p] = sum_k
-    table[k, p] x_v[k] (table rot_t: R x; rot: R^T x). out may be x (in place)."""
-    if n_vec <= ROT_ONE_MAX:
-        name, grid = "rotate_vectors_1", n_vec
-    else:
-        name, grid = "rotate_vectors_8", -(-n_vec // 8)
-    ex.function("rotate.cu", name)((grid,), (ROT_THREADS,), (x, _i32(x_stride), out, _i32(out_stride), table,
-                                                              _i32(n_vec), _i32(n_heads), _i32(head_dim)))
 
 
 def _codebooks(ex, *dtypes):
@@ -163,7 +141,7 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
     width = n_q_heads * head_dim
     q_in, q_stride = q, row_stride(q)
     if k_spec.rotated:                               # q' = R q, once per query head
-        q_in, q_stride = _scratch(ex, "attention_prefill_q", n * width)[:n * width].reshape(n, width), width
+        q_in, q_stride = scratch(ex, "attention_prefill_q", n * width)[:n * width].reshape(n, width), width
         rotate(ex, q, row_stride(q), q_in, q_stride, kvrows.rotation(ex, k_dtype, head_dim)[0],
                n * n_q_heads, n_q_heads, head_dim)
     name, bq = prefill_kernel(head_dim)
@@ -211,13 +189,13 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
     # partials: acc f32 [n_q_heads, n_splits, head_dim] then (max, sum) f32 [n_q_heads, n_splits, 2];
     # sized once for DEC_MAX_SPLITS so a growing context never reallocates
     n_acc = n_q_heads * n_splits * head_dim
-    buf = _scratch(ex, "attention_decode", n_q_heads * DEC_MAX_SPLITS * (head_dim + 2))
+    buf = scratch(ex, "attention_decode", n_q_heads * DEC_MAX_SPLITS * (head_dim + 2))
     part_acc, part_ml = buf[:n_acc], buf[n_acc:n_acc + 2 * n_q_heads * n_splits]
     k_spec, v_spec = kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype]
     defines = kvrows.defines(k_dtype, v_dtype)
     if k_spec.rotated:                               # q' = R q, once per query head
         width = n_q_heads * head_dim
-        q_rot = _scratch(ex, "attention_decode_q", width)[:width].reshape(1, width)
+        q_rot = scratch(ex, "attention_decode_q", width)[:width].reshape(1, width)
         rotate(ex, q, width, q_rot, width, kvrows.rotation(ex, k_dtype, head_dim)[0], n_q_heads, n_q_heads, head_dim)
         q = q_rot
     ex.function("attention.cu", "attention_decode_split", defines)(
@@ -269,11 +247,11 @@ def snapkv_votes(ex, q_window, k_pages, page_table, n_rows: int, scale: float, k
     n_qchunks, n_splits, rows_per_split = votes_geometry(n_rows, n_queries, n_kv)
     # stats f32 [n_q_heads * W, n_splits, 2] (max, sum), then votes f32 [n_kv, prefix]
     n_stats = n_q_heads * window * n_splits * 2
-    buf = _scratch(ex, "snapkv_votes", n_stats + n_kv * prefix)
+    buf = scratch(ex, "snapkv_votes", n_stats + n_kv * prefix)
     stats, votes = buf[:n_stats], buf[n_stats:n_stats + n_kv * prefix]
     if kvrows.SPECS[k_dtype].rotated:                # q' = R q for every window query
         n_vec = n_q_heads * window
-        q_rot = _scratch(ex, "snapkv_votes_q", n_vec * head_dim)[:n_vec * head_dim].reshape(n_vec, head_dim)
+        q_rot = scratch(ex, "snapkv_votes_q", n_vec * head_dim)[:n_vec * head_dim].reshape(n_vec, head_dim)
         rotate(ex, q_window.reshape(n_vec, head_dim), head_dim, q_rot, head_dim,
                kvrows.rotation(ex, k_dtype, head_dim)[0], n_vec, 1, head_dim)
         q_window = q_rot

@@ -1,5 +1,6 @@
 """Norm, elementwise, RoPE and KV-cache ops of the CUDA backend: argument lists and
-launch geometry (grid, block) of kernels/norm.cu, eltwise.cu, rope.cu and kv.cu.
+launch geometry (grid, block) of kernels/norm.cu, eltwise.cu, rope.cu, kv.cu and
+rotate.cu (the per-head rotations of rotated KV rows, also used by attention.py).
 
 Activations are f32 [n, d] arrays of the executor (row-strided views allowed);
 KV pools are pages of any KV row format (kvrows.py: uint16 bf16 bits, or uint8
@@ -13,7 +14,7 @@ import numpy as np
 from ..base import rope_inv_freq
 from . import kvrows
 
-VARIANTS = [("norm.cu", ()), ("eltwise.cu", ()), ("rope.cu", ()), ("kv.cu", ())]
+VARIANTS = [("norm.cu", ()), ("eltwise.cu", ()), ("rope.cu", ()), ("kv.cu", ()), ("rotate.cu", ())]
 
 NORM_THREADS = 256
 NORM_WARP_COLS = 256         # norm.cu: groups up to this wide get a warp each (rms_norm_warp)
@@ -21,6 +22,8 @@ NORM_WARP_WARPS = 4          # warps (groups) per rms_norm_warp block
 ELTWISE_THREADS = 256
 COPY_THREADS = 256
 KVW_THREADS = 128            # kv.cu: kv_write_<fmt> (a block per row)
+ROT_THREADS = 128            # rotate.cu: a block per vector (rotate_vectors_1) up to ROT_ONE_MAX
+ROT_ONE_MAX = 64             # vectors, else 8 per block (rotate_vectors_8)
 _i32, _f32 = np.int32, np.float32
 
 
@@ -30,6 +33,25 @@ def row_stride(a) -> np.int32:
         raise ValueError(f"cuda: expected a 2-D array with contiguous rows, got shape {a.shape} "
                          f"strides {a.strides}")
     return _i32(a.strides[0] // a.itemsize)
+
+
+def scratch(ex, key: str, n_floats: int):
+    """f32 [>= n_floats] kept in ex.cache[key]; reallocated only to grow."""
+    buf = ex.cache.get(key)
+    if buf is None or buf.shape[0] < n_floats:
+        buf = ex.cache[key] = ex.empty((n_floats,), np.float32)
+    return buf
+
+
+def rotate(ex, x, x_stride, out, out_stride, table, n_vec: int, n_heads: int, head_dim: int) -> None:
+    """Vector v = (row v // n_heads, head v % n_heads) of x -> out: out_v[p] = sum_k
+    table[k, p] x_v[k] (table rot_t: R x; rot: R^T x). out may be x (in place)."""
+    if n_vec <= ROT_ONE_MAX:
+        name, grid = "rotate_vectors_1", n_vec
+    else:
+        name, grid = "rotate_vectors_8", -(-n_vec // 8)
+    ex.function("rotate.cu", name)((grid,), (ROT_THREADS,), (x, _i32(x_stride), out, _i32(out_stride), table,
+                                                              _i32(n_vec), _i32(n_heads), _i32(head_dim)))
 
 
 def threads_for(n: int, cap: int) -> int:
@@ -155,9 +177,8 @@ def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: st
         rot_t = kvrows.rotation(ex, dtype, head_dim)[0] if kvrows.SPECS[dtype].rotated else cb     # else unread
         kernel = dtype
         if dtype == "rq4_0":                         # rotate the rows (rotate.cu), then write them as q4_0
-            from .attention import _scratch, rotate      # (attention imports this module)
             width = n_kv * head_dim
-            y = _scratch(ex, f"kv_write_rotated_{'k' if x is k else 'v'}", n * width)[:n * width].reshape(n, width)
+            y = scratch(ex, f"kv_write_rotated_{'k' if x is k else 'v'}", n * width)[:n * width].reshape(n, width)
             rotate(ex, x, row_stride(x), y, width, rot_t, n * n_kv, n_kv, head_dim)
             x, kernel = y, "q4_0"
         ex.function("kv.cu", f"kv_write_{kernel}")(
