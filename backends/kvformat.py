@@ -79,6 +79,12 @@ def is_rotated(name: str) -> bool:
     return name in TQ_BITS or name == "rq4_0"
 
 
+def rotation_kind(name: str) -> str | None:
+    """Which rotation a dtype's rows use: "tq" (kvformat.rotation, shared by tq4 and tq3),
+    "rq4_0" (walsh_hadamard) or None; backends key their uploaded tables by it."""
+    return "tq" if name in TQ_BITS else ("rq4_0" if name == "rq4_0" else None)
+
+
 def kv_dtype_name(k_dtype: str, v_dtype: str) -> str:
     """The inverse of parse_kv_dtype: "tq4" or "q8_0/tq4"."""
     return k_dtype if k_dtype == v_dtype else f"{k_dtype}/{v_dtype}"

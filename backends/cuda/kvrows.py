@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.errors import ConfigError
 
-from ..kvformat import KV_DTYPES, QK, TQ_BITS, KvFormat, boundaries, codebook
+from ..kvformat import KV_DTYPES, QK, TQ_BITS, KvFormat, boundaries, codebook, rotation_kind
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def rotation(ex, dtype: str, head_dim: int):
     """(rot_t, rot) f32 [head_dim, head_dim] on the device: R^T and R of a rotated dtype
     (KvFormat.rotation: tq4 and tq3 share one)."""
     r = KvFormat.get(dtype, head_dim).rotation
-    kind = "tq" if dtype in TQ_BITS else dtype
+    kind = rotation_kind(dtype)
     return (_upload(ex, ("rot_t", kind, head_dim), lambda: np.ascontiguousarray(r.T)),
             _upload(ex, ("rot", kind, head_dim), lambda: np.ascontiguousarray(r)))
 

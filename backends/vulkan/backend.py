@@ -46,7 +46,7 @@ from engine.errors import BackendUnavailable
 
 from . import shaders
 from ..base import check_kv_dtypes, rope_inv_freq
-from ..kvformat import KV_DTYPES, TQ_BITS, KvFormat, is_rotated
+from ..kvformat import KV_DTYPES, KvFormat, is_rotated, rotation_kind
 from .arrays import PER_WORD, Buffer, DeviceArray, to_words
 from .device import (check_buffer, check_device, check_grid, list_devices, manager, max_buffer_bytes,
                      pick_device)
@@ -493,7 +493,7 @@ class VulkanBackend:
         """f32 [2, head_dim, head_dim]: R^T then R of a rotated dtype (KvFormat.rotation;
         tq4 and tq3 share one), uploaded once."""
         r = KvFormat.get(dtype, head_dim).rotation
-        key = ("tq" if dtype in TQ_BITS else dtype, head_dim)
+        key = (rotation_kind(dtype), head_dim)
         table = self._rot_tables.get(key)
         if table is None:
             table = self._rot_tables[key] = self.upload(np.stack([r.T, r]))
