@@ -19,6 +19,10 @@
 // BLOCK_MAJOR (quant.glsl) the weights are stored block-major per group of 256 rows, so
 // the blocks a workgroup reads at one step are one or two contiguous runs.
 #extension GL_GOOGLE_include_directive : require
+#if defined(PADDED_BLOCKS)
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#define WQ64
+#endif
 #ifndef TN
 #define TN 1u
 #endif
@@ -31,7 +35,13 @@ layout(local_size_x = 8) in;
 layout(local_size_x = 64) in;
 #endif
 layout(set = 0, binding = 0) readonly buffer WB { uint Wq[]; };
+#if defined(PADDED_BLOCKS)
+layout(set = 0, binding = 0) readonly buffer WB64 { uint64_t Wq64[]; };   // the same buffer
+#endif
 layout(set = 0, binding = 1) readonly buffer XB { float X[]; };
+#if defined(PADDED_BLOCKS)
+layout(set = 0, binding = 1) readonly buffer XB64 { uint64_t X64[]; };    // the same buffer
+#endif
 layout(set = 0, binding = 2) buffer OB { float O[]; };
 layout(set = 0, binding = 3) readonly buffer BB { float B[]; };
 layout(push_constant) uniform P {
@@ -56,6 +66,16 @@ void main() {
         uint c0 = sub * 32u;
         for (uint t = 0u; t < TN; t++) {
             uint xo = pc.x_off + (tok0 + min(t, ntok - 1u)) * pc.x_stride + c0;
+#if defined(PADDED_BLOCKS)
+            if ((xo & 1u) == 0u) {                   // the same for every lane: 64-bit loads
+                for (uint i = 0u; i < 16u; i++) {
+                    uint64_t v = X64[(xo >> 1) + i];
+                    xs[t * 32u + 2u * i] = uintBitsToFloat(uint(v));
+                    xs[t * 32u + 2u * i + 1u] = uintBitsToFloat(uint(v >> 32));
+                }
+                continue;
+            }
+#endif
             for (uint i = 0u; i < 32u; i++) {
 #if defined(FLOAT_WEIGHTS)
                 xs[t * 32u + i] = c0 + i < pc.cols ? X[xo + i] : 0.0;
@@ -64,18 +84,35 @@ void main() {
 #endif
             }
         }
+#if defined(PADDED_BLOCKS)
+        float xp[TN * 32u], xsum[TN];
+        for (uint t = 0u; t < TN; t++) {
+            xsum[t] = 0.0;
+            for (uint i = 0u; i < 32u; i++) {
+                xsum[t] += xs[t * 32u + i];
+                xp[t * 32u + i] = xs[t * 32u + i] * uintBitsToFloat((127u - DOT_SHIFT(i)) << 23);
+            }
+        }
+#endif
         for (uint r = 0u; r < TR; r++) {
             uint row = min(row0 + LX * r, pc.rows - 1u);
 #if defined(BLOCK_MAJOR)
-            dequant32(block_major_base(row, sub, pc.rows, pc.row_bytes), sub, pc.cols, w);
+            uint base = block_major_base(row, sub, pc.rows, pc.row_bytes);
 #else
-            dequant32(row * pc.row_bytes, sub, pc.cols, w);
+            uint base = row * pc.row_bytes;
 #endif
+#if defined(PADDED_BLOCKS)
+            float dot[TN];
+            dot32(base, sub, xp, xsum, dot);
+            for (uint t = 0u; t < TN; t++) acc[r * TN + t] += dot[t];
+#else
+            dequant32(base, sub, pc.cols, w);
             for (uint t = 0u; t < TN; t++) {
                 float s = 0.0;
                 for (uint i = 0u; i < 32u; i++) s += w[i] * xs[t * 32u + i];
                 acc[r * TN + t] += s;
             }
+#endif
         }
     }
     for (uint r = 0u; r < TR; r++) {

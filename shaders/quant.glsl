@@ -64,6 +64,21 @@ float f16(uint off) { return f16_to_f32(rd16(off)); }
 #error "define one QTYPE_*"
 #endif
 
+#if defined(PADDED_BLOCKS)
+// q4_0 / q4_1 / q8_0 blocks padded for 64-bit loads (CPU devices with shaderInt64;
+// backends/vulkan/weights.py): the block's f16 scale (q4_1: scale, then min) in its first
+// word, its codes from byte 8, the block 24 (q8_0: 40) bytes; always block-major.
+#if !defined(QTYPE_Q4_0) && !defined(QTYPE_Q4_1) && !defined(QTYPE_Q8_0)
+#error "padded blocks are q4_0, q4_1 or q8_0"
+#endif
+#undef BLOCK_BYTES
+#if defined(QTYPE_Q8_0)
+#define BLOCK_BYTES 40u
+#else
+#define BLOCK_BYTES 24u
+#endif
+#endif
+
 #if defined(QTYPE_Q4_K) || defined(QTYPE_Q5_K)
 // ggml get_scale_min_k4: 6-bit scale and min of sub-block j from the 12 scale bytes at s.
 void scale_min_k4(uint j, uint s, out float sc, out float mn) {
@@ -113,7 +128,16 @@ void dequant32(uint row_base, uint sub, uint valid, out float w[32]) {
 #elif defined(QTYPE_Q4_0) || defined(QTYPE_Q4_1)
     uint b = row_base + sub * BLOCK_BYTES;
     float d;
+#if defined(PADDED_BLOCKS)
+    uint dm = Wq[b >> 2];
+    d = f16_to_f32(dm & 0xFFFFu);
 #if defined(QTYPE_Q4_1)
+    float m = f16_to_f32(dm >> 16);
+#else
+    float m = -8.0 * d;
+#endif
+    uint qs = b + 8u;
+#elif defined(QTYPE_Q4_1)
     uint dm = Wq[b >> 2];                         // 20-byte blocks: word aligned
     d = f16_to_f32(dm & 0xFFFFu);
     float m = f16_to_f32(dm >> 16);
@@ -124,7 +148,7 @@ void dequant32(uint row_base, uint sub, uint valid, out float w[32]) {
     uint qs = b + 2u;
 #endif
     uint qw[4];
-#if defined(QTYPE_Q4_1)
+#if defined(QTYPE_Q4_1) || defined(PADDED_BLOCKS)
     for (uint k = 0u; k < 4u; k++) qw[k] = Wq[(qs >> 2) + k];
 #else
     READ_WORDS(qw, qs, 4u);
@@ -164,7 +188,11 @@ void dequant32(uint row_base, uint sub, uint valid, out float w[32]) {
     uint b = row_base + sub * BLOCK_BYTES;
     float d = f16(b);
     uint qw[8];
+#if defined(PADDED_BLOCKS)
+    for (uint k = 0u; k < 8u; k++) qw[k] = Wq[(b >> 2) + 2u + k];
+#else
     READ_WORDS(qw, b + 2u, 8u);
+#endif
     for (uint k = 0u; k < 8u; k++) {
         uint q = qw[k];
         for (uint i = 0u; i < 4u; i++) {
@@ -224,3 +252,65 @@ void dequant32(uint row_base, uint sub, uint valid, out float w[32]) {
     }
 #endif
 }
+
+
+#if defined(PADDED_BLOCKS) && defined(WQ64)
+// Dot product of a padded block with 32 activations straight from its codes (matmul's
+// ROW_PER_LANE layout; `Wq64`: the weight buffer as 64-bit words). Codes are read 64 bits
+// at a time: a CPU device loads memory lane by lane, one access per word whatever its
+// width, so a q4_1 block costs 3 accesses instead of 5 (q8_0: 5 instead of 10). A code is
+// isolated by a mask alone, in place, and converted with its place value 2^DOT_SHIFT(j),
+// which the activation carries instead (xp[j] = x[j] * 2^-DOT_SHIFT(j): exact, powers of
+// two). Codes are unsigned (q4_0: offset 8; q8_0: bytes XOR 0x80, offset 128); the offset
+// and q4_1's min are applied once per block through the activations' sum `xsum`.
+#if defined(QTYPE_Q8_0)
+#define DOT_SHIFT(j) (((j) & 3u) == 3u ? 16u : 8u * ((j) & 3u))   // byte 3 from the word >> 8
+#else
+#define DOT_SHIFT(j) (8u * ((j) & 3u))                            // high nibbles from the word >> 4
+#endif
+// dot[t] = sum_j W[row, sub*32 + j] * x_t[j] for the TN tokens' activations.
+void dot32(uint row_base, uint sub, float xp[TN * 32u], float xsum[TN], out float dot[TN]) {
+    uint b = row_base + sub * BLOCK_BYTES;
+    uint dm = Wq[b >> 2];
+    float d = f16_to_f32(dm & 0xFFFFu);
+#if defined(QTYPE_Q8_0)
+    uint qw[8];
+    for (uint k = 0u; k < 4u; k++) {
+        uint64_t q2 = Wq64[(b >> 3) + 1u + k];
+        qw[2u * k] = uint(q2) ^ 0x80808080u;
+        qw[2u * k + 1u] = uint(q2 >> 32) ^ 0x80808080u;
+    }
+    for (uint t = 0u; t < TN; t++) {
+        float s = 0.0;
+        for (uint k = 0u; k < 8u; k++) {
+            uint q = qw[k], j = t * 32u + 4u * k;
+            s += float(int(q & 0xFFu)) * xp[j] + float(int(q & 0xFF00u)) * xp[j + 1u]
+               + float(int(q & 0xFF0000u)) * xp[j + 2u] + float(int((q >> 8) & 0xFF0000u)) * xp[j + 3u];
+        }
+        dot[t] = d * (s - 128.0 * xsum[t]);
+    }
+#else
+    uint qw[4];
+    for (uint k = 0u; k < 2u; k++) {
+        uint64_t q2 = Wq64[(b >> 3) + 1u + k];
+        qw[2u * k] = uint(q2);
+        qw[2u * k + 1u] = uint(q2 >> 32);
+    }
+    for (uint t = 0u; t < TN; t++) {
+        float s = 0.0;
+        for (uint k = 0u; k < 4u; k++) {
+            uint lo = qw[k], hi = qw[k] >> 4, j = t * 32u + 4u * k;
+            for (uint i = 0u; i < 4u; i++) {
+                uint mask = 0xFu << (8u * i);
+                s += float(int(lo & mask)) * xp[j + i] + float(int(hi & mask)) * xp[j + 16u + i];
+            }
+        }
+#if defined(QTYPE_Q4_1)
+        dot[t] = d * s + f16_to_f32(dm >> 16) * xsum[t];
+#else
+        dot[t] = d * (s - 8.0 * xsum[t]);
+#endif
+    }
+#endif
+}
+#endif

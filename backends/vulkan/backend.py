@@ -138,6 +138,9 @@ class VulkanBackend:
         self._rot_tables: dict = {}                        # head_dim -> f32 [2, hd, hd] (R^T, R) DeviceArray
         self._kept: dict = {}                              # role -> scratch Buffer (_kept_scratch)
         self.matmul_cpu_layout = self._cpu_device          # matmul.comp's ROW_PER_LANE layout
+        # 64-bit shader integers (kp patched by tools/kp-0.9.0.patch enables them where the
+        # device has them): q4_0/q4_1/q8_0 weights padded for 64-bit loads on CPU devices
+        self.shader_int64 = bool(getattr(self.mgr, "shader_int64", lambda: False)())
         # threads a CPU device runs workgroups on (lavapipe: LP_NUM_THREADS, else one per CPU)
         self.cpu_threads = int(os.environ.get("LP_NUM_THREADS") or os.cpu_count() or 1)
         # decode attention: on CPU devices attention_lanes.comp (a lane per row, no barriers;

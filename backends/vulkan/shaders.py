@@ -34,6 +34,8 @@ MATMUL_LANES_CPU = 8       # ROW_PER_LANE: invocations per workgroup (matmul.com
 MATMUL_TR_CHOICES = (32, 24, 16, 12, 8, 4, 2, 1)   # its rows per lane, TR (each a pipeline: few of them)
 BLOCK_MAJOR_ROWS = 256     # rows per group of block-major weights (quant.glsl): a ROW_PER_LANE
                            # workgroup's rows (at most 256) are one or two contiguous runs
+PADDED_QTYPES = ("Q4_0", "Q4_1", "Q8_0")   # stored padded for 64-bit loads on CPU devices with
+                                          # shaderInt64 (quant.glsl PADDED_BLOCKS; weights.py)
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
 DECODE_SPLITS = 16         # spans of the context in split decode attention (attention.comp SPLIT)
 MAX_GROUP = 8              # query heads one attention workgroup serves (attention.comp GROUP)
@@ -116,6 +118,10 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
                 out.append(("matmul", (f"QTYPE_{q}", "BLOCK_MAJOR", "ROW_PER_LANE", f"TN={tn}u")))
         if blocks:
             out.append(("embedding", (f"QTYPE_{q}", "BLOCK_MAJOR")))
+        if q in PADDED_QTYPES:
+            padded = (f"QTYPE_{q}", "BLOCK_MAJOR", "PADDED_BLOCKS")
+            out.append(("embedding", padded))
+            out += [("matmul", padded + ("ROW_PER_LANE", f"TN={tn}u")) for tn in (1, MATMUL_TN_CPU)]
     return out
 
 

@@ -126,6 +126,19 @@ def test_a_new_cache_compiles_no_pipeline(models):
     assert b.pipelines_compiled == before[0]
 
 
+def test_cpu_device_reads_weights_64_bits_at_a_time(models):
+    """On a CPU device (lavapipe supports shaderInt64, which the patched kp enables) the
+    default model's q4_1 layer weights and q8_0 embedding/head are stored padded for
+    64-bit loads, the mat-vec layout that halves the loads lavapipe makes lane by lane."""
+    vk = models[1]
+    b = vk.backend
+    if not b.matmul_cpu_layout:
+        pytest.skip("not a CPU Vulkan device")
+    assert b.shader_int64, "kp built without tools/kp-0.9.0.patch's shaderInt64: run make setup"
+    w = vk.forward.weights
+    assert w.token_embd.padded and all(wt.padded for lw in w.layers for wt, _, _ in lw.qkv)
+
+
 def test_prefill_submits_every_chunk(models):
     """A prompt of 3 chunks is at least 3 submissions (none runs for the whole prompt,
     which an OS GPU watchdog would reset), with the logits of one chunk."""

@@ -56,21 +56,23 @@ def test_embedding_and_matmul(vk, qtype, rows, cols):
     check_matmul(vk, w, W, xbig[:3, :cols], bias)
 
 
-def test_matmul_device_views(vk):
+@pytest.mark.parametrize("width,c0", [(74, 4), (74, 3), (75, 4)])
+def test_matmul_device_views(vk, width, c0):
     """x and out as column views of device activations, bias as a 1-D slice (the forward pass's
-    `matmul(w, h, qkv[:, lo:hi], bias[lo:hi])`)."""
+    `matmul(w, h, qkv[:, lo:hi], bias[lo:hi])`); x's rows at even offsets, odd ones, and
+    alternating (the padded layout loads activations 64 bits at a time where it can)."""
     rng = np.random.default_rng(3)
     rows, cols, n = 40, 64, 5
     raw = make_raw(Q.Q8_0, rows, cols, seed=3)
     W = np.asarray(dequantize(raw, Q.Q8_0), np.float64).reshape(rows, cols)
     w = vk.load_weight(raw, Q.Q8_0, (rows, cols))
-    xh = rng.standard_normal((n + 2, cols + 10)).astype(np.float32)
+    xh = rng.standard_normal((n + 2, width)).astype(np.float32)
     bias = rng.standard_normal(rows + 30).astype(np.float32)
     out = vk.upload(np.full((n + 2, 100), 7.0, np.float32))
     x = vk.upload(xh)
-    vk.matmul(w, x[1:1 + n][:, 4:4 + cols], out[1:1 + n][:, 30:70], vk.upload(bias)[10:50])
+    vk.matmul(w, x[1:1 + n][:, c0:c0 + cols], out[1:1 + n][:, 30:70], vk.upload(bias)[10:50])
     got = vk.download(out)
-    ref = xh[1:1 + n, 4:4 + cols] @ W.T + bias[10:50]
+    ref = xh[1:1 + n, c0:c0 + cols] @ W.T + bias[10:50]
     np.testing.assert_allclose(got[1:1 + n, 30:70], ref, rtol=1e-5, atol=1e-5)
     got[1:1 + n, 30:70] = 7.0
     assert np.all(got == 7.0)
@@ -116,13 +118,21 @@ def test_unsupported_type_is_named(vk):
         vk.load_weight(np.zeros((1, 66), np.uint8), Q.IQ2_XXS, (1, 256))
 
 
+def weight_layouts(vk):
+    """(matmul_cpu_layout, shader_int64) pairs this device can run: the GPU layout, then
+    ROW_PER_LANE with 32-bit loads, then (where the device has 64-bit integers) with
+    q4_0/q4_1/q8_0 blocks padded for 64-bit loads."""
+    return [(False, False), (True, False)] + [(True, True)] * vk.shader_int64
+
+
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,cols", [(70, 576), (300, 1056)])
 def test_matmul_both_layouts(vk, qtype, rows, cols):
     """matmul.comp's two layouts on this device whatever its type: the GPU one (lanes
     along a row, a shared-memory reduction; 18 and 33 sub-blocks per row leave lanes
     idle on the last pass) and ROW_PER_LANE (CPU devices), whose block-quantized weights
-    are stored block-major (300 rows: a group of 256 and a partial one): mat-vec, mat-mat
+    are stored block-major (300 rows: a group of 256 and a partial one), q4_0/q4_1/q8_0
+    also padded for 64-bit loads where the device has them: mat-vec, mat-mat
     with a partial token tile, bias, and embedding rows from each weight layout. A
     block-major weight in the GPU layout is refused."""
     if qtype in K_QUANTS and cols % 256:
@@ -133,11 +143,12 @@ def test_matmul_both_layouts(vk, qtype, rows, cols):
     x = rng.standard_normal((7, cols)).astype(np.float32)
     bias = rng.standard_normal(rows).astype(np.float32)
     ids = np.array([rows - 1, 0, 255 % rows, 256 % rows], np.int32)
-    layout = vk.matmul_cpu_layout
+    layout = vk.matmul_cpu_layout, vk.shader_int64
     try:
-        for vk.matmul_cpu_layout in (False, True):
+        for vk.matmul_cpu_layout, vk.shader_int64 in weight_layouts(vk):
             w = vk.load_weight(raw, qtype, (rows, cols))
             assert w.block_major == (vk.matmul_cpu_layout and qtype not in (Q.F32, Q.F16, Q.BF16))
+            assert w.padded == (vk.shader_int64 and qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0))
             check_matmul(vk, w, W, x[:1])
             check_matmul(vk, w, W, x, bias)
             out = vk.alloc((len(ids), cols))
@@ -148,7 +159,7 @@ def test_matmul_both_layouts(vk, qtype, rows, cols):
             with pytest.raises(ValueError, match="block-major weight"):
                 check_matmul(vk, w, W, x[:1])
     finally:
-        vk.matmul_cpu_layout = layout
+        vk.matmul_cpu_layout, vk.shader_int64 = layout
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16], ids=lambda q: q.name)
@@ -159,7 +170,7 @@ def test_weights_larger_than_one_buffer_are_split_by_rows(qtype):
     vk = make_backend("vulkan")
     rows, cols = 45, 512
     raw = make_raw(qtype, rows, cols, seed=7)
-    row_bytes = raw.reshape(rows, -1).shape[1]
+    row_bytes = vk.load_weight(raw, qtype, (rows, cols)).row_bytes       # as stored (padded or not)
     vk.max_buffer_bytes = 16 * row_bytes + 4                    # 16 rows a buffer: parts of 16, 16, 13
     w = vk.load_weight(raw, qtype, (rows, cols))
     assert [(r0, n) for r0, n, _ in w.parts] == [(0, 16), (16, 16), (32, 13)]
