@@ -49,6 +49,9 @@ head per page ([n_pages * n_kv_heads, 1, page_size, row_width]) and a table per 
                            k_dtype, v_dtype, row_bias)
         head h attends its rows 0 .. n_rows[h]-1 (int64 [n_kv_heads], host); row_bias
         as in attention_decode.
+A residual add and the norm after it in one call (where each op costs a dispatch;
+the engine otherwise calls add then rms_norm):
+    add_rms_norm(x, r, weight, eps, out)   x += r, then out = rms_norm(x) * weight.
 """
 from __future__ import annotations
 
@@ -77,7 +80,7 @@ OPS = (
 )
 
 # Ops a backend may have (see the module docstring): the engine calls them when present.
-OPTIONAL_OPS = ("kv_write_heads", "attention_decode_heads")
+OPTIONAL_OPS = ("kv_write_heads", "attention_decode_heads", "add_rms_norm")
 
 
 class Weight(Protocol):

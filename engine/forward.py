@@ -368,10 +368,11 @@ class ForwardPass:
         b.embedding(w.token_embd, ids, x)
         if self.embed_scale is not None:
             b.scale(x, self.embed_scale, x)
+        residual = None                      # the last block's output, not yet added into x
         for li, lw in enumerate(w.layers):
             window = c.window(li)            # 0: full attention; else the last `window` positions
             # attention block
-            b.rms_norm(x, lw.attn_norm, c.norm_eps, h)
+            self._add_norm(x, residual, lw.attn_norm, h)
             for wt, lo, hi in lw.qkv:
                 b.matmul(wt, h, qkv[:, lo:hi], None if lw.qkv_bias is None else lw.qkv_bias[lo:hi])
             if lw.attn_q_norm is not None:   # per-head norm: weight [head_dim] over each head
@@ -384,16 +385,29 @@ class ForwardPass:
             b.matmul(lw.attn_output, attn, proj)
             if lw.post_attention_norm is not None:
                 b.rms_norm(proj, lw.post_attention_norm, c.norm_eps, proj)
-            b.add(x, proj, x)
             # feed-forward block
-            b.rms_norm(x, lw.ffn_norm, c.norm_eps, h)
+            self._add_norm(x, proj, lw.ffn_norm, h)
             for wt, lo, hi in lw.gate_up:
                 b.matmul(wt, h, gate_up[:, lo:hi])
             self.gate_act(gate_up[:, :c.ffn_dim], gate_up[:, c.ffn_dim:], act)
             b.matmul(lw.ffn_down, act, proj)
             if lw.post_ffw_norm is not None:
                 b.rms_norm(proj, lw.post_ffw_norm, c.norm_eps, proj)
-            b.add(x, proj, x)
+            residual = proj
+        if residual is not None:
+            b.add(x, residual, x)
+
+    def _add_norm(self, x, r, weight, h) -> None:
+        """x += r (r None: nothing to add), then h = rms_norm(x) * weight: one call where
+        the backend has add_rms_norm (a dispatch saved per residual on a GPU backend)."""
+        b, eps = self.backend, self.cfg.norm_eps
+        if r is None:
+            b.rms_norm(x, weight, eps, h)
+        elif hasattr(b, "add_rms_norm"):
+            b.add_rms_norm(x, r, weight, eps, h)
+        else:
+            b.add(x, r, x)
+            b.rms_norm(x, weight, eps, h)
 
     def _attend(self, cache: KvCache, li: int, window: int, qkv, attn, capture) -> None:
         """One cache's rows of layer li: write their K/V, attend (queries see the

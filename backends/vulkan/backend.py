@@ -410,13 +410,24 @@ class VulkanBackend:
             self._dispatch("embedding", table.defines, [buf, id_buf, out.buffer], (-(-nsub // 64), n, 1), push)
 
     def rms_norm(self, x, weight, eps: float, out) -> None:
-        x, out, weight = self._f32(x, "rms_norm"), self._f32(out, "rms_norm"), self._f32(weight, "rms_norm", 1)
+        self._rms_norm(x, None, weight, eps, out)
+
+    def add_rms_norm(self, x, r, weight, eps: float, out) -> None:
+        self._rms_norm(x, r, weight, eps, out)
+
+    def _rms_norm(self, x, r, weight, eps: float, out) -> None:
+        """out = rms_norm(x) * weight, after x += r when r is given (one dispatch)."""
+        op = "rms_norm" if r is None else "add_rms_norm"
+        x, out, weight = self._f32(x, op), self._f32(out, op), self._f32(weight, op, 1)
         n, d = x.shape
         g = weight.shape[0]                                # group width: d (row norm) or head_dim
-        if g == 0 or d % g or out.shape != (n, d):
-            raise ValueError(f"vulkan rms_norm: x {x.shape}, weight {weight.shape}, out {out.shape}")
-        push = _u32(n, g, x.offset, x.row_stride, weight.offset, out.offset, out.row_stride, _fbits(eps))
-        self._dispatch("rms_norm", (), [x.buffer, weight.buffer, out.buffer], (d // g, n, 1), push)
+        if g == 0 or d % g or out.shape != (n, d) or (r is not None and self._f32(r, op).shape != (n, d)):
+            raise ValueError(f"vulkan {op}: x {x.shape}, weight {weight.shape}, out {out.shape}"
+                             + ("" if r is None else f", r {r.shape}"))
+        push = _u32(n, g, x.offset, x.row_stride, weight.offset, out.offset, out.row_stride, _fbits(eps),
+                    0 if r is None else r.offset, 0 if r is None else r.row_stride)
+        buffers = [x.buffer, weight.buffer, out.buffer] + ([] if r is None else [r.buffer])
+        self._dispatch("rms_norm", () if r is None else ("ADD",), buffers, (d // g, n, 1), push)
 
     def scale(self, x, s: float, out) -> None:
         self._eltwise("scale", x, None, out, s)

@@ -96,7 +96,7 @@ def kv_defines(k_dtype: str | None = None, v_dtype: str | None = None) -> tuple[
 
 def variants() -> list[tuple[str, tuple[str, ...]]]:
     """Every (shader, defines) the backend can dispatch."""
-    out = [("rms_norm", ()), ("rope", ()), ("kv_rotate", ()),
+    out = [("rms_norm", ()), ("rms_norm", ("ADD",)), ("rope", ()), ("kv_rotate", ()),
            ("kv_gather", ("PASS_GATHER",)), ("kv_gather", ("PASS_SCATTER",)), ("kv_copy_pages", ()),
            ("copy_words", ()), ("copy_words", ("FILL",)), ("attention_combine", ())]
     layouts = list(dict.fromkeys(map(row_layout, KV_DTYPES)))

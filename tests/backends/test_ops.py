@@ -155,6 +155,28 @@ def test_rms_norm(backend, n, d):
     assert nmse(got, want) < TOL_F32
 
 
+@pytest.mark.parametrize("n,d", [(1, 576), (7, 1536)])
+def test_add_rms_norm(backend, n, d):
+    """The optional fused residual add and norm (x += r, out = rms_norm(x) * w) equals add
+    then rms_norm, on views: x and r column slices of wider rows, out a slice elsewhere."""
+    if not hasattr(backend, "add_rms_norm"):
+        pytest.skip(f"{backend.name} has no add_rms_norm (the engine calls add, then rms_norm)")
+    rng = np.random.default_rng(n + d)
+    xh = (rng.standard_normal((n, d + 8)) * 3).astype(np.float32)
+    rh = rng.standard_normal((n, d + 5)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    want_x = xh[:, 8:] + rh[:, 5:]
+    want = np.empty((n, d), np.float32)
+    REF.rms_norm(want_x, w, 1e-5, want)
+    x, r, out = backend.upload(xh), backend.upload(rh), backend.upload(np.full((n, d + 3), 7.0, np.float32))
+    backend.add_rms_norm(x[:, 8:], r[:, 5:], backend.upload(w), 1e-5, out[:, 3:])
+    backend.synchronize()
+    got_x, got = backend.download(x), backend.download(out)
+    np.testing.assert_array_equal(got_x[:, 8:], want_x)
+    np.testing.assert_array_equal(got_x[:, :8], xh[:, :8])
+    assert nmse(got[:, 3:], want) < TOL_F32 and np.all(got[:, :3] == 7.0)
+
+
 def test_rms_norm_column_slice(backend):
     """Column slices of a 2-D activation are valid inputs and outputs."""
     rng = np.random.default_rng(1)
