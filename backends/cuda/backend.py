@@ -97,6 +97,9 @@ class CudaBackend:
     def rms_norm(self, x, weight, eps: float, out) -> None:
         elementwise.rms_norm(self.ex, x, weight, eps, out)
 
+    def add_rms_norm(self, x, r, weight, eps: float, out) -> None:
+        elementwise.add_rms_norm(self.ex, x, r, weight, eps, out)
+
     def scale(self, x, s: float, out) -> None:
         elementwise.scale(self.ex, x, s, out)
 

@@ -80,6 +80,19 @@ def rms_norm(ex, x, weight, eps: float, out) -> None:
                                            (x, row_stride(x), weight, out, row_stride(out), _i32(g), _f32(eps)))
 
 
+def add_rms_norm(ex, x, r, weight, eps: float, out) -> None:
+    """x += r, then out = rms_norm(x) * weight over whole rows (weight: f32 [d]); one
+    launch (norm.cu add_rms_norm)."""
+    n, d = x.shape
+    if r.shape != (n, d) or out.shape != (n, d) or weight.shape != (d,):
+        raise ValueError(f"cuda add_rms_norm: x {x.shape}, r {r.shape}, weight {weight.shape}, out {out.shape}")
+    if n == 0:
+        return
+    ex.function("norm.cu", "add_rms_norm")((n,), (threads_for(d, NORM_THREADS),),
+                                           (x, row_stride(x), r, row_stride(r), weight, out, row_stride(out),
+                                            _i32(d), _f32(eps)))
+
+
 def scale(ex, x, s: float, out) -> None:
     """out = x * s, f32 [n, d] (out may alias x)."""
     n, d = x.shape

@@ -16,7 +16,8 @@ from engine.errors import BackendUnavailable
 #   matvec            every projection and the LM head (matmul.cu, one variant per QTYPE)
 #   attention_decode* flash-decoding split + combine (attention.cu)
 #   dequant*          the token's embedding row (dequant_rows, dequant.cu)
-#   add*              residual adds and the qwen2 q/k/v bias (add, add_bias)
+#   add*              residual adds (add; add_rms_norm with the norm after it) and the qwen2
+#                     q/k/v bias (add_bias)
 #   rms_norm*         row norms and Gemma 3's per-head Q/K norm (rms_norm, rms_norm_warp)
 #   scale*, gelu*     Gemma's embedding scale and gated FFN (eltwise.cu)
 #   kv_write*         the token's K/V rows, bf16 or quantized (kv.cu)

@@ -4,6 +4,8 @@
 // is __restrict__: each element is read, then written by the same thread.
 //   rms_norm       a block per (row, group): grid (n, d / g), NORM_THREADS (elementwise.py).
 //                  For wide groups (g > NORM_WARP_COLS): the row norm of every layer.
+//   add_rms_norm   the residual add and the row norm after it (g == d): x += r, then
+//                  out = rms_norm(x) * w; a block per row, as rms_norm.
 //   rms_norm_warp  a warp per (row, group), NORM_WARP_WARPS per block: grid
 //                  (ceil(n * (d / g) / NORM_WARP_WARPS)), NORM_WARP_WARPS * 32 threads. For
 //                  g <= NORM_WARP_COLS: a lane keeps its g / 32 values in registers, one read
@@ -21,6 +23,24 @@ extern "C" __global__ void rms_norm(const float* x, int x_stride, const float* _
     float* orow = out + (long long)blockIdx.x * out_stride + col0;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < g; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, red);
+    const float inv = rsqrtf(ss / (float)g + eps);
+    for (int i = threadIdx.x; i < g; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
+}
+
+extern "C" __global__ void add_rms_norm(float* x, int x_stride, const float* r, int r_stride,
+                                        const float* __restrict__ w, float* out, int out_stride, int g,
+                                        float eps) {
+    __shared__ float red[32];
+    float* xr = x + (long long)blockIdx.x * x_stride;
+    const float* rr = r + (long long)blockIdx.x * r_stride;
+    float* orow = out + (long long)blockIdx.x * out_stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < g; i += blockDim.x) {
+        const float v = xr[i] + rr[i];
+        xr[i] = v;
+        ss += v * v;
+    }
     ss = block_sum(ss, red);
     const float inv = rsqrtf(ss / (float)g + eps);
     for (int i = threadIdx.x; i < g; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
