@@ -157,8 +157,9 @@ def test_rms_norm(backend, n, d):
 
 @pytest.mark.parametrize("n,d", [(1, 576), (7, 1536)])
 def test_add_rms_norm(backend, n, d):
-    """The optional fused residual add and norm (x += r, out = rms_norm(x) * w) equals add
-    then rms_norm, on views: x and r column slices of wider rows, out a slice elsewhere."""
+    """The optional fused residual add and norm (x += r, out = rms_norm(x) * w) equals the
+    reference, and the backend's own add then rms_norm bit for bit, on views: x and r
+    column slices of wider rows, out a slice elsewhere."""
     if not hasattr(backend, "add_rms_norm"):
         pytest.skip(f"{backend.name} has no add_rms_norm (the engine calls add, then rms_norm)")
     rng = np.random.default_rng(n + d)
@@ -175,6 +176,11 @@ def test_add_rms_norm(backend, n, d):
     np.testing.assert_array_equal(got_x[:, 8:], want_x)
     np.testing.assert_array_equal(got_x[:, :8], xh[:, :8])
     assert nmse(got[:, 3:], want) < TOL_F32 and np.all(got[:, :3] == 7.0)
+    x2, out2 = backend.upload(xh), backend.upload(np.zeros((n, d), np.float32))   # unfused, on this backend
+    backend.add(x2[:, 8:], r[:, 5:], x2[:, 8:])
+    backend.rms_norm(x2[:, 8:], backend.upload(w), 1e-5, out2)
+    backend.synchronize()
+    np.testing.assert_array_equal(got[:, 3:], backend.download(out2))     # fusing changes no bit
 
 
 def test_rms_norm_column_slice(backend):
