@@ -15,6 +15,15 @@
 #define NORM_WARP_COLS 256       // elementwise.NORM_WARP_COLS
 #define NORM_WARP_PER_LANE (NORM_WARP_COLS / WARP_SIZE)
 
+// The second half of both block kernels: orow = xr / sqrt(mean of xr^2 + eps) * w, where
+// ss is this thread's share of the sum of squares of the block's g values.
+__device__ __forceinline__ void write_normed(const float* xr, float ss, const float* __restrict__ w,
+                                             float* orow, int g, float eps, float* red) {
+    ss = block_sum(ss, red);
+    const float inv = rsqrtf(ss / (float)g + eps);
+    for (int i = threadIdx.x; i < g; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
+}
+
 extern "C" __global__ void rms_norm(const float* x, int x_stride, const float* __restrict__ w,
                                     float* out, int out_stride, int g, float eps) {
     __shared__ float red[32];
@@ -23,9 +32,7 @@ extern "C" __global__ void rms_norm(const float* x, int x_stride, const float* _
     float* orow = out + (long long)blockIdx.x * out_stride + col0;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < g; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss, red);
-    const float inv = rsqrtf(ss / (float)g + eps);
-    for (int i = threadIdx.x; i < g; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
+    write_normed(xr, ss, w, orow, g, eps, red);
 }
 
 extern "C" __global__ void add_rms_norm(float* x, int x_stride, const float* r, int r_stride,
@@ -41,9 +48,7 @@ extern "C" __global__ void add_rms_norm(float* x, int x_stride, const float* r, 
         xr[i] = v;
         ss += v * v;
     }
-    ss = block_sum(ss, red);
-    const float inv = rsqrtf(ss / (float)g + eps);
-    for (int i = threadIdx.x; i < g; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
+    write_normed(xr, ss, w, orow, g, eps, red);
 }
 
 extern "C" __global__ void rms_norm_warp(const float* x, int x_stride, const float* __restrict__ w,
