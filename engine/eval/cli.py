@@ -4,6 +4,7 @@
     engine eval --quick                       # a small subset, minutes on a laptop CPU
     engine eval --policies full,snapkv-b512-head-avg-k31-w32-s4
     engine eval --render results/eval/results.json   # rewrite summary.md and plots from saved samples
+    engine eval --render a/results.json b/results.json --out ab   # the report of one run split in two
 
 `add_parser(subparsers)` registers the subcommand; `cmd_eval(args)` runs it.
 """
@@ -60,9 +61,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="small subset: every task at 1024 tokens, 3 samples (depths 10/50/90%%), full cache and "
                         "SnapKV at 256, 512 and L/8; about 3-5 minutes on 2 CPU cores")
     p.add_argument("--out", help="output folder (default results/eval; with --render, the file's folder)")
-    p.add_argument("--render", metavar="FILE",
+    p.add_argument("--render", metavar="FILE", nargs="+",
                    help="run nothing: rewrite summary.md, results.json and the plots from a results.json or "
-                        "from the samples.partial.jsonl of a run cut short")
+                        "from the samples.partial.jsonl of a run cut short; several files (with --out): the "
+                        "report of their union, for one run split over processes")
     p.add_argument("--resume", action="store_true",
                    help="continue a run cut short: keep the samples in OUT/samples.partial.jsonl (written by "
                         "the same command) and run only the rest")
@@ -146,16 +148,41 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
         raise EngineError(f"--render: {path} is not an eval results.json or samples jsonl ({e})") from None
     if not rows:
         raise EngineError(f"--render: {path} holds no samples")
-    if not meta:
-        names = list(dict.fromkeys(r["policy"] for r in rows))
-        pols = {n: P.parse_policy(n).describe() for n in names}
-        n_prompts = len({(r["task"], r["length"], r["index"], r["seed"]) for r in rows})
-        meta = {"model": "(partial run)", "n_samples": n_prompts, "policies": pols,
-                "seed": rows[0].get("seed"), "tasks": list(dict.fromkeys(r["task"] for r in rows)),
-                "lengths": sorted({r["length"] for r in rows}),
-                "defaults": {k: getattr(P.DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
-                "timings": {"prefill_s": sum(r["prefill_s"] for r in rows if r["policy"] == names[0]),
-                            "prefill_tokens": sum(r["prompt_tokens"] for r in rows if r["policy"] == names[0])}}
+    return meta or _meta_from_rows(rows, "(partial run)"), rows
+
+
+def _meta_from_rows(rows: list[dict], model: str) -> dict:
+    """The meta of a report rebuilt from its rows (a run cut short, or the union of runs)."""
+    names = list(dict.fromkeys(r["policy"] for r in rows))
+    return {"model": model, "n_samples": len({(r["task"], r["length"], r["index"], r["seed"]) for r in rows}),
+            "policies": {n: P.parse_policy(n).describe() for n in names},
+            "seed": rows[0].get("seed"), "tasks": list(dict.fromkeys(r["task"] for r in rows)),
+            "lengths": sorted({r["length"] for r in rows}),
+            "defaults": {k: getattr(P.DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
+            "timings": {"prefill_s": sum(r["prefill_s"] for r in rows if r["policy"] == names[0]),
+                        "prefill_tokens": sum(r["prompt_tokens"] for r in rows if r["policy"] == names[0])}}
+
+
+def _union(paths: list[str]) -> tuple[dict, list[dict]]:
+    """(meta, rows) of one run whose samples were split over several runs (for example
+    by task, one process per core): the same model and policies, no sample twice."""
+    parts = [_load_rows(p) for p in paths]
+    if len(parts) == 1:
+        return parts[0]
+    (meta0, _), rows = parts[0], [r for _, part in parts for r in part]
+    for path, (meta, _) in zip(paths[1:], parts[1:]):
+        for key in ("model", "backend", "policies"):
+            if key in meta and key in meta0 and meta[key] != meta0[key]:
+                raise EngineError(f"--render: {path} and {paths[0]} are not parts of one run (their {key} differ)")
+    seen = set()
+    for r in rows:
+        key = (r["task"], r["length"], r["index"], r.get("seed"), r["policy"])
+        if key in seen:
+            raise EngineError(f"--render: sample {r['task']} {r['length']} #{r['index']} ({r['policy']}) "
+                              f"is in more than one file")
+        seen.add(key)
+    common = {k: v for k, v in meta0.items() if all(m.get(k) == v for m, _ in parts[1:])}
+    meta = {**common, **_meta_from_rows(rows, common.get("model", "(union of runs)")), "parts": list(paths)}
     return meta, rows
 
 
@@ -182,8 +209,10 @@ def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
 
 def cmd_render(args) -> int:
     from . import report
-    meta, rows = _load_rows(args.render)
-    out = output_dir(args.out or os.path.dirname(os.path.abspath(args.render)))
+    if len(args.render) > 1 and not args.out:
+        raise EngineError("--render with several files needs --out (the folder for their union)")
+    meta, rows = _union(args.render)
+    out = output_dir(args.out or os.path.dirname(os.path.abspath(args.render[0])))
     paths = report.write_all(out, meta, rows, sorted(meta["lengths"]), list(meta["tasks"]))
     _print_summary(report.summarize(rows, list(meta["policies"])))
     print(f"wrote {paths['json']}, {paths['markdown']} and 3 plots from {len(rows)} rows")

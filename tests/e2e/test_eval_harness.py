@@ -111,6 +111,22 @@ def test_eval_end_to_end(default_model_path, tmp_path):
     out2 = tmp_path / "from_partial"
     assert args.func(_parse(["eval", "--render", str(rows_file), "--out", str(out2)])) == 0
     assert "| `full` |" in (out2 / "summary.md").read_text()
+    # a run split by task over two files (one process per core): their union is the whole run
+    halves = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for half, tasks in zip(halves, ({"passkey"}, {"niah", "fidelity"})):
+        half.write_text("".join(json.dumps(r) + "\n" for r in samples if r["task"] in tasks))
+    out3 = tmp_path / "union"
+    assert args.func(_parse(["eval", "--render", *map(str, halves), "--out", str(out3)])) == 0
+    union = json.loads((out3 / "results.json").read_text())
+    assert union["summary"] == doc["summary"] and union["meta"]["n_samples"] == 3
+    with pytest.raises(EngineError, match="needs --out"):
+        args.func(_parse(["eval", "--render", *map(str, halves)]))
+    with pytest.raises(EngineError, match="more than one file"):
+        args.func(_parse(["eval", "--render", str(halves[0]), str(rows_file), "--out", str(out3)]))
+    halves[0].write_text("".join(json.dumps(r) + "\n" for r in samples
+                                 if r["task"] == "passkey" and r["policy"] == "full"))   # another policy set
+    with pytest.raises(EngineError, match="not parts of one run"):
+        args.func(_parse(["eval", "--render", *map(str, halves), "--out", str(out3)]))
     with pytest.raises(EngineError, match="not an eval results"):
         args.func(_parse(["eval", "--render", str(tmp_path / "accuracy_heatmap.png")]))
 
