@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine                                           # noqa: E402
 from engine.eval import tasks as T                      # noqa: E402
 from engine.eval.policies import parse_policy           # noqa: E402
-from engine.eval.report import paired_vs_full           # noqa: E402
+from engine.eval.report import paired_against           # noqa: E402
 from engine.eval.runner import EvalPlan, Runner         # noqa: E402
 
 MODES = ("reprefill", "reuse", "continue")
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         print(f"sample {i}: " + ", ".join(f"{r['policy']} {'ok' if r['correct'] else 'x'}" for r in new),
               flush=True)
     names = [f"{p.name}@{mode}" for p in policies for mode in modes]
-    paired = paired_vs_full(rows, names)
+    paired = paired_against(rows, names)
     full = [r for r in rows if r["policy"] == "full"]
     lines = [f"# Two-question eval: {a.model}, turn 1 of {a.length} tokens, {len(full)} conversations, seed {a.seed}",
              "", f"full cache, question B: {sum(r['correct'] for r in full)}/{len(full)}", "",

@@ -5,6 +5,7 @@
     engine eval --policies full,snapkv-b512-head-avg-k31-w32-s4
     engine eval --render results/eval/results.json   # rewrite summary.md and plots from saved samples
     engine eval --render a/results.json b/results.json --out ab   # the report of one run split in two
+    engine eval --render results.json --baseline POLICY          # also every policy against POLICY
 
 `add_parser(subparsers)` registers the subcommand; `cmd_eval(args)` runs it.
 """
@@ -65,6 +66,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="run nothing: rewrite summary.md, results.json and the plots from a results.json or "
                         "from the samples.partial.jsonl of a run cut short; several files (with --out): the "
                         "report of their union, for one run split over processes")
+    p.add_argument("--baseline", metavar="POLICIES",
+                   help="comma-separated policies of the run to compare every other policy with, prompt by "
+                        "prompt, as with the full cache (retrieval lost/gained with Tango's interval; fidelity "
+                        "KL ratio), for example uniform against adaptive budgets at the same budget")
     p.add_argument("--resume", action="store_true",
                    help="continue a run cut short: keep the samples in OUT/samples.partial.jsonl (written by "
                         "the same command) and run only the rest")
@@ -207,11 +212,22 @@ def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
             for r in group]
 
 
+def _baselines(text: str | None, policies: list[str]) -> list[str]:
+    """--baseline: the named policies, each one of the run's."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    for n in names:
+        if n not in policies:
+            raise EngineError(f"--baseline: {n} is not a policy of this run ({', '.join(policies)})")
+    return names
+
+
 def cmd_render(args) -> int:
     from . import report
     if len(args.render) > 1 and not args.out:
         raise EngineError("--render with several files needs --out (the folder for their union)")
     meta, rows = _union(args.render)
+    if args.baseline is not None:                    # else a results.json keeps its own
+        meta["baselines"] = _baselines(args.baseline, list(meta["policies"]))
     out = output_dir(args.out or os.path.dirname(os.path.abspath(args.render[0])))
     paths = report.write_all(out, meta, rows, sorted(meta["lengths"]), list(meta["tasks"]))
     _print_summary(report.summarize(rows, list(meta["policies"])))
@@ -237,6 +253,7 @@ def cmd_eval(args) -> int:
     from .runner import EvalPlan, Runner
 
     r = resolve(args)
+    baselines = _baselines(args.baseline, [p.name for p in r["policies"]])
     out = output_dir(args.out or "results/eval")    # a bad --out fails now, not after the run
     plan = EvalPlan(tasks=r["tasks"], lengths=r["lengths"], policies=r["policies"], samples=r["samples"],
                     depths=r["depths"], seed=args.seed, max_new_tokens=args.max_new_tokens,
@@ -266,6 +283,7 @@ def cmd_eval(args) -> int:
         "defaults": {k: getattr(P.DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
         "timings": runner.timings.as_dict(), "quick": bool(args.quick),
         "resumed_samples": len(done) // max(len(plan.policies), 1),   # timings cover only the rest
+        "baselines": baselines,
     }
     paths = report.write_all(out, meta, rows, plan.lengths, plan.tasks)
     os.remove(partial)                       # results.json holds every row now

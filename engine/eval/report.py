@@ -114,28 +114,35 @@ def tango_interval(n12: int, n21: int, n: int, z: float = Z95) -> tuple[float, f
     return (edge(-1.0), edge(1.0))
 
 
-def paired_vs_full(rows: list[dict], policies: list[str], reference: str = "full") -> dict:
+def paired_against(rows: list[dict], policies: list[str], reference: str = "full") -> dict:
     """Retrieval answers of each policy against the reference on the same prompts:
     policy -> {n, acc, acc_full, lost, gained, same_text, diff, ci} (diff and ci are
-    policy minus full, as fractions; a loss is negative)."""
+    policy minus the reference, as fractions; a loss is negative; acc_full is the
+    reference's accuracy). With a reference other than the full cache, and fidelity
+    prompts, also n_fidelity, kl_ratio (the geometric mean over those prompts of the
+    policy's KL from the full cache over the reference's) and kl_lower (the prompts
+    where the policy's KL is the lower)."""
     key = lambda r: (r["task"], r["length"], r["index"], r["seed"])          # noqa: E731
-    retr = [r for r in rows if r["task"] in RETRIEVAL_TASKS]
-    ref = {key(r): r for r in retr if r["policy"] == reference}
+    ref = {key(r): r for r in rows if r["policy"] == reference}
     out = {}
     for p in policies:
         if p == reference:
             continue
-        pairs = [(ref[key(r)], r) for r in retr if r["policy"] == p and key(r) in ref]
-        n = len(pairs)
-        if not n:
-            continue
-        lost = sum(bool(f["correct"]) and not bool(r["correct"]) for f, r in pairs)
-        gained = sum(bool(r["correct"]) and not bool(f["correct"]) for f, r in pairs)
-        lo, hi = tango_interval(gained, lost, n)
-        out[p] = {"n": n, "acc": _mean(r["correct"] for _, r in pairs), "acc_full": _mean(f["correct"] for f, _ in pairs),
-                  "lost": lost, "gained": gained,
-                  "same_text": sum(f["generated"] == r["generated"] for f, r in pairs) / n,
-                  "diff": (gained - lost) / n, "ci": (lo, hi)}
+        pairs = [(ref[key(r)], r) for r in rows if r["policy"] == p and key(r) in ref]
+        retr = [(f, r) for f, r in pairs if r["task"] in RETRIEVAL_TASKS]
+        n = len(retr)
+        if n:
+            lost = sum(bool(f["correct"]) and not bool(r["correct"]) for f, r in retr)
+            gained = sum(bool(r["correct"]) and not bool(f["correct"]) for f, r in retr)
+            lo, hi = tango_interval(gained, lost, n)
+            out[p] = {"n": n, "acc": _mean(r["correct"] for _, r in retr),
+                      "acc_full": _mean(f["correct"] for f, _ in retr), "lost": lost, "gained": gained,
+                      "same_text": sum(f["generated"] == r["generated"] for f, r in retr) / n,
+                      "diff": (gained - lost) / n, "ci": (lo, hi)}
+        fid = [(f["kl"], r["kl"]) for f, r in pairs if r["task"] == "fidelity" and f["kl"] > 0 and r["kl"] > 0]
+        if fid:
+            out.setdefault(p, {}).update(n_fidelity=len(fid), kl_lower=sum(b < a for a, b in fid),
+                                         kl_ratio=float(np.exp(np.mean([np.log(b / a) for a, b in fid]))))
     return out
 
 
@@ -189,17 +196,10 @@ def markdown(meta: dict, summary: dict, lengths: list[int], tasks: list[str]) ->
         lines.append("| " + " | ".join(row) + " |")
     paired = {p: s["vs_full"] for p, s in summary.items() if s.get("vs_full")}
     if paired:
-        lines += ["", "## Against the full cache, prompt by prompt", "",
-                  "Retrieval only. lost: prompts the full cache answers and the policy does not; gained: the "
-                  "reverse; same text: the greedy answers are identical. The difference is in points with "
-                  "Tango's 95% score interval for paired proportions.", "",
-                  "| policy | prompts | accuracy (full) | lost | gained | same text | difference, 95% CI |",
-                  "|---|---|---|---|---|---|---|"]
-        for p, d in paired.items():
-            lo, hi = d["ci"]
-            lines.append(f"| `{p}` | {d['n']} | {_pct(d['acc'])} ({_pct(d['acc_full'])}) | {d['lost']} | "
-                         f"{d['gained']} | {_pct(d['same_text'])} | {100 * d['diff']:+.1f} "
-                         f"[{100 * lo:+.1f}, {100 * hi:+.1f}] |")
+        lines += _paired_section("the full cache", "full", paired)
+    for base in meta.get("baselines", []):
+        paired = {p: s["vs"][base] for p, s in summary.items() if base in s.get("vs", {})}
+        lines += _paired_section(f"`{base}`", "baseline", paired)
     for task in retrieval:
         several = task == "niah_multivalue"          # partial credit: the share of the numbers recalled
         lines += ["", f"## {task}: accuracy by prompt length" + (" (and share of the numbers recalled)"
@@ -320,13 +320,41 @@ def plot_bytes_vs_accuracy(path: str, summary: dict) -> None:
     plt.close(fig)
 
 
+def _paired_section(title: str, short: str, paired: dict) -> list[str]:
+    """The markdown of a prompt-by-prompt comparison (paired_against's dicts) with a reference."""
+    fidelity = any("kl_ratio" in d for d in paired.values())
+    lines = ["", f"## Against {title}, prompt by prompt", "",
+             f"Retrieval: lost: prompts {title} answers and the policy does not; gained: the reverse; same "
+             "text: the greedy answers are identical. The difference is in points with Tango's 95% score "
+             "interval for paired proportions."
+             + (" Fidelity: the geometric mean over the fidelity prompts of the policy's KL from the full "
+                "cache over the reference's, and the prompts where the policy's is the lower." if fidelity else ""),
+             "", f"| policy | prompts | accuracy ({short}) | lost | gained | same text | difference, 95% CI |"
+             + (" KL ratio | KL lower on |" if fidelity else ""), "|---|---|---|---|---|---|---|"
+             + ("---|---|" if fidelity else "")]
+    for p, d in paired.items():
+        if "n" in d:
+            lo, hi = d["ci"]
+            row = (f"| `{p}` | {d['n']} | {_pct(d['acc'])} ({_pct(d['acc_full'])}) | {d['lost']} | {d['gained']} | "
+                   f"{_pct(d['same_text'])} | {100 * d['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] |")
+        else:
+            row = f"| `{p}` | 0 | - | - | - | - | - |"
+        if fidelity:
+            row += (f" {d['kl_ratio']:.2f}x | {d['kl_lower']}/{d['n_fidelity']} |" if "kl_ratio" in d else " - | - |")
+        lines.append(row)
+    return lines
+
+
 def write_all(out_dir: str, meta: dict, rows: list[dict], lengths: list[int], tasks: list[str]) -> dict:
     """Write results.json, summary.md and the plots into out_dir. Returns {kind: path}."""
     os.makedirs(out_dir, exist_ok=True)
     names = list(meta["policies"])
     summary = summarize(rows, names)
-    for p, d in paired_vs_full(rows, names).items():
+    for p, d in paired_against(rows, names).items():
         summary[p]["vs_full"] = d
+    for base in meta.get("baselines", []):
+        for p, d in paired_against(rows, names, reference=base).items():
+            summary[p].setdefault("vs", {})[base] = d
     paths = {"json": os.path.join(out_dir, "results.json"), "markdown": os.path.join(out_dir, "summary.md"),
              "heatmap": os.path.join(out_dir, "accuracy_heatmap.png"),
              "budget": os.path.join(out_dir, "accuracy_vs_budget.png"),

@@ -127,6 +127,14 @@ def test_eval_end_to_end(default_model_path, tmp_path):
                                  if r["task"] == "passkey" and r["policy"] == "full"))   # another policy set
     with pytest.raises(EngineError, match="not parts of one run"):
         args.func(_parse(["eval", "--render", *map(str, halves), "--out", str(out3)]))
+    out4 = tmp_path / "against_small"                    # every policy against another, prompt by prompt
+    assert args.func(_parse(["eval", "--render", str(tmp_path / "results.json"), "--out", str(out4),
+                             "--baseline", small])) == 0
+    assert f"## Against `{small}`" in (out4 / "summary.md").read_text()
+    again = json.loads((out4 / "results.json").read_text())
+    assert again["meta"]["baselines"] == [small] and again["summary"]["full"]["vs"][small]["n"] == 2
+    with pytest.raises(EngineError, match="not a policy of this run"):
+        args.func(_parse(["eval", "--render", str(tmp_path / "results.json"), "--baseline", "snapkv-b7"]))
     with pytest.raises(EngineError, match="not an eval results"):
         args.func(_parse(["eval", "--render", str(tmp_path / "accuracy_heatmap.png")]))
 

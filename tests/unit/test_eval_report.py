@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.eval import report
-from engine.eval.report import Z95, paired_vs_full, tango_interval
+from engine.eval.report import Z95, paired_against, tango_interval
 
 
 def _score_by_grid(n12, n21, n, delta, steps=200_001):
@@ -58,7 +58,7 @@ def test_paired_counts_lost_gained_and_same_text():
     rows = [_row("full", i, c, f"a{i}") for i, c in enumerate(full)]
     rows += [_row("p", i, c, f"a{i}" if c == full[i] else "x") for i, c in enumerate(pol)]
     rows.append(_row("full", 0, None, None, task="fidelity"))            # not a retrieval task: ignored
-    d = paired_vs_full(rows, ["full", "p"])
+    d = paired_against(rows, ["full", "p"])
     assert set(d) == {"p"}
     d = d["p"]
     assert (d["n"], d["lost"], d["gained"]) == (5, 1, 1)
@@ -70,7 +70,29 @@ def test_paired_counts_lost_gained_and_same_text():
 def test_summary_markdown_has_the_paired_table():
     rows = [_row("full", i, True, "1") for i in range(4)] + [_row("p", i, i > 0, "1" if i else "2") for i in range(4)]
     summary = report.summarize(rows, ["full", "p"])
-    summary["p"]["vs_full"] = paired_vs_full(rows, ["full", "p"])["p"]
+    summary["p"]["vs_full"] = paired_against(rows, ["full", "p"])["p"]
     md = report.markdown({"n_samples": 4}, summary, [1024], ["niah"])
     line = next(x for x in md.splitlines() if x.startswith("| `p` | 4 |"))
     assert "| 1 | 0 | 75% |" in line and "-25.0 [" in line
+
+
+def test_paired_against_a_baseline_compares_fidelity_kl_too():
+    """--baseline: each policy against another policy (say uniform against adaptive budgets):
+    retrieval as against the full cache, and the fidelity KL as a paired geometric-mean ratio."""
+    def fid(policy, index, kl):
+        return {**_row(policy, index, None, None, task="fidelity"), "kl": kl, "top1": 1.0}
+    rows = [_row("u", 0, True, "1"), _row("a", 0, False, "2"), _row("full", 0, True, "1")]
+    rows += [fid("full", i, 0.0) for i in range(3)]
+    rows += [fid("u", i, kl) for i, kl in enumerate((0.4, 0.2, 0.1))]
+    rows += [fid("a", i, kl) for i, kl in enumerate((0.1, 0.1, 0.2))]
+    d = paired_against(rows, ["full", "u", "a"], reference="u")
+    assert (d["a"]["n"], d["a"]["lost"], d["a"]["gained"]) == (1, 1, 0)
+    assert d["a"]["kl_ratio"] == pytest.approx((0.25 * 0.5 * 2.0) ** (1 / 3)) and d["a"]["kl_lower"] == 2
+    assert "kl_ratio" not in d["full"]                    # the full cache's KL is 0: no ratio
+    assert "kl_ratio" not in paired_against(rows, ["full", "u", "a"])["a"]   # nor against the full cache
+    summary = report.summarize(rows, ["full", "u", "a"])
+    for p, x in d.items():
+        summary[p]["vs"] = {"u": x}
+    md = report.markdown({"n_samples": 4, "baselines": ["u"]}, summary, [1024], ["niah", "fidelity"])
+    assert "## Against `u`, prompt by prompt" in md
+    assert next(x for x in md.splitlines() if x.startswith("| `a` | 1 |")).endswith("| 0.63x | 2/3 |")
