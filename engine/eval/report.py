@@ -321,27 +321,33 @@ def plot_bytes_vs_accuracy(path: str, summary: dict) -> None:
 
 
 def _paired_section(title: str, short: str, paired: dict) -> list[str]:
-    """The markdown of a prompt-by-prompt comparison (paired_against's dicts) with a reference."""
+    """The markdown of a prompt-by-prompt comparison (paired_against's dicts) with a reference:
+    retrieval columns where there are retrieval prompts, fidelity columns where KL ratios are."""
+    retrieval = any("n" in d for d in paired.values())
     fidelity = any("kl_ratio" in d for d in paired.values())
-    lines = ["", f"## Against {title}, prompt by prompt", "",
-             f"Retrieval: lost: prompts {title} answers and the policy does not; gained: the reverse; same "
-             "text: the greedy answers are identical. The difference is in points with Tango's 95% score "
-             "interval for paired proportions."
-             + (" Fidelity: the geometric mean over the fidelity prompts of the policy's KL from the full "
-                "cache over the reference's, and the prompts where the policy's is the lower." if fidelity else ""),
-             "", f"| policy | prompts | accuracy ({short}) | lost | gained | same text | difference, 95% CI |"
-             + (" KL ratio | KL lower on |" if fidelity else ""), "|---|---|---|---|---|---|---|"
-             + ("---|---|" if fidelity else "")]
+    text, head = [], ["policy"]
+    if retrieval:
+        text.append(f"Retrieval: lost: prompts {title} answers and the policy does not; gained: the reverse; "
+                    "same text: the greedy answers are identical. The difference is in points with Tango's 95% "
+                    "score interval for paired proportions.")
+        head += ["prompts", f"accuracy ({short})", "lost", "gained", "same text", "difference, 95% CI"]
+    if fidelity:
+        text.append("Fidelity: the geometric mean over the fidelity prompts of the policy's KL from the full "
+                    "cache over the reference's, and the prompts where the policy's is the lower.")
+        head += ["KL ratio", "KL lower on"]
+    lines = ["", f"## Against {title}, prompt by prompt", "", " ".join(text), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p, d in paired.items():
-        if "n" in d:
+        row = [f"`{p}`"]
+        if retrieval and "n" in d:
             lo, hi = d["ci"]
-            row = (f"| `{p}` | {d['n']} | {_pct(d['acc'])} ({_pct(d['acc_full'])}) | {d['lost']} | {d['gained']} | "
-                   f"{_pct(d['same_text'])} | {100 * d['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] |")
-        else:
-            row = f"| `{p}` | 0 | - | - | - | - | - |"
+            row += [str(d["n"]), f"{_pct(d['acc'])} ({_pct(d['acc_full'])})", str(d["lost"]), str(d["gained"]),
+                    _pct(d["same_text"]), f"{100 * d['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"]
+        elif retrieval:
+            row += ["0"] + ["-"] * 5
         if fidelity:
-            row += (f" {d['kl_ratio']:.2f}x | {d['kl_lower']}/{d['n_fidelity']} |" if "kl_ratio" in d else " - | - |")
-        lines.append(row)
+            row += [f"{d['kl_ratio']:.2f}x", f"{d['kl_lower']}/{d['n_fidelity']}"] if "kl_ratio" in d else ["-", "-"]
+        lines.append("| " + " | ".join(row) + " |")
     return lines
 
 

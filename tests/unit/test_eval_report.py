@@ -96,3 +96,8 @@ def test_paired_against_a_baseline_compares_fidelity_kl_too():
     md = report.markdown({"n_samples": 4, "baselines": ["u"]}, summary, [1024], ["niah", "fidelity"])
     assert "## Against `u`, prompt by prompt" in md
     assert next(x for x in md.splitlines() if x.startswith("| `a` | 1 |")).endswith("| 0.63x | 2/3 |")
+    fid_only = [r for r in rows if r["task"] == "fidelity"]                # no retrieval: no retrieval columns
+    summary = report.summarize(fid_only, ["full", "u", "a"])
+    summary["a"]["vs"] = {"u": paired_against(fid_only, ["full", "u", "a"], reference="u")["a"]}
+    md = report.markdown({"n_samples": 3, "baselines": ["u"]}, summary, [1024], ["fidelity"])
+    assert "| policy | KL ratio | KL lower on |" in md and "| `a` | 0.63x | 2/3 |" in md
