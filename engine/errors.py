@@ -26,3 +26,21 @@ class ConfigError(EngineError):
 
 class BackendUnavailable(EngineError):
     """The requested backend cannot run on this machine (names what is missing)."""
+
+
+class DeviceError(EngineError):
+    """A GPU reported an error while running the model (backends/cuda/errors.py turns
+    the CUDA library's exceptions into these). The request fails; the process goes on
+    unless it is a DeviceFault."""
+
+
+class DeviceOutOfMemory(DeviceError):
+    """The device ran out of memory after the load-time memory check (a request's
+    scratch, cuBLAS' workspace, a KV pool made on first use). Recoverable: what the
+    failed call allocated is freed as it unwinds."""
+
+
+class DeviceFault(DeviceError):
+    """A sticky device fault (an illegal address, a failed launch, a device-side
+    assert): the CUDA context is unusable until the process exits, so the process
+    must end (a server stops admitting and exits)."""

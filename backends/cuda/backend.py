@@ -9,6 +9,9 @@ synchronisation until a result is downloaded.
 
 The executor (runtime.py) decides where the kernels run: `device` (a GPU
 through cupy) or `cpu-harness` (the same kernel source on the CPU, for tests).
+
+Every public method raises engine errors in place of cupy's (errors.py):
+DeviceOutOfMemory, DeviceFault (sticky: restart the process), DeviceError.
 """
 from __future__ import annotations
 
@@ -20,9 +23,11 @@ from engine.errors import EngineError
 from ..base import check_kv_dtypes
 from ..kvformat import KV_DTYPES, KvFormat
 from . import attention, elementwise, kvrows, quant
+from .errors import translate_device_errors
 from .runtime import make_executor
 
 
+@translate_device_errors
 class CudaBackend:
     """backend name "cuda". `device`: CUDA device index (default 0); `executor`:
     "device" or "cpu-harness" (default: SHARPI_CUDA_EXECUTOR, i.e. "device")."""
@@ -72,6 +77,13 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         self.ex.synchronize()
+
+    def free_cached_memory(self) -> None:
+        """Give the device memory cupy's pool holds unused back to the driver (a server
+        calls it after a request failed for memory; cupy reuses the blocks otherwise)."""
+        cp = getattr(self.ex, "cp", None)                 # the device executor's cupy; none on the harness
+        if cp is not None:
+            cp.get_default_memory_pool().free_all_blocks()
 
     def check_fits(self, weight_bytes: int, kv_bytes: int, ctx: int) -> None:
         """Before anything is allocated: the weights plus one KV cache for `ctx`

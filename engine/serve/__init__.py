@@ -23,7 +23,9 @@ def build_app(model, max_queue: int = 16, model_id: str | None = None, max_runni
     stops with the app's lifespan. `max_running` requests decode together; their caches
     share a page pool of `pool_tokens` positions (default: max_running whole contexts);
     the caches of the last `prompt_cache` finished requests are kept for reuse. With
-    `api_key`, requests need `Authorization: Bearer <api_key>` (app.create_app)."""
+    `api_key`, requests need `Authorization: Bearer <api_key>` (app.create_app). After a
+    sticky device fault the scheduler runs nothing more (`scheduler.fault`, 503s) and calls
+    `scheduler.on_fault(message)`, where `engine serve` shuts the server down."""
     from .app import create_app
     from .scheduler import Scheduler
 

@@ -49,7 +49,7 @@ class Submission:
         try:
             self.handle = scheduler.submit(job, emit)
         except QueueFull as e:
-            raise ApiError(503, str(e), None, "queue_full") from None
+            raise ApiError(503, str(e), None, e.code) from None
 
     async def next(self, timeout: float | None = None):
         return await asyncio.wait_for(self.queue.get(), timeout)
@@ -100,7 +100,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
     # -- errors: always OpenAI's shape ---------------------------------------------------------
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
@@ -138,6 +138,11 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
 
     @app.get("/health")
     async def health():
+        """200 while serving; 503 with the reason once the device has faulted (the
+        server is going down)."""
+        if scheduler.fault is not None:
+            return JSONResponse({"status": "error", **ApiError(503, scheduler.fault, None, "device_fault").body()},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -217,7 +222,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
                     lp = _logprobs(entries + list(event.logprobs), chat) if logprobs else None
                     return make(rid, model_id, protocol.now(), "".join(parts), event.finish_reason, event.usage, lp)
                 elif isinstance(event, Failed):
-                    raise ApiError(event.status, event.message)
+                    raise _api_error(event)
         finally:
             sub.close()
 
@@ -245,13 +250,18 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
                     yield "data: [DONE]\n\n"
                     return
                 elif isinstance(event, Failed):       # the error object, then the end as usual
-                    yield _event(ApiError(event.status, event.message).body())
+                    yield _event(_api_error(event).body())
                     yield "data: [DONE]\n\n"
                     return
         finally:
             sub.close()          # a client that went away cancels its request here
 
     return app
+
+
+def _api_error(failed: Failed) -> ApiError:
+    headers = {"Retry-After": str(failed.retry_after)} if failed.retry_after else None
+    return ApiError(failed.status, failed.message, None, failed.code, headers)
 
 
 def _event(obj: dict) -> str:

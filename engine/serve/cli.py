@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from ..errors import EngineError
+from ..errors import DeviceFault, EngineError
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -83,7 +83,10 @@ def cmd_serve(args) -> int:
           f"{'; API key required' if args.api_key else ''}", file=sys.stderr)
     print(f"engine serve: listening on http://{_url_host(host)}:{port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    sched.on_fault = lambda message: setattr(server, "should_exit", True)   # uvicorn's own shutdown
     server.run(sockets=[sock])
+    if sched.fault is not None:                   # the device faulted: exit 1 with its message
+        raise DeviceFault(sched.fault)
     return 0
 
 

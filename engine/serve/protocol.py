@@ -233,9 +233,11 @@ class ApiError(Exception):
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
              503: "server_overloaded", 500: "server_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers                  # sent with the JSON answer (Retry-After)
 
     def body(self) -> dict:
         return error(self.message, self.TYPES.get(self.status, "server_error"), self.param, self.code)

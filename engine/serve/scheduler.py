@@ -37,24 +37,39 @@ sees every row of the earlier turns, not only those the first question kept.
 
 Admission: at most `max_running + max_queue` requests are held (running plus
 waiting); `submit` raises QueueFull beyond that (the HTTP layer answers 503).
+
+Device errors (engine/errors.py): out of device memory fails the requests of the step
+it hit (503 with Retry-After), the device's cached memory is given back, and serving
+goes on. A sticky fault (DeviceFault) ends the worker: `fault` holds its message, every
+request held fails with it (streams get it as their last event), `submit` refuses new
+ones (503), no more device work runs, and `on_fault(message)` is called (`engine
+serve` shuts down there and exits with status 1).
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
 
-from ..errors import EngineError
+from ..errors import DeviceError, DeviceFault, DeviceOutOfMemory, EngineError
 from ..kv.paged import KvCacheError
 from .sequence import Failed, Job, Sequence
 
 
 HORIZON = 1    # generated tokens a running request's reservation covers: its next step
+RETRY_AFTER_S = 1    # Retry-After of a request that failed for device memory
+log = logging.getLogger("engine.serve")
 
 
 class QueueFull(Exception):
-    """More requests than the server holds (running + max_queue waiting)."""
+    """The server takes no request now (503): more than it holds (running + max_queue
+    waiting), or it is shutting down; `code` says which (OpenAI's error code)."""
+
+    def __init__(self, message: str, code: str = "queue_full"):
+        super().__init__(message)
+        self.code = code
 
 
 class Handle:
@@ -87,6 +102,9 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.fault: str | None = None               # a sticky device fault's message: the worker has ended
+        self.on_fault = None                        # callable(message), from the worker when it faults
+        self._free_memory = False                   # a step ran out of device memory: give the cache back
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "preempted": 0,
                        "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0}
 
@@ -111,6 +129,8 @@ class Scheduler:
         """Queue a job; `emit(event)` is called from the worker thread with Delta,
         then Finished or Failed. Raises QueueFull when the server is full."""
         with self._cv:
+            if self.fault is not None:
+                raise QueueFull(self.fault, "device_fault")
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             if len(self._waiting) + len(self._running) >= self.max_running + self.max_queue:
@@ -153,7 +173,7 @@ class Scheduler:
                     "kv_bytes": sum(c.bytes for _, c in self._kept)}
             return {"running": running, "waiting": waiting, "max_queue": self.max_queue,
                     "max_running": self.max_running, "pool_tokens": self.pool_tokens, "kv_pools": pools,
-                    "kv_bytes_held": held, "prompt_cache": kept, **self.counts}
+                    "kv_bytes_held": held, "prompt_cache": kept, "fault": self.fault, **self.counts}
 
     # -- the worker -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -173,11 +193,20 @@ class Scheduler:
                 running = list(self._running)
             for h, failure in admitted:         # could never be admitted: answered outside the lock
                 h.emit(failure)
-            try:
-                self._step(running)
-            except Exception as e:   # a bug in the loop itself: fail the requests, keep serving
-                for h in running:
-                    self._fail(h, e)
+            if self.fault is None:
+                try:
+                    self._step(running)
+                except Exception as e:   # a bug in the loop itself: fail the requests, keep serving
+                    for h in running:
+                        self._fail(h, e)
+            if self.fault is not None:
+                self._end_after_fault()
+                return
+            if self._free_memory:           # the failed step's arrays are gone by now
+                self._free_memory = False
+                free = getattr(self.model.backend, "free_cached_memory", None)
+                if free is not None:
+                    free()
 
     def _pool(self, kv_dtype: str | None):
         name = self.model.kv_dtype_of(kv_dtype)
@@ -207,7 +236,10 @@ class Scheduler:
                 seq.release()                   # a reused cache's pages go back
                 self._waiting.popleft()
                 self.counts["failed"] += 1
+                self._note_device_error(e)
                 never.append((h, _failure(e)))
+                if self.fault is not None:
+                    break
                 continue
             segments = range(len(pool.segments))
             if any(seq.pages_needed(k) > pool.segments[k].n_pages for k in segments):
@@ -353,6 +385,8 @@ class Scheduler:
             self._guarded(prefilling, lambda h: h.sequence.prefill_step())
             if seq.cache is not None:
                 self.counts["prompt_tokens"] += seq.cache.logical_length - before
+            if self.fault is not None:      # the device is gone: nothing more runs on it
+                return
         decoding = [h for h in running if not h.cancelled and h.sequence.state == "decode"]
         if decoding:
             self._decode(decoding)
@@ -396,11 +430,34 @@ class Scheduler:
             self._fail(h, e)
 
     def _fail(self, h: Handle, e: BaseException) -> None:
+        self._note_device_error(e)
         if h.sequence is not None:
             h.sequence.release()
         self._retire(h, "failed")
         if not h.cancelled:
             h.emit(_failure(e))
+
+    def _note_device_error(self, e: BaseException) -> None:
+        if isinstance(e, DeviceFault) and self.fault is None:
+            self.fault = str(e)
+        elif isinstance(e, DeviceOutOfMemory) and not self._free_memory:
+            self._free_memory = True
+            log.warning("engine serve: a request failed: %s", e)
+
+    def _end_after_fault(self) -> None:
+        """(worker, last) The device faulted: fail every request still held with the
+        fault (a stream ends with it), refuse new ones, drop the caches (host bookkeeping
+        only: no device call runs again), then `on_fault`."""
+        with self._cv:
+            self._stopping = True
+            held = [h for h in list(self._running) + list(self._waiting) if not h.cancelled]
+            self.counts["failed"] += len(held)
+            self._drop_all()
+        failure = Failed(503, self.fault, "device_fault")
+        for h in held:
+            h.emit(failure)
+        if self.on_fault is not None:
+            self.on_fault(self.fault)
 
     def _retire(self, h: Handle, outcome: str | None) -> None:
         with self._cv:
@@ -429,7 +486,14 @@ class Scheduler:
 
 
 def _failure(e: BaseException) -> Failed:
-    """400 for an engine error the request caused, else 500."""
+    """400 for an engine error the request caused; 503 when the device ran out of
+    memory (retry) or faulted (the server is going down); else 500."""
+    if isinstance(e, DeviceOutOfMemory):
+        return Failed(503, str(e), "device_out_of_memory", RETRY_AFTER_S)
+    if isinstance(e, DeviceFault):
+        return Failed(503, str(e), "device_fault")
+    if isinstance(e, DeviceError):
+        return Failed(500, str(e), "device_error")
     if isinstance(e, EngineError):
         return Failed(400, str(e))
     return Failed(500, f"internal error: {type(e).__name__}: {e}")

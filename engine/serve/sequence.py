@@ -63,8 +63,10 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    status: int                    # HTTP status: 400 for an engine error the request caused, else 500
-    message: str
+    status: int                    # HTTP status: 400 for an engine error the request caused, 503 for
+    message: str                   # device memory or a device fault, else 500
+    code: str | None = None        # OpenAI's error code ("device_out_of_memory", "device_fault")
+    retry_after: int | None = None  # seconds, sent as Retry-After (a 503 worth retrying)
 
 
 class Sequence:

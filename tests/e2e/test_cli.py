@@ -59,6 +59,22 @@ def test_info_devices_lists_vulkan():
     assert r.stdout.startswith("cpu: ") and "vulkan" in r.stdout and "mat-vecs: " in r.stdout
 
 
+def test_info_devices_without_cupy(tmp_path):
+    """cupy not installed: the other backends' devices, one line saying what CUDA
+    needs, exit 0 (as for a missing Vulkan), no traceback."""
+    shadow = tmp_path / "cupy"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'cupy'\", name='cupy')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = cli("info", "--devices", env={"PYTHONPATH": os.pathsep.join([str(tmp_path), root])})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("cpu: ") and any(l.startswith("vulkan") for l in lines)
+    assert [l for l in lines if l.startswith("cuda")] == [
+        "cuda: unavailable (backend 'cuda' needs cupy (pip install cupy-cuda12x or cupy-cuda13x): "
+        "ModuleNotFoundError: No module named 'cupy')"]
+
+
 def kv_stats(stderr: str) -> tuple[str, float]:
     """The --stats KV line -> (kv dtype, KiB held)."""
     m = re.search(r"-- KV cache: \d+ rows for \d+ positions, (\S+), ([\d.]+) (KiB|MiB)", stderr)
