@@ -3,8 +3,10 @@
 The op modules (quant.py, attention.py, elementwise.py) launch kernels and
 allocate memory only through an executor, so one host layer drives both:
 
-  device       cupy arrays on an NVIDIA GPU; kernels compiled by NVRTC
-               (cupy.RawModule); the prefill GEMM is cuBLAS (cupy.matmul).
+  device       cupy arrays on an NVIDIA GPU; kernels compiled by nvrtc.py (the
+               options and target the offline check uses), the image cached in
+               CACHE_DIR and loaded by cupy.RawModule(path=...); the prefill GEMM
+               is cuBLAS (cupy.matmul).
   cpu-harness  numpy arrays; the same kernel source compiled by g++ against
                harness/cuda_cpu.h and run with one fiber per CUDA thread; the
                GEMM is numpy's. For tests without a GPU: about 1000x slower.
@@ -16,14 +18,21 @@ kernel parameter's type.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from engine.errors import BackendUnavailable
+from engine.errors import BackendUnavailable, EngineError
 
 KERNELS = Path(__file__).parent / "kernels"
+CACHE_DIR = Path(__file__).parents[1] / ".cache" / "cuda_nvrtc"   # compiled images, by source+options+NVRTC
+# Compiled and loaded when the device executor starts, so a missing NVRTC, a target the
+# driver refuses or an unwritable cache is BackendUnavailable before any model work.
+PROBE_SOURCE = 'extern "C" __global__ void sharpi_probe(int* x) { x[0] = 1; }\n'
 EXECUTORS = ("device", "cpu-harness")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _PRAGMA_ONCE = re.compile(r'^\s*#\s*pragma\s+once\s*$', re.MULTILINE)
@@ -107,10 +116,39 @@ class CupyExecutor:
             raise BackendUnavailable(f"backend 'cuda': no CUDA device {device} ({n} found)")
         self.cp = cupy
         self.device_id = device
-        cupy.cuda.Device(device).use()
         self.label = f"CUDA device {device}"
         self._modules: dict = {}
         self.cache: dict = {}
+        self.target = self._probe(open_device(cupy, device))   # nvrtc.Target: what every kernel is built for
+
+    def _probe(self, compute_capability: int):
+        """The target for this device (nvrtc.choose_target), after compiling and loading
+        PROBE_SOURCE for it; BackendUnavailable (one line) when NVRTC is missing or too
+        old, the compile fails or the driver refuses the image."""
+        from . import nvrtc
+        try:
+            supported = nvrtc.supported_archs()
+        except BackendUnavailable as e:
+            raise BackendUnavailable(f"backend 'cuda': {e}") from None
+        target = nvrtc.choose_target(compute_capability, supported)
+        what = f"NVRTC {'.'.join(map(str, nvrtc.version()))} for {target}"
+        try:
+            self._module(PROBE_SOURCE, "probe.cu", (), target).get_function("sharpi_probe")
+        except nvrtc.CompileError as e:
+            raise BackendUnavailable(f"backend 'cuda': {what} cannot compile a one-line kernel: "
+                                     f"{e.first_error()}") from None
+        except OSError as e:
+            raise BackendUnavailable(f"backend 'cuda': cannot write compiled kernels to {CACHE_DIR}: {e}") from None
+        except Exception as e:    # cupy's CUDADriverError: the driver refused the image
+            hint = "; update the NVIDIA driver (it compiles the PTX on load)" if target.kind == "ptx" else ""
+            raise BackendUnavailable(f"backend 'cuda': {self.label} cannot load the image of {what} "
+                                     f"({type(e).__name__}: {_first_line(e)}){hint}") from None
+        return target
+
+    def _module(self, source: str, name: str, defines: tuple[str, ...], target):
+        """cupy.RawModule over the image nvrtc.py builds (CACHE_DIR keeps it across runs);
+        nvrtc.CompileError when the source does not compile."""
+        return self.cp.RawModule(path=str(compiled_image(source, name, defines, target)))
 
     def zeros(self, shape, dtype=np.float32):
         return self.cp.zeros(shape, dtype=dtype)
@@ -130,8 +168,14 @@ class CupyExecutor:
         key = (file, tuple(defines))
         mod = self._modules.get(key)
         if mod is None:
-            options = ("-std=c++17",) + tuple(f"-D{d}" for d in defines)
-            mod = self._modules[key] = self.cp.RawModule(code=inline_includes(file), options=options)
+            from .nvrtc import CompileError
+            try:
+                mod = self._module(inline_includes(file), file, tuple(defines), self.target)
+            except CompileError as e:
+                label = " ".join([f"kernels/{file}"] + [f"-D{d}" for d in defines])
+                raise EngineError(f"backend 'cuda': {label} does not compile for {self.target}: "
+                                  f"{e.first_error()}") from None
+            self._modules[key] = mod
         return mod.get_function(name)
 
     def gemm(self, x, w, out) -> None:
@@ -145,6 +189,37 @@ class CupyExecutor:
         """Free device memory plus what cupy's pool holds unused."""
         free, _ = self.cp.cuda.runtime.memGetInfo()
         return int(free) + int(self.cp.get_default_memory_pool().free_bytes())
+
+
+def compiled_image(source: str, name: str, defines: tuple[str, ...], target) -> Path:
+    """The file holding `source` compiled by nvrtc.py for `target` (a .cubin or .ptx in
+    CACHE_DIR, named by a hash of the source, the options and the NVRTC version;
+    compiled and written atomically when absent)."""
+    from . import nvrtc
+    key = repr((source, nvrtc.options(tuple(defines), target), nvrtc.version())).encode()
+    path = CACHE_DIR / f"{Path(name).stem}-{hashlib.sha256(key).hexdigest()[:24]}.{target.kind}"
+    if not path.is_file():
+        image = nvrtc.compile_source(source, name, tuple(defines), target).image
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=CACHE_DIR, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(image)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    return path
+
+
+def open_device(cupy, device: int) -> int:
+    """Make `device` current; its compute capability as 90 for 9.0."""
+    cupy.cuda.Device(device).use()
+    return int(cupy.cuda.Device(device).compute_capability)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def device_count(cupy=None) -> int:

@@ -56,14 +56,11 @@ typedef KvRow<KV_V> VF;
 #define PRE_THREADS 128
 #define PRE_BK 32                // cache rows per tile (= WARP_SIZE: one lane per column in the softmax)
 #define PRE_VALS 8               // values per thread and query in the P V step: head_dim <= 8 * DL
-#if KV_K != KV_BF16 || KV_V != KV_BF16
-// Quantized rows: a register budget of MINB blocks of 128 threads per SM (MINB 5: 96
-// registers, about the blocks their shared memory allows on sm_80/90; 4: 128); left to
-// itself ptxas caps some variants lower and spills. bf16 keeps ptxas's own choice.
+// A register budget of MINB blocks of 128 threads per SM (MINB 5: 96 registers, about the
+// blocks their shared memory allows on sm_80/90; 4: 128), bf16 rows included: left to
+// itself ptxas caps some variants lower and spills (quantized rows; bf16 d64 on sm_90 with
+// -ftz=true, as the runtime compiles; bf16 d256 on sm_120 with NVRTC 13).
 #define PRE_BOUNDS(MINB) __launch_bounds__(PRE_THREADS, MINB)
-#else
-#define PRE_BOUNDS(MINB) __launch_bounds__(PRE_THREADS)
-#endif
 
 // -- decode ----------------------------------------------------------------------------
 
@@ -466,7 +463,7 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
 }
 
 // head_dim <= 64: BQ 64; <= 128: BQ 32; <= 256: BQ 16 (attention.py picks by head_dim);
-// MINB: the register budget of the quantized variants (PRE_BOUNDS).
+// MINB: the register budget (PRE_BOUNDS).
 #define PREFILL_ENTRY(NAME, BQ, DL, MINB)                                                                    \
     extern "C" __global__ void PRE_BOUNDS(MINB) NAME(                                          \
             const float* __restrict__ q, int q_stride, const u8* __restrict__ k_pages,                       \
