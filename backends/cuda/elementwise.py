@@ -35,6 +35,18 @@ def row_stride(a) -> np.int32:
     return _i32(a.strides[0] // a.itemsize)
 
 
+GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535     # CUDA's grid limits (a larger launch is refused)
+
+
+def check_grid(op: str, grid: tuple, what: str) -> tuple:
+    """grid, or ValueError naming CUDA's limit when a dimension passes it. Launches put
+    their unbounded count (tokens, pages, rows) on x; `what` says what sets y / z."""
+    if grid[0] > GRID_X_MAX or any(g > GRID_YZ_MAX for g in grid[1:]):
+        raise ValueError(f"cuda {op}: launch grid {tuple(int(g) for g in grid)} is over CUDA's limits "
+                         f"(x <= 2^31-1, y and z <= {GRID_YZ_MAX}); y: {what}")
+    return grid
+
+
 def scratch(ex, key: str, n_floats: int):
     """f32 [>= n_floats] kept in ex.cache[key]; reallocated only to grow."""
     buf = ex.cache.get(key)
@@ -76,7 +88,8 @@ def rms_norm(ex, x, weight, eps: float, out) -> None:
             (-(-n * n_groups // warps),), (warps * 32,),
             (x, row_stride(x), weight, out, row_stride(out), _i32(n), _i32(n_groups), _i32(g), _f32(eps)))
     else:                                            # a block per (row, group)
-        ex.function("norm.cu", "rms_norm")((n, n_groups), (threads_for(g, NORM_THREADS),),
+        grid = check_grid("rms_norm", (n, n_groups), f"{n_groups} groups of {g} per row")
+        ex.function("norm.cu", "rms_norm")(grid, (threads_for(g, NORM_THREADS),),
                                            (x, row_stride(x), weight, out, row_stride(out), _i32(g), _f32(eps)))
 
 
@@ -100,8 +113,15 @@ def scale(ex, x, s: float, out) -> None:
         raise ValueError(f"cuda scale: shapes {x.shape}, {out.shape}")
     if n == 0:
         return
-    ex.function("eltwise.cu", "scale")((-(-d // ELTWISE_THREADS), n), (ELTWISE_THREADS,),
+    grid = _eltwise_grid("scale", n, d)
+    ex.function("eltwise.cu", "scale")(grid, (ELTWISE_THREADS,),
                                        (x, row_stride(x), out, row_stride(out), _i32(d), _f32(s)))
+
+
+def _eltwise_grid(op: str, n: int, d: int) -> tuple[int, int]:
+    """eltwise.cu: a row per x (any number of tokens), ELTWISE_THREADS columns per y."""
+    blocks = -(-d // ELTWISE_THREADS)
+    return check_grid(op, (n, blocks), f"{blocks} blocks of {ELTWISE_THREADS} columns for rows of {d}")
 
 
 def _eltwise(ex, name: str, a, b, out) -> None:
@@ -110,7 +130,8 @@ def _eltwise(ex, name: str, a, b, out) -> None:
         raise ValueError(f"cuda {name}: shapes {a.shape}, {b.shape}, {out.shape}")
     if n == 0:
         return
-    ex.function("eltwise.cu", name)((-(-d // ELTWISE_THREADS), n), (ELTWISE_THREADS,),
+    grid = _eltwise_grid(name, n, d)
+    ex.function("eltwise.cu", name)(grid, (ELTWISE_THREADS,),
                                     (a, row_stride(a), b, row_stride(b), out, row_stride(out), _i32(d)))
 
 
@@ -250,7 +271,10 @@ def kv_copy_pages(ex, src_k, src_v, dst_k, dst_v, pages, dst_pages=None) -> int:
     suffix, unit = _move_unit(kpb, vpb)
     kpw, vpw = kpb // np.dtype(unit).itemsize, vpb // np.dtype(unit).itemsize
     ids = np.concatenate([pages, dst_pages])                                     # sources, then destinations
+    blocks = -(-max(kpw, vpw) // COPY_THREADS)
+    grid = check_grid("kv_copy_pages", (pages.size, blocks),                   # a page per x (millions fit)
+                      f"{blocks} blocks of {COPY_THREADS} {suffix} units for a page of {max(kpb, vpb)} bytes")
     ex.function("kv.cu", f"kv_copy_pages_{suffix}")(
-        (-(-max(kpw, vpw) // COPY_THREADS), pages.size), (COPY_THREADS,),
+        grid, (COPY_THREADS,),
         (src_k, src_v, dst_k, dst_v, ex.asarray(ids), _i32(kpw), _i32(vpw)))
     return ids.nbytes

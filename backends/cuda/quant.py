@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.gguf.qtypes import SUPPORTED, raw_blocks
 
-from .elementwise import row_stride
+from .elementwise import check_grid, row_stride
 
 VARIANTS = [(file, (f"QTYPE_{q.name}",)) for file in ("matmul.cu", "dequant.cu") for q in SUPPORTED]
 
@@ -83,7 +83,9 @@ def load_weight(ex, raw, qtype, shape) -> CudaWeight:
 def _dequant_rows(ex, w: CudaWeight, n: int, ids, first_row: int, out) -> None:
     """out[i, :] = W[ids[i]] (ids: int32 [n] executor array) or W[first_row + i] (ids None)."""
     nsub = -(-w.shape[1] // 32)
-    grid = (n, -(-nsub // DQ_THREADS))
+    blocks = -(-nsub // DQ_THREADS)
+    grid = check_grid("dequant_rows", (n, blocks), f"{blocks} blocks of {DQ_THREADS * 32} columns for rows of "
+                                                   f"{w.shape[1]}")
     block = (min(DQ_THREADS, -(-nsub // 32) * 32),)
     use_ids = ids is not None
     ex.function("dequant.cu", "dequant_rows", (w.define,))(
@@ -130,8 +132,10 @@ def matmul(ex, w: CudaWeight, x, out, bias=None) -> None:
         _dequant_rows(ex, w, r, None, lo, scratch)
         ex.gemm(x, scratch, out[:, lo:lo + r])
     if bias is not None:
+        blocks = -(-rows // BIAS_THREADS)
+        grid = check_grid("matmul", (n, blocks), f"{blocks} blocks of {BIAS_THREADS} bias rows for {rows} rows")
         ex.function("matmul.cu", "add_bias", (w.define,))(
-            (n, -(-rows // BIAS_THREADS)), (BIAS_THREADS,), (out, row_stride(out), bias, _i32(rows)))
+            grid, (BIAS_THREADS,), (out, row_stride(out), bias, _i32(rows)))
 
 
 def _matvec(ex, w: CudaWeight, x, out, bias) -> None:

@@ -7,11 +7,19 @@ zero-filled pools (embedding/matmul are tested in test_cpu_quant.py); vulkan and
 cuda join the list once their packages import and find a device. "cuda-harness"
 is the CUDA backend with its unchanged kernels run on the CPU harness
 (docs/cuda.md): it joins wherever g++ exists (make setup makes sure), and a
-harness that fails to build fails the tests rather than dropping out.
+harness that fails to build fails the tests rather than dropping out. "cuda" also
+joins, unprobed, when SHARPI_CUDA_EXECUTOR=device asks for the GPU: without one its
+tests then fail with the reason instead of dropping out.
+
+`cuda_test_executor()` is the executor tests/cuda runs its op and model tests on (the
+`ex` fixture of tests/cuda/conftest.py, the tiny models of test_cuda_model.py):
+SHARPI_CUDA_EXECUTOR when it is set, else "cpu-harness" (the engine's own default is
+"device"); `EXECUTOR_IDS` names it in test ids.
 """
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 
 import numpy as np
@@ -77,12 +85,27 @@ def backend_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
+EXECUTOR_IDS = {"cpu-harness": "harness", "device": "gpu"}
+
+
+def cuda_test_executor() -> str:
+    """SHARPI_CUDA_EXECUTOR when set (an explicit "device" never falls back to the
+    harness: without a GPU the tests fail with BackendUnavailable), else "cpu-harness"."""
+    name = os.environ.get("SHARPI_CUDA_EXECUTOR", "").strip() or "cpu-harness"
+    if name not in EXECUTOR_IDS:
+        raise ValueError(f"SHARPI_CUDA_EXECUTOR={name!r}; choose one of: {', '.join(EXECUTOR_IDS)}")
+    return name
+
+
 def available_backends() -> list[str]:
     names = ["cpu"]
     for name in _DEVICE_BACKENDS:
         if name == "cuda-harness":
             if shutil.which("g++"):
                 names.append(name)
+            continue
+        if name == "cuda" and os.environ.get("SHARPI_CUDA_EXECUTOR", "").strip() == "device":
+            names.append(name)          # asked for: its tests fail without a GPU, never drop out
             continue
         try:
             make_backend(name)

@@ -1,5 +1,6 @@
 """CUDA attention ops (backends/cuda/attention.py, kernels/attention.cu and
-kernels/snapkv_votes.cu) on the CPU harness against the numpy reference
+kernels/snapkv_votes.cu) on the tests' executor (conftest.py `ex`: the CPU harness unless
+SHARPI_CUDA_EXECUTOR names another) against the numpy reference
 (backends/reference.py), NMSE < 1e-8 as in tests/backends/test_ops.py.
 
 Covers what the generic parity cases there do not: head_dim 64, 96, 128 and 256

@@ -1,5 +1,6 @@
 """CUDA norm and elementwise ops (backends/cuda/elementwise.py, kernels/norm.cu and
-kernels/eltwise.cu) on the CPU harness against the numpy reference (backends/reference.py).
+kernels/eltwise.cu) on the tests' executor (conftest.py `ex`: the CPU harness unless
+SHARPI_CUDA_EXECUTOR names another) against the numpy reference (backends/reference.py).
 
 Covers the kernel paths the generic cases of tests/backends/test_ops.py may not pick:
 grouped RMSNorm through both kernels (rms_norm_warp for groups up to NORM_WARP_COLS
@@ -87,3 +88,37 @@ def test_gelu_gate(ex):
     assert np.all(np.isfinite(got))
     assert nmse(got, want) < TOL
     np.testing.assert_allclose(got[0, :12], want[0, :12], rtol=1e-6, atol=1e-30)
+
+
+GRID_Y_MAX = 65535          # CUDA's limit on grid y and z (x: 2^31 - 1)
+
+
+@pytest.mark.parametrize("op", ["add", "scale", "silu_gate", "gelu_gate"])
+def test_more_rows_than_grid_y_allows(ex, op):
+    """A prefill chunk of more than 65,535 tokens: the rows are on grid x, every one is
+    computed (short strided rows keep the harness to a second)."""
+    rng = np.random.default_rng(11)
+    n, d = GRID_Y_MAX + 37, 3
+    a, b = (rng.standard_normal((n, d + 2)).astype(np.float32) for _ in range(2))
+    want = np.full((n, d), np.nan, np.float32)
+    if op == "scale":
+        REF.scale(a[:, 1:1 + d], 0.5, want)
+    else:
+        getattr(REF, op)(a[:, 1:1 + d], b[:, 2:], want)
+    dev_a, dev_b = ex.asarray(a), ex.asarray(b)
+    out = ex.asarray(np.full((n, d), np.nan, np.float32))
+    if op == "scale":
+        elementwise.scale(ex, dev_a[:, 1:1 + d], 0.5, out)
+    else:
+        getattr(elementwise, op)(ex, dev_a[:, 1:1 + d], dev_b[:, 2:], out)
+    assert nmse(ex.to_host(out), want) < TOL
+
+
+def test_rows_too_wide_for_grid_y_are_refused():
+    """Columns go on grid y, ELTWISE_THREADS a block: a row wider than 65,535 blocks is a
+    ValueError naming the limit, before any launch (no executor needed)."""
+    d = GRID_Y_MAX * elementwise.ELTWISE_THREADS + 1
+    a = np.zeros((1, d), np.float32)
+    with pytest.raises(ValueError, match=r"cuda add: launch grid \(1, 65536\) is over CUDA's limits "
+                                         r"\(x <= 2\^31-1, y and z <= 65535\); y: 65536 blocks of 256 columns"):
+        elementwise.add(None, a, a, a)

@@ -1,5 +1,6 @@
 """CUDA KV-cache writes and moves (backends/cuda/elementwise.py, kernels/kv.cu) for every
-KV row format (backends/kvformat.py) on the CPU harness.
+KV row format (backends/kvformat.py) on the tests' executor (conftest.py `ex`: the CPU
+harness unless SHARPI_CUDA_EXECUTOR names another).
 
 kv_write quantizes on the device: q8_0 / q4_0 rows must be the bytes KvFormat.quantize
 (ggml's reference rounding) writes, bit for bit, including the awkward rows: all zero,
@@ -120,3 +121,49 @@ def test_kv_gather_and_copy_any_width(ex, kv, head_dim):
     elementwise.kv_copy_pages(ex, *dev_dst, *dev_dst, src, dst)
     for got, w in zip(dev_dst, want):
         np.testing.assert_array_equal(ex.to_host(got), w)
+
+
+GRID_Y_MAX = 65535          # CUDA's limit on grid y and z (x: 2^31 - 1)
+
+
+@pytest.mark.parametrize("kv", [("bf16", "bf16"), ("q8_0", "tq3")])
+def test_copy_more_pages_than_grid_y_allows(ex, kv):
+    """Branching a cache of more than 65,535 pages: the pages are on grid x, every one is
+    copied (pages of one row of one head keep the harness to seconds; q8_0 / tq3 at
+    head_dim 32: 34 / 14-byte pages, u16 units)."""
+    rng = np.random.default_rng(3)
+    n_pages, n_copy = GRID_Y_MAX + 1000, GRID_Y_MAX + 37
+    head_dim = 2 if kv == ("bf16", "bf16") else 32
+    src = [rng.integers(0, 256, p.nbytes, np.uint8).view(p.dtype).reshape(p.shape)        # any bytes
+           for p in empty_pools(n_pages, 1, 1, head_dim, kv)]
+    dst = empty_pools(n_pages, 1, 1, head_dim, kv)
+    pages = rng.permutation(n_pages)[:n_copy].astype(np.int32)
+    dst_pages = rng.permutation(n_pages)[:n_copy].astype(np.int32)
+    want = [d.copy() for d in dst]
+    REF.kv_copy_pages(*src, *want, pages, dst_pages)
+    dev_dst = [ex.asarray(d) for d in dst]
+    elementwise.kv_copy_pages(ex, *(ex.asarray(p) for p in src), *dev_dst, pages, dst_pages)
+    for got, w in zip(dev_dst, want):
+        np.testing.assert_array_equal(ex.to_host(got), w)
+
+
+class LaunchRecorder:
+    """Stands in for an executor: records each launch's (kernel, grid, block), runs nothing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def asarray(self, host):
+        return host
+
+    def function(self, file, name, defines=()):
+        return lambda grid, block, args, shared_mem=0: self.launches.append((name, grid, block))
+
+
+def test_copy_pages_puts_millions_of_pages_on_grid_x():
+    """A pool of three million pages (a long context at page_size 1) in one launch: x
+    takes up to 2^31 - 1 blocks."""
+    rec = LaunchRecorder()
+    pools = empty_pools(3_000_000, 1, 1, 2, ("bf16", "bf16"))
+    elementwise.kv_copy_pages(rec, *pools, *pools, np.arange(1_500_000), np.arange(1_500_000, 3_000_000))
+    assert rec.launches == [("kv_copy_pages_u32", (1_500_000, 1), (elementwise.COPY_THREADS,))]

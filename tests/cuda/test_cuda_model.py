@@ -1,19 +1,23 @@
 """The whole forward pass through the CUDA backend, loaded as users load it
 (`engine.load(..., backend="cuda")`), against the CPU backend.
 
-The kernels run on the CPU harness (SHARPI_CUDA_EXECUTOR=cpu-harness) with small
-random GGUF models (tests/tiny_gguf.py) and with the default model; on a machine
-with an NVIDIA GPU the default-model checks also run on the device.
+Small random GGUF models (tests/tiny_gguf.py) run on the executor the CUDA tests
+use (tests/backends/_backends.py cuda_test_executor: SHARPI_CUDA_EXECUTOR, else the
+CPU harness; the test id says which); the default model runs on the harness and,
+on a machine with an NVIDIA GPU (or asked for by SHARPI_CUDA_EXECUTOR=device), on
+the device.
 
 Tolerances: tests/backends/_model_checks.py.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 from gguf import GGMLQuantizationType as Q
 
 import engine
-from _backends import available_backends
+from _backends import EXECUTOR_IDS, available_backends, cuda_test_executor
 from _model_checks import (check_adaptive, check_decode_batch, check_decode_moves_only_the_logits,
                            check_logits_and_tokens, check_snapkv)
 from tiny_gguf import write_tiny_gguf
@@ -33,27 +37,33 @@ def tiny_models(tmp_path_factory):
     return {name: write_tiny_gguf(d / f"{name}.gguf", **kw) for name, kw in TINY.items()}
 
 
-@pytest.fixture
-def harness(monkeypatch):
-    monkeypatch.setenv("SHARPI_CUDA_EXECUTOR", "cpu-harness")
+EXECUTOR = cuda_test_executor()
+
+
+@pytest.fixture(params=[pytest.param(EXECUTOR, id=EXECUTOR_IDS[EXECUTOR])])
+def executor(request, monkeypatch):
+    """engine.load(backend="cuda") on the tests' executor (without a GPU, "device" fails
+    the load with BackendUnavailable)."""
+    monkeypatch.setenv("SHARPI_CUDA_EXECUTOR", request.param)
+    return request.param
 
 
 def load_pair(path, **kw):
     cuda = engine.load(path, backend="cuda", snapkv_budget=0, **kw)
     cpu = engine.load(path, backend="cpu", snapkv_budget=0, **kw)
-    assert cuda.backend.name == "cuda"
+    assert cuda.backend.name == "cuda" and cuda.backend.ex.name == os.environ["SHARPI_CUDA_EXECUTOR"]
     return cpu, cuda
 
 
-# -- the CPU harness, tiny models -------------------------------------------------------
+# -- tiny models, on the tests' executor ------------------------------------------------
 @pytest.mark.parametrize("name", list(TINY))
-def test_harness_logits_and_greedy_tokens(harness, tiny_models, name):
+def test_tiny_logits_and_greedy_tokens(executor, tiny_models, name):
     cpu, cuda = load_pair(tiny_models[name], prefill_chunk=64)   # chunks of 64: the GEMM path; decode: mat-vec
     check_logits_and_tokens(cpu, cuda, PROMPT[:150], 8)
 
 
 @pytest.mark.parametrize("name,kv_dtype", [("llama-q4_k-gqa4", "q8_0/tq4"), ("llama-q8", "tq3")])
-def test_harness_quantized_kv_cache(harness, tiny_models, name, kv_dtype):
+def test_tiny_quantized_kv_cache(executor, tiny_models, name, kv_dtype):
     """A quantized KV cache end to end (keys and values of different formats; tq3 at
     head_dim 16): logits near the CPU backend's with the same cache dtype (each backend
     quantizes its own K/V, so a code may differ at a near-tie) and the same tokens."""
@@ -62,22 +72,22 @@ def test_harness_quantized_kv_cache(harness, tiny_models, name, kv_dtype):
     check_logits_and_tokens(cpu, cuda, PROMPT[:100], 4, tol=1e-4)
 
 
-def test_harness_decode_moves_only_the_logits(harness, tiny_models):
+def test_tiny_decode_moves_only_the_logits(executor, tiny_models):
     _, cuda = load_pair(tiny_models["llama-q8"])
     check_decode_moves_only_the_logits(cuda, PROMPT[:40])
 
 
-def test_harness_snapkv_keep_sets_tokens_and_device_cache(harness, tiny_models):
+def test_tiny_snapkv_keep_sets_tokens_and_device_cache(executor, tiny_models):
     cpu, cuda = load_pair(tiny_models["qwen2-q4_1"], prefill_chunk=64)
     check_snapkv(cpu, cuda, PROMPT[:200], budget=96, window=16, n_tokens=6, layers=(0, 1))
 
 
 
-def test_harness_adaptive_head_budgets(harness, tiny_models):
+def test_tiny_adaptive_head_budgets(executor, tiny_models):
     cpu, cuda = load_pair(tiny_models["qwen2-q4_1"], prefill_chunk=64)
     check_adaptive(cpu, cuda, PROMPT[:200], budget=96, window=16, n_tokens=4)
 
-def test_harness_batched_decode_over_caches_of_different_lengths(harness, tiny_models):
+def test_tiny_batched_decode_over_caches_of_different_lengths(executor, tiny_models):
     cpu, cuda = load_pair(tiny_models["qwen2-q4_1"], prefill_chunk=64)
     check_decode_batch(cpu, cuda, [PROMPT[:80], PROMPT[5:15], PROMPT[20:60]])
 
@@ -86,8 +96,8 @@ def test_harness_batched_decode_over_caches_of_different_lengths(harness, tiny_m
 CTX = 512
 TEXT = ("The history of the lighthouse at Alexandria is told in many sources. Built in the third "
         "century BC, it guided ships into the harbour for centuries. ")
-EXECUTORS = [pytest.param("cpu-harness", id="harness"),
-             pytest.param("device", id="gpu", marks=pytest.mark.skipif(
+EXECUTORS = [pytest.param("cpu-harness", id=EXECUTOR_IDS["cpu-harness"]),
+             pytest.param("device", id=EXECUTOR_IDS["device"], marks=pytest.mark.skipif(
                  "cuda" not in available_backends(), reason="no CUDA device / cupy"))]
 
 
@@ -117,7 +127,8 @@ def test_default_model_snapkv_keep_sets_tokens_and_device_cache(default_models):
 
 
 def test_model_that_does_not_fit_is_refused_before_allocating(tiny_models, monkeypatch):
-    """check_fits runs before any weight or KV page is allocated, with the numbers."""
+    """check_fits runs before any weight or KV page is allocated, with the numbers (on the
+    harness whatever the tests' executor: it fakes the harness's free memory)."""
     from backends.cuda.runtime import HarnessExecutor
     from engine.errors import EngineError
     monkeypatch.setenv("SHARPI_CUDA_EXECUTOR", "cpu-harness")

@@ -1,5 +1,6 @@
 """CUDA quantized embedding and matmul (backends/cuda/quant.py, kernels/matmul.cu,
-dequant.cu) for every supported GGUF type, on the CPU harness, against the
+dequant.cu) for every supported GGUF type, on the tests' executor (conftest.py `ex`: the
+CPU harness unless SHARPI_CUDA_EXECUTOR names another), against the
 independent `gguf` package dequantizer (float64 reference).
 
 Tolerances as tests/backends/test_vulkan_quant.py:

@@ -2,7 +2,9 @@
 
 No GPU here: the real cupy exception classes (they import without a driver) are
 raised from below the backend's public methods (the executor, an op module), so
-the translation runs as it would on a device; the model runs on the CPU harness."""
+the translation runs as it would on a device; the model runs on the CPU harness
+whatever SHARPI_CUDA_EXECUTOR says (the faults are planted in HarnessExecutor; a real
+GPU would not raise them on cue)."""
 from __future__ import annotations
 
 import os

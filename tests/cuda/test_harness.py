@@ -1,6 +1,8 @@
 """The CPU harness itself (backends/cuda/harness.py + harness/cuda_cpu.h): small kernels
 written here, run through the harness and compared with numpy; deliberately broken
-kernels that must fail; the real kernels/common.cuh helpers."""
+kernels that must fail; the real kernels/common.cuh helpers. Always on the harness,
+whatever SHARPI_CUDA_EXECUTOR says: what is tested (HarnessError, the NaN fill, the
+shuffled thread order, memcheck) is the harness's own behaviour."""
 from __future__ import annotations
 
 import os
@@ -524,13 +526,16 @@ def test_launch_limits(broken):
         (1, 1025, 0, "1025 threads"),
         (1, (32, 33), 0, "1056 threads"),
         (1, (1, 1, 65), 0, "z <= 64"),
-        ((1, 65536), 32, 0, "grid"),
+        ((1, 65536), 32, 0, r"grid \(1,65536,1\); CUDA allows x in 1..2\^31-1, y and z in 1..65535"),
+        ((1, 1, 65536), 32, 0, r"grid \(1,1,65536\)"),
+        ((2**31, 1), 32, 0, r"grid \(2147483648,1,1\)"),
         (0, 32, 0, "grid"),
         (1, 32, 49153, "49153 bytes of dynamic"),
     ]:
         with pytest.raises(HarnessError, match=message):
             plain(grid, blk, (out,), shared_mem=smem)
     plain((1, 65535), 32, (out,))
+    plain((1, 1, 65535), 32, (out,))
     plain(1, 1024, (out,), shared_mem=49152)
 
     big = broken.get_function("big_static")

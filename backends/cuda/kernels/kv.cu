@@ -191,12 +191,13 @@ __device__ __forceinline__ void gather_write(T* __restrict__ k_pages, T* __restr
 
 // Branching a cache: dst page pages[n + i] = src page pages[i] (kpw / vpw units of T per page;
 // pages holds the n source ids, then the n destination ids). dst may be src itself, with
-// the destination pages distinct from the sources. Grid (ceil(max(kpw, vpw) / blockDim.x), n, 1).
+// the destination pages distinct from the sources. Grid (n, ceil(max(kpw, vpw) / blockDim.x), 1):
+// pages on x, whose limit is 2^31 - 1 (y stops at 65535).
 template <typename T>
 __device__ __forceinline__ void copy_pages(const T* src_k, const T* src_v, T* dst_k, T* dst_v,
                                            const int* __restrict__ pages, int kpw, int vpw) {
-    const int w = blockIdx.x * blockDim.x + threadIdx.x;
-    const long long src = pages[blockIdx.y], dst = pages[gridDim.y + blockIdx.y];
+    const int w = blockIdx.y * blockDim.x + threadIdx.x;
+    const long long src = pages[blockIdx.x], dst = pages[(long long)gridDim.x + blockIdx.x];
     if (w < kpw) dst_k[dst * kpw + w] = src_k[src * kpw + w];
     if (w < vpw) dst_v[dst * vpw + w] = src_v[src * vpw + w];
 }
