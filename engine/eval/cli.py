@@ -34,7 +34,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eval", help="long-context quality: full cache vs SnapKV eviction",
                               description="Passkey / needle-in-a-haystack retrieval and teacher-forced "
                                           "fidelity, one prefill per prompt branched into every policy.")
-    p.add_argument("model", nargs="?", help="a .gguf path or smollm2 / gemma3 (default: smollm2)")
+    p.add_argument("model", nargs="?", help="a .gguf path or an installed model's name "
+                   "(`engine models`; default: qwen2.5-coder-0.5b)")
     p.add_argument("--backend", help="cpu | vulkan | cuda | auto (env SHARPI_BACKEND)")
     p.add_argument("--threads", help="CPU threads (env SHARPI_THREADS)")
     p.add_argument("--tasks", help=f"comma separated, from {','.join(TASKS)} (default: all)")

@@ -1,4 +1,4 @@
-"""End to end on Vulkan: the default model (SmolLM2-135M Q4_1: Q4_1 blocks, a Q8_0
+"""End to end on Vulkan: SmolLM2-135M Q4_1 (the tests' model: Q4_1 blocks, a Q8_0
 tied embedding/head, F32 norms) against the CPU backend.
 
 Tolerances (checks in _model_checks.py): last-token logits NMSE < 1e-4 against
@@ -28,11 +28,11 @@ PROMPT = ("The history of the lighthouse at Alexandria is told in many sources. 
 
 
 @pytest.fixture(scope="module")
-def models(default_model_path):
+def models(smollm2_path):
     import engine
 
-    vk = engine.load(default_model_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
-    cpu = engine.load(default_model_path, backend="cpu", ctx=CTX, snapkv_budget=0)
+    vk = engine.load(smollm2_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
+    cpu = engine.load(smollm2_path, backend="cpu", ctx=CTX, snapkv_budget=0)
     assert vk.backend.name == "vulkan"
     return cpu, vk
 
@@ -156,7 +156,7 @@ def test_prefill_submits_every_chunk(models):
     np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
 
 
-def test_a_small_buffer_range_splits_kv_pools_and_weights(monkeypatch, models, default_model_path):
+def test_a_small_buffer_range_splits_kv_pools_and_weights(monkeypatch, models, smollm2_path):
     """A device whose shader bindings cover 1 MiB (maxStorageBufferRange, simulated on
     lavapipe; real devices guarantee only 128 MiB): the KV pool goes into buffers of whole
     layers, each within the range, the 28 MiB embedding/head into row ranges, and the
@@ -165,19 +165,19 @@ def test_a_small_buffer_range_splits_kv_pools_and_weights(monkeypatch, models, d
     import engine
     from engine.errors import BackendUnavailable
     vulkan_reporting(monkeypatch, max_storage_buffer_range=1 << 20)
-    small = engine.load(default_model_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
+    small = engine.load(smollm2_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
     cache = small.new_cache()
     per_layer = CTX * small.config.n_kv_heads * small.config.head_dim * 2        # bf16 K of one layer
     assert len(cache.pool.segments) == -(-small.config.n_layers // ((1 << 20) // per_layer))
     assert all(4 * a.buffer.n_words <= 1 << 20 for s in cache.pool.segments for a in (s.k_pages, s.v_pages))
     check_logits_and_tokens(models[0], small, models[0].tokenize(PROMPT), 4, tol=1e-4)
-    big = engine.load(default_model_path, backend="vulkan", ctx=4096, snapkv_budget=0)
+    big = engine.load(smollm2_path, backend="vulkan", ctx=4096, snapkv_budget=0)
     with pytest.raises(BackendUnavailable, match=r"one layer's KV pages need a 2 MiB buffer, .* \(1 MiB: "
                                                  r"maxStorageBufferRange"):
         big.generate("hi", max_tokens=1)
 
 
-def test_gpu_buffers_live_in_device_memory_only(monkeypatch, models, default_model_path):
+def test_gpu_buffers_live_in_device_memory_only(monkeypatch, models, smollm2_path):
     """With device-local buffers and split decode attention (a GPU's; forced on lavapipe),
     every buffer larger than 64 KiB (weights, the KV pool, activations, the logits) lives
     in device memory only, with no host staging copy of the model and the cache; uploads
@@ -194,7 +194,7 @@ def test_gpu_buffers_live_in_device_memory_only(monkeypatch, models, default_mod
         return b
 
     monkeypatch.setattr(backends, "get_backend", gpu_style)
-    gpu = engine.load(default_model_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
+    gpu = engine.load(smollm2_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
     b = gpu.backend
     assert b._ttype == mod.kp.TensorTypes.device
     w = gpu.forward.weights

@@ -17,7 +17,7 @@ from test_server import _idle_after, held_worker, served, wait_until  # noqa: F4
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install -e .[test])")
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-WAIT_S = 30.0              # longest any page wait takes (a few tokens of the default model)
+WAIT_S = 30.0              # longest any page wait takes (a few tokens of smollm2)
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 

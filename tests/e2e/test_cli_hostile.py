@@ -88,8 +88,8 @@ def test_prompt_encodings(tmp_path, tiny_llama):
     assert a.returncode == 0 and a.stdout == b.stdout, a.stderr   # the BOM is not part of the prompt
 
 
-def test_sizes(tiny_llama, default_model_path):
-    r = run_cli("run", str(default_model_path), "--ctx", "10000000", "-p", "hi", "-n", "1")
+def test_sizes(tiny_llama, smollm2_path):
+    r = run_cli("run", str(smollm2_path), "--ctx", "10000000", "-p", "hi", "-n", "1")
     assert_one_line_error(r, "context of 10000000 tokens needs", "GiB", "lower --ctx")
     r = run_cli("run", str(tiny_llama), "--ctx", "1024", "-p", "hi", "-n", "2")
     assert r.returncode == 0 and "above the model's trained context of 512" in r.stderr, r.stderr

@@ -71,9 +71,9 @@ def test_kv_dtype_policies_are_named_and_crossed():
         resolve(_parse(["eval", "--quick", "--kv-dtypes", "fp8"]))
 
 
-def test_eval_end_to_end(default_model_path, tmp_path):
+def test_eval_end_to_end(smollm2_path, tmp_path):
     small = "snapkv-b128-head-avg-k5-w32-s4"
-    args = _parse(["eval", str(default_model_path), "--tasks", "passkey,niah,fidelity",
+    args = _parse(["eval", str(smollm2_path), "--tasks", "passkey,niah,fidelity",
                    "--lengths", "256", "--samples", "1", "--policies", f"full,{small}",
                    "--fidelity-tokens", "16", "--out", str(tmp_path), "--no-progress"])
     assert args.func(args) == 0

@@ -154,7 +154,7 @@ def test_memory_numbers_count_the_dtype(models):
         assert cfg.kv_bytes_per_token(k, v) == round(cfg.kv_bytes_per_token() * row_ratio(kv_dtype))
 
 
-def test_auto_on_and_memory_check_count_the_dtype(default_model_path, monkeypatch):
+def test_auto_on_and_memory_check_count_the_dtype(smollm2_path, monkeypatch):
     """SmolLM2-135M at 16K: the bf16 ring (360 MiB) crosses the 256 MiB auto-on line,
     the q8_0 (191 MiB) and tq4 (96 MiB) rings do not; the memory check names the dtype
     and its bytes."""
@@ -162,7 +162,7 @@ def test_auto_on_and_memory_check_count_the_dtype(default_model_path, monkeypatc
     from engine.gguf import GgufFile, model_config
     from engine.model import check_context, snapkv_from_settings
 
-    cfg = model_config(GgufFile(default_model_path))
+    cfg = model_config(GgufFile(smollm2_path))
     for kv_dtype, on in (("bf16", True), ("q8_0", False), ("tq4", False)):
         policy_, notice = snapkv_from_settings(config_mod.Settings(kv_dtype=kv_dtype), cfg, 16384)
         assert (policy_ is not None) == on

@@ -77,8 +77,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(default_model_path):
-    model = engine.load(default_model_path, ctx=CTX, snapkv_budget=0)
+def served(smollm2_path):
+    model = engine.load(smollm2_path, ctx=CTX, snapkv_budget=0)
     app = build_app(model, max_queue=1, max_running=MAX_RUNNING)
     server = serve_in_thread(app)
     yield Served(server.url, app, model)
@@ -103,8 +103,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(default_model_path):
-    return Reference(engine.load(default_model_path, ctx=CTX, snapkv_budget=0))
+def reference(smollm2_path):
+    return Reference(engine.load(smollm2_path, ctx=CTX, snapkv_budget=0))
 
 
 @pytest.fixture(autouse=True)

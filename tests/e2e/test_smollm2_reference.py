@@ -1,4 +1,4 @@
-"""The default model against HF transformers (fp32, eager attention) on the same
+"""SmolLM2-135M-Instruct Q4_1 (the tests' model) against HF transformers (fp32, eager attention) on the same
 GGUF: fixture made by tools/make_reference.py.
 
 Tolerance: our engine keeps weights quantized exactly as HF dequantizes them,
@@ -23,8 +23,8 @@ PROMPTS = {p["name"]: p for p in REF["prompts"]}
 
 
 @pytest.fixture(scope="module")
-def model(default_model_path):
-    return engine.load(default_model_path, backend="cpu")
+def model(smollm2_path):
+    return engine.load(smollm2_path, backend="cpu")
 
 
 def test_tokenizer_matches_fixture_prompts(model):

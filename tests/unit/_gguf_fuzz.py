@@ -218,7 +218,7 @@ def main() -> None:
             for desc, data in byte_mutations(head, rng, n_random // 10):
                 path = workdir / "real_mutant.gguf"
                 path.write_bytes(data)
-                yield f"default model header: {desc}", path
+                yield f"smollm2 header: {desc}", path
 
     counts, failures, slowest = {"loaded": 0, "error": 0}, [], (0.0, "")
     t_start = time.perf_counter()

@@ -18,11 +18,11 @@ class WordTokenizer:
 
 @pytest.fixture(scope="module")
 def real_tok():
-    from engine.model_path import default_model_path
+    from engine.model_path import smollm2_model_path
     from engine.tokenizer import Tokenizer
-    path = default_model_path()
+    path = smollm2_model_path()
     if path is None:
-        pytest.skip("default model not installed")
+        pytest.skip("smollm2 not installed (make setup)")
     return Tokenizer.from_gguf(path)
 
 

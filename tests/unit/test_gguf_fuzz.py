@@ -13,8 +13,8 @@ WORKER = pathlib.Path(__file__).with_name("_gguf_fuzz.py")
 
 
 def test_gguf_fuzz(tmp_path):
-    from engine.model_path import default_model_path
-    real = default_model_path()
+    from engine.model_path import smollm2_model_path
+    real = smollm2_model_path()
     cmd = [sys.executable, str(WORKER), "0", "900", str(tmp_path)] + ([str(real)] if real else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,5 +1,5 @@
 """Our GGUF header parser against the `gguf` package's GGUFReader: the same
-metadata values and the same tensor bytes, on the default model and on small
+metadata values and the same tensor bytes, on SmolLM2 and on small
 models of every supported tensor type; malformed headers are one-line errors."""
 import os
 import struct
@@ -46,8 +46,8 @@ def assert_same_as_gguf_reader(path):
         assert np.array_equal(mine.raw.reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8)), t.name
 
 
-def test_default_model_matches_gguf_reader(default_model_path):
-    assert_same_as_gguf_reader(str(default_model_path))
+def test_smollm2_matches_gguf_reader(smollm2_path):
+    assert_same_as_gguf_reader(str(smollm2_path))
 
 
 def _rss_file_mib() -> float:
@@ -56,10 +56,10 @@ def _rss_file_mib() -> float:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssFile from Linux /proc")
-def test_release_pages_drops_the_file_from_rss_and_keeps_tensors_readable(default_model_path):
+def test_release_pages_drops_the_file_from_rss_and_keeps_tensors_readable(smollm2_path):
     """What Model does once the backend holds its weights: the file's pages leave this
     process's RSS, and arrays viewing the file read the same bytes afterwards."""
-    g = GgufFile(str(default_model_path))
+    g = GgufFile(str(smollm2_path))
     size = sum(t.raw.nbytes for t in g.tensors.values()) / 2**20
     sums = {n: int(t.raw.sum(dtype=np.uint64)) for n, t in g.tensors.items()}      # touches every page
     before = _rss_file_mib()

