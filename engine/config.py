@@ -55,6 +55,18 @@ def _optional_int(lo=None):
     return parse
 
 
+def _float(lo: float = 0.0):
+    def parse(text, name):
+        try:
+            value = float(str(text).strip())
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {text!r}") from None
+        if not value >= lo or value == float("inf"):
+            raise ConfigError(f"{name} must be a finite number >= {lo:g}, got {text!r}")
+        return value
+    return parse
+
+
 def _kv_dtype(text, name):
     """A KV dtype, or KEYS/VALUES ("q8_0/tq4"), normalised to its canonical spelling."""
     return kv_dtype_name(*parse_kv_dtype(text, name))
@@ -120,6 +132,30 @@ SETTINGS = (
     Spec("cuda_harness_memcheck", "SHARPI_CUDA_HARNESS_MEMCHECK", None, _choice("1", "0"), "1",
          "CUDA CPU harness: 1 = every array argument between guard pages, an out-of-bounds access "
          "is an error naming the thread and the argument (docs/cuda.md); 0 = off"),
+    # engine serve: what one request or client may hold (engine/serve/limits.py); a request over a
+    # limit gets a 4xx before anything is allocated for it
+    Spec("serve_max_body_mb", "SHARPI_SERVE_MAX_BODY_MB", "--max-body-mb", _float(0.001), 8.0,
+         "engine serve: largest request body in MB (413 beyond, before it is parsed)"),
+    Spec("serve_max_stop", "SHARPI_SERVE_MAX_STOP", "--max-stop", _int(0), 16,
+         "engine serve: most stop strings a request may give"),
+    Spec("serve_max_stop_chars", "SHARPI_SERVE_MAX_STOP_CHARS", "--max-stop-chars", _int(1), 512,
+         "engine serve: longest stop string, in characters"),
+    Spec("serve_template_timeout", "SHARPI_SERVE_TEMPLATE_TIMEOUT", "--template-timeout", _float(0.01), 5.0,
+         "engine serve: seconds a chat template may take to render (in a worker process, killed after)"),
+    Spec("serve_header_timeout", "SHARPI_SERVE_HEADER_TIMEOUT", "--header-timeout", _float(0.01), 10.0,
+         "engine serve: seconds a connection may take to send its request headers"),
+    Spec("serve_body_timeout", "SHARPI_SERVE_BODY_TIMEOUT", "--body-timeout", _float(0.01), 30.0,
+         "engine serve: seconds a request body may pause between two reads (408 after)"),
+    Spec("serve_max_connections", "SHARPI_SERVE_MAX_CONNECTIONS", "--max-connections", _int(1), 512,
+         "engine serve: open connections; more are closed at once"),
+    Spec("serve_request_timeout", "SHARPI_SERVE_REQUEST_TIMEOUT", "--request-timeout", _float(0.0), 900.0,
+         "engine serve: seconds a request may run, queue included (504, a stream's error event); 0 = none"),
+    Spec("serve_shutdown_timeout", "SHARPI_SERVE_SHUTDOWN_TIMEOUT", "--shutdown-timeout", _float(0.0), 30.0,
+         "engine serve: on SIGTERM/SIGINT, seconds running requests have to finish before they are ended"),
+    Spec("serve_content_specials", "SHARPI_SERVE_CONTENT_SPECIALS", "--content-special-tokens",
+         _choice("text", "parse"), "text",
+         "engine serve: special-token text inside chat message content: text (tokenized as plain text) or "
+         "parse (control tokens, as llama-server and vLLM do)"),
 )
 
 _BY_FIELD = {s.field: s for s in SETTINGS}
@@ -147,6 +183,16 @@ class Settings:
     cpu_kernels: str = "auto"
     cuda_executor: str = "device"
     cuda_harness_memcheck: str = "1"
+    serve_max_body_mb: float = 8.0
+    serve_max_stop: int = 16
+    serve_max_stop_chars: int = 512
+    serve_template_timeout: float = 5.0
+    serve_header_timeout: float = 10.0
+    serve_body_timeout: float = 30.0
+    serve_max_connections: int = 512
+    serve_request_timeout: float = 900.0
+    serve_shutdown_timeout: float = 30.0
+    serve_content_specials: str = "text"
 
     def with_overrides(self, source: str = "argument", **overrides) -> "Settings":
         """A copy with overrides applied (None values ignored). `source` names where

@@ -214,13 +214,43 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of `text`. add_bos None follows the model; special=True parses control tokens."""
+        return self._encode_fragments(self._partition(text, special), add_bos)
+
+    def encode_parts(self, parts, add_bos: bool | None = None) -> list[int]:
+        """Token ids of the concatenation of `parts`, [(text, special)]: special-token text
+        is parsed in the parts whose flag is true only (a chat template's own markup, not
+        the messages' content). Adjacent text is tokenized together, so the ids equal
+        encode(joined text) wherever no unparsed part holds special-token text."""
+        fragments: list[str | int] = []
+        for text, special in parts:
+            for piece in self._partition(text, special):
+                if isinstance(piece, str) and fragments and isinstance(fragments[-1], str):
+                    fragments[-1] += piece
+                else:
+                    fragments.append(piece)
+        return self._encode_fragments(fragments, add_bos)
+
+    def control_text_in(self, text: str) -> bool:
+        """Whether `text` holds the text of a control or unknown token (which encode with
+        special=True turns into that token, and special=False leaves as text)."""
+        return any(piece in text for i, piece in self._specials if self.types[i] != USER_DEFINED)
+
+    @property
+    def max_piece_chars(self) -> int:
+        """The most text characters one token can stand for (a bound: a text of n
+        characters has at least n / max_piece_chars tokens)."""
+        if getattr(self, "_max_piece_chars", None) is None:
+            self._max_piece_chars = max(max(len(p) for p in self.pieces), 1)
+        return self._max_piece_chars
+
+    def _encode_fragments(self, fragments, add_bos: bool | None) -> list[int]:
         if add_bos is None:
             add_bos = self.add_bos
         if add_bos and self.bos_id is None:
             raise ConfigError("add_bos=True, but this model has no BOS token")
         ids = [self.bos_id] if add_bos else []
         prev_special = True  # SPM: a space is prefixed to the first fragment and after specials
-        for part in self._partition(text, special):
+        for part in fragments:
             if isinstance(part, int):
                 ids.append(part)
                 prev_special = True

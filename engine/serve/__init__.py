@@ -6,7 +6,10 @@
     scheduler.py  the worker thread: FIFO queue, admission by pages, preemption,
                   chunked prefill, batched decode, cancel
     app.py        FastAPI routes: JSON and server-sent events over the scheduler
-    cli.py        the `engine serve` sub-command
+    limits.py     body size and read deadlines, header deadline, connection cap, Host check
+    render.py     chat templates rendered in killable worker processes, with a deadline
+    metrics.py    /metrics through prometheus_client: latency histograms, counters, gauges
+    cli.py        the `engine serve` sub-command: flags, loading, signals (graceful drain)
 
 Python use (tests start it this way too):
 
@@ -18,12 +21,15 @@ from __future__ import annotations
 
 
 def build_app(model, max_queue: int = 16, model_id: str | None = None, max_running: int = 4,
-              pool_tokens: int | None = None, prompt_cache: int = 4, api_key: str | None = None):
+              pool_tokens: int | None = None, prompt_cache: int = 4, api_key=None, limits=None,
+              allowed_hosts: set[str] | None = None, allowed_origins: list[str] | None = None):
     """A FastAPI app serving `model`; its scheduler (app.state.scheduler) starts now and
     stops with the app's lifespan. `max_running` requests decode together; their caches
     share a page pool of `pool_tokens` positions (default: max_running whole contexts);
     the caches of the last `prompt_cache` finished requests are kept for reuse. With
-    `api_key`, requests need `Authorization: Bearer <api_key>` (app.create_app). After a
+    `api_key` (one or several), requests need `Authorization: Bearer <key>` (app.create_app);
+    `limits` (limits.Limits; default from the model's settings), `allowed_hosts` and
+    `allowed_origins` as create_app. After a
     sticky device fault the scheduler runs nothing more (`scheduler.fault`, 503s) and calls
     `scheduler.on_fault(message)`, where `engine serve` shuts the server down."""
     from .app import create_app
@@ -31,7 +37,8 @@ def build_app(model, max_queue: int = 16, model_id: str | None = None, max_runni
 
     scheduler = Scheduler(model, max_queue=max_queue, max_running=max_running, pool_tokens=pool_tokens,
                           prompt_cache=prompt_cache)
-    app = create_app(scheduler, model_id or default_model_id(model.path), api_key)
+    app = create_app(scheduler, model_id or default_model_id(model.path), api_key, limits, allowed_hosts,
+                     allowed_origins)
     scheduler.start()
     return app
 
@@ -52,11 +59,14 @@ class ServerThread:
 
         import uvicorn
 
+        from .limits import Limits, uvicorn_config
+
         sock = socket.socket()
         sock.bind((host, 0))
         sock.listen(64)
         self.url = f"http://{host}:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        limits = getattr(app.state, "limits", None) or Limits()
+        self._server = uvicorn.Server(uvicorn_config(app, limits))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout

@@ -14,14 +14,18 @@ import contextlib
 import hmac
 import json
 import pathlib
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import jobs, protocol
+from .limits import Limits, RequestGuard
+from .metrics import Metrics
+from .render import TemplateRenderer
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .scheduler import QueueFull, Scheduler
 from .sequence import Delta, Failed, Finished
@@ -64,13 +68,33 @@ def served_names(model_path: str, name: str) -> set[str]:
     return {name, p.name, p.stem, str(p), model_path}
 
 
-def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) -> FastAPI:
-    """The app over `scheduler`; with `api_key`, every route but OPEN_PATHS needs
-    `Authorization: Bearer <api_key>` (401 otherwise)."""
+def api_keys(api_key) -> list[bytes]:
+    """`api_key` (a str, several, or None) -> the Authorization values accepted, as UTF-8
+    bytes (a client sends the header's raw bytes). An empty key is refused."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if any(not k for k in keys):
+        raise ValueError("an API key must not be empty")
+    return [b"Bearer " + k.encode("utf-8") for k in keys]
+
+
+def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits | None = None,
+               allowed_hosts: set[str] | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+    """The app over `scheduler`; with `api_key` (one key or several), every route but
+    OPEN_PATHS needs `Authorization: Bearer <key>` (401 otherwise). `limits`: the
+    server's limits (limits.py; default: the model's settings); `allowed_hosts`: the
+    Host names answered (None: any); `allowed_origins`: CORS origins (None: no CORS)."""
     model = scheduler.model
     names = served_names(model.path, model_id)
     token_bytes = model.tokenizer.token_bytes
     created = protocol.now()
+    limits = limits or Limits.from_settings(model.settings)
+    tok = model.tokenizer
+    renderer = TemplateRenderer(tok.chat_template, tok.pieces[tok.bos_id] if tok.bos_id is not None else "",
+                                tok.pieces[tok.eos_id] if tok.eos_id is not None else "",
+                                max_chars=model.ctx * tok.max_piece_chars + 1, timeout=limits.template_timeout)
+    renderer.warm()
+    prometheus = Metrics(scheduler)
+    scheduler.metrics = prometheus
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -79,23 +103,34 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
             yield
         finally:
             await run_in_threadpool(scheduler.stop)
+            renderer.close()
 
     app = FastAPI(title="snapkv-engine", description="OpenAI-compatible API with per-request SnapKV eviction",
                   lifespan=lifespan)
     app.state.scheduler = scheduler
+    app.state.renderer = renderer
+    app.state.limits = limits
 
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
-
+    keys = api_keys(api_key)
+    if keys:
         @app.middleware("http")
         async def require_key(request: Request, call_next):
-            given = request.headers.get("authorization", "").encode("utf-8", "replace")
-            if request.url.path not in OPEN_PATHS and not hmac.compare_digest(given, expected):
+            given = next((v for k, v in request.scope["headers"] if k == b"authorization"), b"")
+            ok = False
+            for expected in keys:                # every key compared, in constant time
+                ok |= hmac.compare_digest(given, expected)
+            if request.url.path not in OPEN_PATHS and request.method != "OPTIONS" and not ok:
                 return JSONResponse(protocol.error("invalid or missing API key: send the header "
                                                    "'Authorization: Bearer <key>' with the server's --api-key",
                                                    "invalid_request_error", None, "invalid_api_key"),
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
             return await call_next(request)
+
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(RequestGuard, limits=limits, allowed_hosts=allowed_hosts)     # outermost
 
     # -- errors: always OpenAI's shape ---------------------------------------------------------
     @app.exception_handler(ApiError)
@@ -138,11 +173,14 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
 
     @app.get("/health")
     async def health():
-        """200 while serving; 503 with the reason once the device has faulted (the
-        server is going down)."""
+        """200 while serving; 503 with the reason once the device has faulted or the
+        server is shutting down ("draining"); `engine serve` answers 503 "loading" before."""
         if scheduler.fault is not None:
             return JSONResponse({"status": "error", **ApiError(503, scheduler.fault, None, "device_fault").body()},
                                 status_code=503)
+        if scheduler.draining:
+            return JSONResponse({"status": "draining", **ApiError(503, "the server is shutting down", None,
+                                                                  "shutting_down").body()}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -156,14 +194,17 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
 
     @app.get("/metrics")
     async def metrics():
-        """Prometheus' text format: request and token counters, queue and KV pool gauges."""
-        return PlainTextResponse(protocol.metrics(scheduler.state()), media_type="text/plain; version=0.0.4")
+        """Prometheus' text format (metrics.py): latency histograms, request and token
+        counters, queue and KV pool gauges."""
+        data, content_type = await run_in_threadpool(prometheus.render)
+        return Response(data, headers={"Content-Type": content_type})
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         """Extension (vLLM's and llama.cpp's): text or a chat -> token ids."""
         _check_model(body.model)
-        ids = await run_in_threadpool(jobs.tokenize, model, body)
+        rendered = await renderer.render(jobs.chat_messages(body.messages)) if body.messages else None
+        ids = await run_in_threadpool(jobs.tokenize, model, body, rendered, limits)
         return {"tokens": ids, "count": len(ids), "max_model_len": model.ctx}
 
     @app.post("/detokenize")
@@ -175,41 +216,56 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        start = time.monotonic()
         _check_model(body.model)
-        job = await run_in_threadpool(jobs.completion_job, model, body)
-        return await _respond(request, body, job, chat=False)
+        job = await run_in_threadpool(jobs.completion_job, model, body, limits)
+        return await _respond(request, body, job, False, start)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        start = time.monotonic()
         _check_model(body.model)
-        job = await run_in_threadpool(jobs.chat_job, model, body)
-        return await _respond(request, body, job, chat=True)
+        jobs.check_stop(body.stop, limits)
+        rendered = await renderer.render(jobs.chat_messages(body.messages))
+        job = await run_in_threadpool(jobs.chat_job, model, body, rendered, limits)
+        return await _respond(request, body, job, True, start)
 
     def _check_model(name: str | None) -> None:
         if name is not None and name not in names:
             raise ApiError(404, f"model {name!r} is not served here; this server serves {model_id!r}",
                            "model", "model_not_found")
 
-    async def _respond(request: Request, body, job, chat: bool):
+    async def _respond(request: Request, body, job, chat: bool, start: float):
         sub = Submission(scheduler, job)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        deadline = start + limits.request_timeout if limits.request_timeout else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(sub, rid, chat, include_usage, job.logprobs is not None),
+            return StreamingResponse(_sse(sub, rid, chat, include_usage, job.logprobs is not None, deadline),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, sub, rid, chat, job.logprobs is not None)
+        return await _collect(request, sub, rid, chat, job.logprobs is not None, deadline)
+
+    def _timed_out() -> ApiError:
+        return ApiError(504, f"the request ran longer than the server's --request-timeout of "
+                             f"{limits.request_timeout:g} s and was ended", None, "request_timeout")
+
+    def _left(deadline: float | None) -> float | None:
+        return None if deadline is None else deadline - time.monotonic()
 
     def _logprobs(entries, chat: bool) -> dict:
         return (protocol.chat_logprobs if chat else protocol.completion_logprobs)(entries, token_bytes)
 
-    async def _collect(request: Request, sub: Submission, rid: str, chat: bool, logprobs: bool):
+    async def _collect(request: Request, sub: Submission, rid: str, chat: bool, logprobs: bool, deadline):
         parts: list[str] = []
         entries: list = []
         try:
             while True:
+                left = _left(deadline)
+                if left is not None and left <= 0:
+                    raise _timed_out()
                 try:
-                    event = await sub.next(DISCONNECT_POLL_S)
+                    event = await sub.next(DISCONNECT_POLL_S if left is None else min(DISCONNECT_POLL_S, left))
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         return JSONResponse({}, status_code=499)     # nobody is listening
@@ -226,7 +282,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
         finally:
             sub.close()
 
-    async def _sse(sub: Submission, rid: str, chat: bool, include_usage: bool, logprobs: bool):
+    async def _sse(sub: Submission, rid: str, chat: bool, include_usage: bool, logprobs: bool, deadline):
         t = protocol.now()
 
         def chunk(text: str, reason: str | None, entries=()) -> dict:
@@ -239,7 +295,15 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
             if chat:
                 yield _event(protocol.chat_chunk(rid, model_id, t, {"role": "assistant", "content": ""}, None))
             while True:
-                event = await sub.next()
+                left = _left(deadline)
+                try:
+                    if left is not None and left <= 0:
+                        raise asyncio.TimeoutError
+                    event = await sub.next(left)
+                except asyncio.TimeoutError:
+                    yield _event(_timed_out().body())
+                    yield "data: [DONE]\n\n"
+                    return
                 if isinstance(event, Delta):
                     yield _event(chunk(event.text, None, event.logprobs))
                 elif isinstance(event, Finished):
@@ -257,6 +321,26 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None) 
             sub.close()          # a client that went away cancels its request here
 
     return app
+
+
+class LoadingApp:
+    """The ASGI app `engine serve` serves while the model loads: 503 "loading" on every
+    path (/health: {"status": "loading"}), then, once `.app` is set, that app."""
+
+    def __init__(self):
+        self.app = None
+
+    async def __call__(self, scope, receive, send):
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return
+        body = {"status": "loading", **ApiError(503, "the model is loading; retry shortly", None, "loading").body()}
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
 
 
 def _api_error(failed: Failed) -> ApiError:

@@ -1,14 +1,29 @@
 """`engine serve [MODEL] --host --port --parallel --kv-pool-tokens --prompt-cache --max-queue`,
 the engine's model and SnapKV flags, plus mlx-lm's spellings: `--kv-eviction none|snapkv`,
-`--kv-sink-tokens`."""
+`--kv-sink-tokens`; the limits (engine/config.py `serve_*`), keys, Host and CORS lists, TLS.
+
+The port is bound first; while the model loads every path answers 503 "loading". SIGTERM
+or SIGINT drains: new requests get 503, running ones have --shutdown-timeout seconds to
+finish, the rest end with an error event and [DONE] (the scheduler's own end, as after a
+device fault), then the process exits 0; a second signal exits at once (status 1).
+"""
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
+import threading
 
+from .. import config as config_mod
 from ..errors import DeviceFault, EngineError
+
+# engine/config.py settings that are flags of `engine serve`
+SERVE_SETTINGS = ("serve_max_body_mb", "serve_max_stop", "serve_max_stop_chars", "serve_template_timeout",
+                  "serve_header_timeout", "serve_body_timeout", "serve_max_connections", "serve_request_timeout",
+                  "serve_shutdown_timeout", "serve_content_specials")
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -31,9 +46,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", dest="max_queue", type=int, default=16,
                    help="requests that may wait behind the running ones; more get 503 (default 16)")
     p.add_argument("--model-id", dest="model_id", help="the id /v1/models lists (default: the file name)")
-    p.add_argument("--api-key", dest="api_key", default=os.environ.get("SHARPI_API_KEY") or None,
-                   help="requests must send 'Authorization: Bearer KEY' (default: $SHARPI_API_KEY; "
-                        "unset: no key); /, /health and /metrics stay open")
+    p.add_argument("--api-key", dest="api_key", action="append",
+                   help="requests must send 'Authorization: Bearer KEY' (repeat for several keys; default: "
+                        "$SHARPI_API_KEY; unset: no key); /, /health and /metrics stay open")
+    p.add_argument("--api-key-file", dest="api_key_file",
+                   help="a file of API keys, one a line (blank lines and lines starting with # skipped)")
+    p.add_argument("--allowed-hosts", dest="allowed_hosts",
+                   help="comma-separated Host header names answered (others: 421); default for a loopback "
+                        "server without a key: localhost, 127.0.0.1, ::1 (against DNS rebinding); '*' = any")
+    p.add_argument("--allowed-origins", dest="allowed_origins",
+                   help="comma-separated origins allowed by CORS ('*' = any); default: no CORS")
+    p.add_argument("--ssl-keyfile", dest="ssl_keyfile", help="TLS private key (PEM), with --ssl-certfile")
+    p.add_argument("--ssl-certfile", dest="ssl_certfile", help="TLS certificate chain (PEM), with --ssl-keyfile")
+    lim = p.add_argument_group("limits (engine/config.py; each also an environment variable)")
+    for field in SERVE_SETTINGS:
+        spec = config_mod._BY_FIELD[field]
+        lim.add_argument(spec.flag, dest=field, help=f"{spec.doc.removeprefix('engine serve: ')} "
+                                                     f"(default {spec.default}; env {spec.env})")
     _add_snapkv_args(p)
     g = p.add_argument_group("mlx-lm spellings")
     g.add_argument("--kv-eviction", dest="kv_eviction", choices=("none", "snapkv"),
@@ -61,6 +90,12 @@ def cmd_serve(args) -> int:
     if args.kv_eviction == "none" and args.snapkv_budget not in (None, "0"):
         raise EngineError("--kv-eviction none contradicts --kv-budget: pass one of them")
     settings = _settings(args)
+    settings = settings.with_overrides("flag", **{f: getattr(args, f) for f in SERVE_SETTINGS})
+    keys = _api_keys(args)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise EngineError("--ssl-keyfile and --ssl-certfile go together: pass both")
+    allowed_hosts = _allowed_hosts(args, keys)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     if args.kv_eviction == "none":
         settings = settings.with_overrides("flag", snapkv_budget=0)
     elif args.kv_eviction == "snapkv" and not settings.snapkv_budget:
@@ -71,23 +106,119 @@ def cmd_serve(args) -> int:
         from . import build_app
     except ImportError as e:
         raise EngineError(f"engine serve needs fastapi and uvicorn ({e}): run `make setup`") from None
+    from .app import LoadingApp
+    from .limits import Limits, is_loopback, uvicorn_config
+
+    limits = Limits.from_settings(settings)
     sock = _listen(args.host, args.port)
-    model = Model(model_path_or_default(args.model), settings)
-    app = build_app(model, max_queue=args.max_queue, model_id=args.model_id, max_running=args.parallel,
-                    pool_tokens=args.kv_pool_tokens, prompt_cache=args.prompt_cache, api_key=args.api_key)
     host, port = sock.getsockname()[:2]
-    policy = model.snapkv.summary() if model.snapkv else "SnapKV off (per request: kv_budget)"
-    sched = app.state.scheduler
-    print(f"engine serve: {model.path} on {model.backend.name}, context {model.ctx}; {policy}; "
-          f"{sched.max_running} requests in a batch, KV pool of {sched.pool_tokens} positions"
-          f"{'; API key required' if args.api_key else ''}", file=sys.stderr)
-    print(f"engine serve: listening on http://{_url_host(host)}:{port}/v1", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    sched.on_fault = lambda message: setattr(server, "should_exit", True)   # uvicorn's own shutdown
-    server.run(sockets=[sock])
-    if sched.fault is not None:                   # the device faulted: exit 1 with its message
+    scheme = "https" if args.ssl_certfile else "http"
+    if not keys and not is_loopback(host):
+        print(f"engine serve: WARNING: listening on {host} without an API key: anyone who can reach port {port} "
+              f"can use this server; pass --api-key or --api-key-file", file=sys.stderr, flush=True)
+    front = LoadingApp()
+    config = uvicorn_config(front, limits, lifespan="off", timeout_graceful_shutdown=5,
+                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+    server = _Server(config, limits.shutdown_timeout)
+    loaded: dict = {}
+
+    def load() -> None:
+        try:
+            model = Model(model_path_or_default(args.model), settings)
+            app = build_app(model, max_queue=args.max_queue, model_id=args.model_id, max_running=args.parallel,
+                            pool_tokens=args.kv_pool_tokens, prompt_cache=args.prompt_cache, api_key=keys or None,
+                            limits=limits, allowed_hosts=allowed_hosts, allowed_origins=origins)
+        except BaseException as e:              # reported after the server has stopped
+            loaded["error"] = e
+            server.should_exit = True
+            return
+        sched = app.state.scheduler
+        loaded["app"] = app
+        sched.on_fault = lambda message: setattr(server, "should_exit", True)   # uvicorn's own shutdown
+        sched.on_drained = lambda: setattr(server, "should_exit", True)
+        server.scheduler = sched
+        policy = model.snapkv.summary() if model.snapkv else "SnapKV off (per request: kv_budget)"
+        print(f"engine serve: {model.path} on {model.backend.name}, context {model.ctx}; {policy}; "
+              f"{sched.max_running} requests in a batch, KV pool of {sched.pool_tokens} positions"
+              f"{'; API key required' if keys else ''}", file=sys.stderr)
+        front.app = app
+        print(f"engine serve: listening on {scheme}://{_url_host(host)}:{port}/v1", file=sys.stderr, flush=True)
+
+    print(f"engine serve: loading the model; {scheme}://{_url_host(host)}:{port}/health answers 503 until it "
+          f"is ready", file=sys.stderr, flush=True)
+    threading.Thread(target=load, name="engine-load", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        app = loaded.get("app")
+        if app is not None:
+            app.state.scheduler.stop()
+            app.state.renderer.close()
+    if "error" in loaded:
+        raise loaded["error"]
+    sched = app.state.scheduler if app is not None else None
+    if sched is not None and sched.fault is not None:     # the device faulted: exit 1 with its message
         raise DeviceFault(sched.fault)
     return 0
+
+
+class _Server:
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the scheduler (the module's
+    docstring) and whose second exits at once."""
+
+    def __new__(cls, config, shutdown_timeout: float):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            scheduler = None
+            signalled = False
+
+            def handle_exit(self, sig, frame):
+                if self.signalled:
+                    print("engine serve: second signal: exiting now", file=sys.stderr, flush=True)
+                    os._exit(1)
+                self.signalled = True
+                if self.scheduler is None:       # still loading: nothing to drain
+                    self.should_exit = True
+                    return
+                print(f"engine serve: {signal.Signals(sig).name}: draining (running requests have "
+                      f"{shutdown_timeout:g} s; a second signal exits now)", file=sys.stderr, flush=True)
+                self.scheduler.drain(shutdown_timeout)
+
+        return Server(config)
+
+
+def _api_keys(args) -> list[str]:
+    """--api-key (several), --api-key-file, else $SHARPI_API_KEY; an empty key is an error."""
+    keys = list(args.api_key or ())
+    if any(k == "" or k.strip() != k for k in keys):
+        raise EngineError("--api-key: a key must be non-empty, without leading or trailing spaces "
+                          "(an empty key would turn authentication off)")
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except (OSError, UnicodeDecodeError) as e:
+            raise EngineError(f"--api-key-file {args.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
+        found = [line for line in lines if line and not line.startswith("#")]
+        if not found:
+            raise EngineError(f"--api-key-file {args.api_key_file} holds no key")
+        keys += found
+    if not keys:
+        env = os.environ.get("SHARPI_API_KEY")
+        if env is not None and env.strip():
+            keys = [env.strip()]
+    return keys
+
+
+def _allowed_hosts(args, keys) -> set[str] | None:
+    if args.allowed_hosts:
+        names = {h.strip().lower().strip("[]") for h in args.allowed_hosts.split(",") if h.strip()}
+        return None if "*" in names else names
+    from .limits import is_loopback
+    if not keys and is_loopback(args.host):    # a keyless loopback server: DNS rebinding
+        return LOOPBACK_NAMES | {args.host.lower().strip("[]")}
+    return None
 
 
 def _listen(host: str, port: int) -> socket.socket:

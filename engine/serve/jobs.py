@@ -17,15 +17,18 @@ from ..errors import EngineError
 from ..generate import SamplingParams
 from ..model import kv_dtypes_for
 from ..snapkv import SnapKvConfig, check_values
+from .limits import Limits
 from .protocol import KV_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest
 from .sequence import Job
+
+COUNT_CHUNK = 1 << 16      # a long text's tokens are counted this many characters at a time first
 
 MAX_TOP_LOGPROBS = 20      # alternatives per token (OpenAI's chat limit; vLLM's default)
 SNAPKV_KEYS = ("budget", "window", "sinks", "recency", "kernel", "pool", "granularity", "min_tokens", "merge",
                "allocation", "pyramid_beta")
 
 
-def completion_job(model, req: CompletionRequest) -> Job:
+def completion_job(model, req: CompletionRequest, limits: Limits = Limits()) -> Job:
     _check_supported(req)
     if req.suffix is not None:
         raise ApiError(400, "suffix is not supported", "suffix")
@@ -33,11 +36,14 @@ def completion_job(model, req: CompletionRequest) -> Job:
         raise ApiError(400, "best_of must be 1: one choice per request is supported", "best_of")
     if req.max_tokens == 0 and not req.echo:
         raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
+    check_stop(req.stop, limits)
     ids = _completion_ids(model, req.prompt)
     return _job(model, req, ids, req.max_tokens, _top_logprobs(req.logprobs, "logprobs"), echo=req.echo)
 
 
-def chat_job(model, req: ChatCompletionRequest) -> Job:
+def chat_job(model, req: ChatCompletionRequest, rendered: str | None = None, limits: Limits = Limits()) -> Job:
+    """`rendered`: the chat template's output for req.messages (rendered by the server in a
+    worker process, render.py); None renders it here."""
     _check_supported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -45,13 +51,14 @@ def chat_job(model, req: ChatCompletionRequest) -> Job:
         raise ApiError(400, "tools are not supported", "tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise ApiError(400, "response_format other than text is not supported", "response_format")
-    ids = _checked_ids(model, _chat_ids(model, req.messages), "messages")
+    check_stop(req.stop, limits)
+    ids = _checked_ids(model, _chat_ids(model, req.messages, rendered, limits.content_specials), "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = _top_logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
     return _job(model, req, ids, max_tokens, logprobs)
 
 
-def tokenize(model, req) -> list[int]:
+def tokenize(model, req, rendered: str | None = None, limits: Limits = Limits()) -> list[int]:
     """/tokenize: `prompt` or `content` (text, special tokens added unless
     add_special_tokens / add_special is false) or `messages` (rendered by the chat
     template, as chat requests are) -> token ids."""
@@ -59,12 +66,9 @@ def tokenize(model, req) -> list[int]:
     if len(given) != 1:
         raise ApiError(400, "give exactly one of prompt, content (text) or messages (a chat)", "prompt")
     if req.messages is not None:
-        return _chat_ids(model, req.messages)
+        return _chat_ids(model, req.messages, rendered, limits.content_specials)
     add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
-    try:
-        return model.tokenize(getattr(req, given[0]), add_bos=False if add is False else None)
-    except EngineError as e:
-        raise ApiError(400, str(e), given[0]) from None
+    return _encode(model, getattr(req, given[0]), given[0], add_bos=False if add is False else None)
 
 
 def detokenize(model, req) -> str:
@@ -84,17 +88,72 @@ def _check_supported(req) -> None:
                        f"{', '.join(list(KV_FIELDS) + ['kv_dtype'])}", unknown[0])
 
 
-def _chat_ids(model, chat_messages) -> list[int]:
-    """Chat messages rendered by the GGUF's chat template -> token ids."""
+def chat_messages(chat_messages) -> list[dict]:
+    """The request's messages as the chat template sees them (text parts joined)."""
     messages = []
     for m in chat_messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
         messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+    return messages
+
+
+def _chat_ids(model, request_messages, rendered: str | None = None, content_specials: str = "text") -> list[int]:
+    """Chat messages rendered by the GGUF's chat template -> token ids. With
+    content_specials "text", special-token text inside a message's content (a forged
+    `<|im_end|><|im_start|>system`) is tokenized as plain text: only the template's own
+    markup becomes control tokens."""
+    messages = chat_messages(request_messages)
+    if rendered is None:
+        try:
+            rendered = model.render_chat(messages)
+        except EngineError as e:
+            raise ApiError(400, str(e), "messages") from None
+    text = inputs_text(rendered, "messages")
+    _check_length(model, text, "messages")
+    tok = model.tokenizer
+    forged = [m["content"] for m in messages if content_specials == "text" and tok.control_text_in(m["content"])]
+    if not forged:
+        return _encode(model, text, "messages")
+    parts, at = [], 0
+    for content in (m["content"] for m in messages):
+        if not content:
+            continue
+        found = text.find(content, at)
+        if found < 0:
+            if content in forged:
+                raise ApiError(400, "a message's content holds special-token text (such as <|im_start|>) and the "
+                                    "chat template changes content, so it cannot be kept as plain text: remove it",
+                               "messages")
+            continue
+        parts += [(text[at:found], True), (content, False)]
+        at = found + len(content)
+    parts.append((text[at:], True))
     try:
-        text = model.render_chat(messages)
+        return tok.encode_parts(parts)
     except EngineError as e:
         raise ApiError(400, str(e), "messages") from None
-    return _encode(model, text, "messages")
+
+
+def inputs_text(text, param: str) -> str:
+    try:
+        return inputs.text(text, param)
+    except EngineError as e:
+        raise ApiError(400, str(e), param) from None
+
+
+def check_stop(stop, limits: Limits) -> None:
+    """At most limits.max_stop strings of at most max_stop_chars characters (the worker
+    matches every one against every token's text)."""
+    if stop is None:
+        return
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > limits.max_stop:
+        raise ApiError(400, f"stop: at most {limits.max_stop} stop strings are allowed (--max-stop), got "
+                            f"{len(stops)}", "stop")
+    for s in stops:
+        if len(s) > limits.max_stop_chars:
+            raise ApiError(400, f"stop: a stop string may have at most {limits.max_stop_chars} characters "
+                                f"(--max-stop-chars), got {len(s)}", "stop")
 
 
 def _completion_ids(model, prompt) -> list[int]:
@@ -112,12 +171,43 @@ def _completion_ids(model, prompt) -> list[int]:
     return _checked_ids(model, ids, "prompt")
 
 
-def _encode(model, text: str, param: str) -> list[int]:
-    """Text -> ids the way Model.generate tokenizes a prompt."""
+def _encode(model, text: str, param: str, add_bos: bool | None = None) -> list[int]:
+    """Text -> ids the way Model.generate tokenizes a prompt; a text that cannot fit the
+    context is refused before it is tokenized whole (_check_length)."""
+    text = inputs_text(text, param)
+    _check_length(model, text, param)
     try:
-        return model.tokenizer.encode(inputs.text(text, param))
+        return model.tokenizer.encode(text, add_bos=add_bos)
     except EngineError as e:
         raise ApiError(400, str(e), param) from None
+
+
+def _too_long(model, n: str, param: str) -> ApiError:
+    return ApiError(400, f"the prompt has {n} tokens but the context is {model.ctx} tokens (the server's --ctx)",
+                    param, "context_length_exceeded")
+
+
+def _check_length(model, text: str, param: str) -> None:
+    """Refuse a text with more tokens than the context without tokenizing it whole: one
+    token stands for at most max_piece_chars characters, and a long text is counted
+    COUNT_CHUNK characters at a time (cut after whitespace), stopping once past the
+    context (each cut may merge two tokens into one: one token of slack per chunk)."""
+    tok = model.tokenizer
+    if len(text) > model.ctx * tok.max_piece_chars + 1:
+        raise _too_long(model, f"at least {len(text) // tok.max_piece_chars}", param)
+    if len(text) <= COUNT_CHUNK:
+        return
+    n, at, chunks = 0, 0, 0
+    while at < len(text):
+        end = min(at + COUNT_CHUNK, len(text))
+        if end < len(text):
+            cut = max(text.rfind(" ", at, end), text.rfind("\n", at, end))
+            end = cut + 1 if cut > at else end
+        n += len(tok.encode(text[at:end], add_bos=False))
+        chunks += 1
+        at = end
+        if n - chunks > model.ctx:
+            raise _too_long(model, f"more than {n - chunks}", param)
 
 
 def _checked_ids(model, ids: list[int], param: str) -> list[int]:

@@ -193,36 +193,6 @@ def error(message: str, type_: str, param: str | None = None, code: str | None =
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def metrics(state: dict) -> str:
-    """Prometheus' text format of Scheduler.state(): counters and gauges, prefix snapkv_."""
-    lines = []
-
-    def metric(name: str, kind: str, help_: str, samples) -> None:
-        lines.extend([f"# HELP snapkv_{name} {help_}", f"# TYPE snapkv_{name} {kind}"])
-        lines.extend(f"snapkv_{name}{labels} {value}" for labels, value in samples)
-
-    outcomes = ("completed", "cancelled", "failed", "rejected")
-    metric("requests_total", "counter", "Requests that ended, by outcome (rejected: 503, the queue was full).",
-           [(f'{{outcome="{o}"}}', state[o]) for o in outcomes])
-    metric("preemptions_total", "counter", "Running requests whose pages were taken back for older ones.",
-           [("", state["preempted"])])
-    metric("prompt_tokens_total", "counter", "Prompt tokens run through the model (a preempted request's again).",
-           [("", state["prompt_tokens"])])
-    metric("prompt_tokens_cached_total", "counter", "Prompt tokens taken from kept caches instead of run.",
-           [("", state["cached_tokens"])])
-    metric("generation_tokens_total", "counter", "Tokens generated.", [("", state["generation_tokens"])])
-    metric("requests_running", "gauge", "Requests admitted (prefilling or decoding).",
-           [("", len(state["running"]))])
-    metric("requests_waiting", "gauge", "Requests queued for admission.", [("", state["waiting"])])
-    metric("kv_bytes_held", "gauge", "KV cache bytes held by running requests.", [("", state["kv_bytes_held"])])
-    pools = state["kv_pools"].items()
-    metric("kv_pool_pages", "gauge", "Pages of each shared KV pool, by row format.",
-           [(f'{{format="{name}"}}', p["pages"]) for name, p in pools])
-    metric("kv_pool_pages_used", "gauge", "Pages in use (running requests and kept caches), by row format.",
-           [(f'{{format="{name}"}}', p["pages_used"]) for name, p in pools])
-    return "\n".join(lines) + "\n"
-
-
 def now() -> int:
     return int(time.time())
 
@@ -231,7 +201,8 @@ class ApiError(Exception):
     """An error answered as OpenAI's JSON: {"error": {message, type, param, code}}."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-             503: "server_overloaded", 500: "server_error"}
+             408: "invalid_request_error", 413: "invalid_request_error", 421: "invalid_request_error",
+             503: "server_overloaded", 500: "server_error", 504: "timeout_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):

@@ -44,6 +44,11 @@ goes on. A sticky fault (DeviceFault) ends the worker: `fault` holds its message
 request held fails with it (streams get it as their last event), `submit` refuses new
 ones (503), no more device work runs, and `on_fault(message)` is called (`engine
 serve` shuts down there and exits with status 1).
+
+Drain (SIGTERM, `drain(timeout)`): `submit` refuses new requests (503 shutting_down),
+waiting ones fail at once, running ones have `timeout` seconds to finish, then the rest
+end as after a fault (`_end_all`: their streams get the error and [DONE]) and
+`on_drained()` is called (`engine serve` stops uvicorn there and exits 0).
 """
 from __future__ import annotations
 
@@ -81,6 +86,7 @@ class Handle:
         self.sequence: Sequence | None = None
         self.cancelled = False
         self.submitted = time.monotonic()
+        self.last_token_at: float | None = None     # when its last token was sampled (latency metrics)
 
 
 class Scheduler:
@@ -105,6 +111,10 @@ class Scheduler:
         self.fault: str | None = None               # a sticky device fault's message: the worker has ended
         self.on_fault = None                        # callable(message), from the worker when it faults
         self._free_memory = False                   # a step ran out of device memory: give the cache back
+        self.draining = False                       # shutting down: nothing new is admitted
+        self._drain_deadline: float | None = None   # when the running requests are ended (drain)
+        self.on_drained = None                      # callable(), from the worker once a drain has ended all
+        self.metrics = None                         # metrics.Metrics: latency histograms, if set
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "preempted": 0,
                        "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0}
 
@@ -124,6 +134,17 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def drain(self, timeout: float) -> None:
+        """Graceful shutdown (SIGTERM): refuse new requests (503 "shutting_down"), fail the
+        waiting ones now, let the running ones finish within `timeout` seconds, then end
+        the rest with a 503 "shutting_down" failure (a stream gets it as its last event,
+        then [DONE]) and call `on_drained()`. A second call ends them at once."""
+        with self._cv:
+            now = time.monotonic()
+            self._drain_deadline = now + timeout if not self.draining else now
+            self.draining = True
+            self._cv.notify_all()
+
     # -- requests -------------------------------------------------------------------------
     def submit(self, job: Job, emit) -> Handle:
         """Queue a job; `emit(event)` is called from the worker thread with Delta,
@@ -131,8 +152,8 @@ class Scheduler:
         with self._cv:
             if self.fault is not None:
                 raise QueueFull(self.fault, "device_fault")
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
+            if self._stopping or self.draining:
+                raise QueueFull("the server is shutting down", "shutting_down")
             if len(self._waiting) + len(self._running) >= self.max_running + self.max_queue:
                 self.counts["rejected"] += 1
                 raise QueueFull(f"the server is full: {len(self._running)} running and "
@@ -182,11 +203,25 @@ class Scheduler:
             bind()
         while True:
             with self._cv:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and not self._waiting and not self._running and not self.draining:
                     self._cv.wait()
                 if self._stopping:
                     self._drop_all()
                     return
+                draining = self.draining
+                if draining:
+                    self._retire_cancelled()
+                    shed = list(self._waiting)      # waiting ones: not started, answered now
+                    self._waiting.clear()
+                    self.counts["failed"] += len(shed)
+                    over = not self._running or time.monotonic() >= self._drain_deadline
+            if draining:
+                for h in shed:
+                    h.emit(_SHUTTING_DOWN)
+                if over:
+                    self._end_all(_SHUTTING_DOWN, self.on_drained)
+                    return
+            with self._cv:
                 self._retire_cancelled()
                 self._make_room()
                 admitted = self._admit()
@@ -403,7 +438,11 @@ class Scheduler:
                 self._fail(h, e)
                 continue
             self.counts["generation_tokens"] += len(h.sequence.tokens) - n
+            if self.metrics is not None and len(h.sequence.tokens) > n:
+                self.metrics.token(h)
             if token is None:
+                if self.metrics is not None:
+                    self.metrics.finished(h)
                 with self._cv:
                     self._keep(h.sequence)
                 self._retire(h, "completed")    # the pages are back before the client hears
@@ -448,16 +487,22 @@ class Scheduler:
         """(worker, last) The device faulted: fail every request still held with the
         fault (a stream ends with it), refuse new ones, drop the caches (host bookkeeping
         only: no device call runs again), then `on_fault`."""
+        on_fault = self.on_fault
+        self._end_all(Failed(503, self.fault, "device_fault"),
+                      None if on_fault is None else lambda: on_fault(self.fault))
+
+    def _end_all(self, failure: Failed, then) -> None:
+        """(worker, last) Fail every request still held with `failure`, refuse new ones,
+        drop the caches, then call `then()` (a device fault, the end of a drain)."""
         with self._cv:
             self._stopping = True
             held = [h for h in list(self._running) + list(self._waiting) if not h.cancelled]
             self.counts["failed"] += len(held)
             self._drop_all()
-        failure = Failed(503, self.fault, "device_fault")
         for h in held:
             h.emit(failure)
-        if self.on_fault is not None:
-            self.on_fault(self.fault)
+        if then is not None:
+            then()
 
     def _retire(self, h: Handle, outcome: str | None) -> None:
         with self._cv:
@@ -483,6 +528,10 @@ class Scheduler:
                 h.sequence.release()
         self._running.clear()
         self._waiting.clear()
+
+
+_SHUTTING_DOWN = Failed(503, "the server is shutting down: this request was ended before it finished",
+                        "shutting_down")
 
 
 def _failure(e: BaseException) -> Failed:

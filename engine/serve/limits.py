@@ -1,0 +1,172 @@
+"""What one request or one client may hold, enforced before the app allocates for it.
+
+    Limits           the server's limits (from the settings, engine/config.py `serve_*`)
+    RequestGuard     ASGI middleware: the Host allow-list, then the body read here, at most
+                     max_body_bytes (413, by Content-Length before reading when it is sent),
+                     each read within body_timeout (408), then replayed to the app
+    GuardedH11       uvicorn's h11 protocol with a header deadline (a connection that has not
+                     sent its request headers within header_timeout is closed) and a
+                     connection cap (one over max_connections is closed at once)
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import json
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .protocol import error
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 8 << 20
+    max_stop: int = 16
+    max_stop_chars: int = 512
+    template_timeout: float = 5.0
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 512
+    request_timeout: float = 900.0          # 0: none
+    shutdown_timeout: float = 30.0
+    content_specials: str = "text"          # "text" | "parse"
+
+    @classmethod
+    def from_settings(cls, s) -> "Limits":
+        return cls(max_body_bytes=int(s.serve_max_body_mb * (1 << 20)), max_stop=s.serve_max_stop,
+                   max_stop_chars=s.serve_max_stop_chars, template_timeout=s.serve_template_timeout,
+                   header_timeout=s.serve_header_timeout, body_timeout=s.serve_body_timeout,
+                   max_connections=s.serve_max_connections, request_timeout=s.serve_request_timeout,
+                   shutdown_timeout=s.serve_shutdown_timeout, content_specials=s.serve_content_specials)
+
+
+async def _answer(send, status: int, message: str, code: str, headers=()) -> None:
+    body = json.dumps(error(message, "invalid_request_error", None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class RequestGuard:
+    """ASGI middleware in front of the app (see the module's docstring). `allowed_hosts`:
+    Host header names accepted (None: any), against DNS rebinding of a keyless server."""
+
+    def __init__(self, app, limits: Limits, allowed_hosts: set[str] | None = None):
+        self.app, self.limits, self.allowed_hosts = app, limits, allowed_hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.allowed_hosts is not None:
+            host = headers.get(b"host", b"").decode("latin-1")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.strip("[]").lower() not in self.allowed_hosts:
+                return await _answer(send, 421, f"Host {host!r} is not served here (a server without an API key "
+                                                "answers only its own names: --allowed-hosts)", "host_not_allowed")
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        limit = self.limits.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await _answer(send, 413, f"the request body is larger than the server's limit of "
+                                            f"{limit} bytes (--max-body-mb)", "body_too_large")
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.limits.body_timeout)
+            except asyncio.TimeoutError:
+                return await _answer(send, 408, f"the request body did not arrive within "
+                                                f"{self.limits.body_timeout:g} s (--body-timeout)", "body_timeout")
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if size > limit:
+                return await _answer(send, 413, f"the request body is larger than the server's limit of "
+                                                f"{limit} bytes (--max-body-mb)", "body_too_large")
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+        chunks = None
+
+        async def replay():
+            nonlocal replayed, body
+            if not replayed:
+                replayed = True
+                data, body = body, b""
+                return {"type": "http.request", "body": data, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol, plus: request headers must arrive within `header_timeout`
+    of the connection's start (or of the previous response), and a connection beyond
+    `max_connections` is closed as soon as it is made. The values come from the Config
+    (`config.header_timeout`, `config.max_connections`, set by `uvicorn_config`)."""
+
+    def __init__(self, config, *args, **kw):
+        super().__init__(config, *args, **kw)
+        self._header_timeout = getattr(config, "header_timeout", None)
+        self._max_connections = getattr(config, "max_connections", None)
+        self._header_task = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if self._max_connections is not None and len(self.connections) > self._max_connections:
+            transport.close()
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._header_timeout:
+            self._disarm()
+            self._header_task = self.loop.call_later(self._header_timeout, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_task is not None:
+            self._header_task.cancel()
+            self._header_task = None
+
+    def _too_slow(self) -> None:
+        self._header_task = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before and self.cycle is not None:
+            self._disarm()                       # a request's headers have arrived
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def uvicorn_config(app, limits: Limits, **kw):
+    """A uvicorn.Config serving `app` with GuardedH11 and these limits."""
+    import uvicorn
+
+    config = uvicorn.Config(app, http=GuardedH11, log_level=kw.pop("log_level", "warning"),
+                            h11_max_incomplete_event_size=64 << 10, **kw)
+    config.header_timeout = limits.header_timeout
+    config.max_connections = limits.max_connections
+    return config
