@@ -1,0 +1,792 @@
+"""GPU truth in one call: everything this engine can check on a lent GPU machine, in one command.
+
+The one call for the device tool (its `run` function), from the repository root:
+
+    command: python3 tools/gpu_check.py run --bundle gpu_bundle --out "$OUT"
+    carry:   ["gpu_bundle"]
+
+Made beforehand on a CPU machine with `python tools/gpu_check.py prepare` (writes gpu_bundle/,
+git-ignored). Subcommands:
+
+  prepare   (CPU machine) the bundle: cut real models, the wheels the device image lacks, the
+            Vulkan loader; measures the whole call (tracked + untracked files + bundle) and fails
+            over 60 MiB. --no-download: cut the models only, count a fixed allowance for the rest.
+  run       (GPU machine) every step a subprocess with its own timeout, the whole under --budget-s
+            (450 s); writes report.json + report.md (+ logs/, bench JSON) under --out after every step.
+  dry-run   prepare + run here: CUDA on the CPU harness, Vulkan on lavapipe, heavy steps scaled down.
+  parity | tiny | env | install | derive | compile | vulkan-env   the steps themselves (used by run).
+
+docs/gpu_check.md says what each step checks and what the report holds.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ONE_CALL_COMMAND = 'python3 tools/gpu_check.py run --bundle gpu_bundle --out "$OUT"'
+ONE_CALL_CARRY = ["gpu_bundle"]
+DEFAULT_BUNDLE = "gpu_bundle"
+LIMIT_MIB = 60.0                 # the whole call: tracked + untracked files + bundle (the tool allows 64)
+ALLOWANCE_MIB = 6.0              # counted for wheels + Vulkan loader when prepare --no-download skips them
+BUDGET_S = 450.0                 # run's whole budget (the device tool allows 600 s a command)
+SKIPPED = 3                      # a step's exit status meaning "skipped"; its last line says why
+
+# What the device image lacks (it has Python 3.12, numpy 2, cupy-cuda13x, numba, jinja2, pytest,
+# hypothesis, torch): import name -> distribution, pinned to this venv's version when prepared.
+# The project's runtime dependencies less those, less the server's (fastapi, uvicorn, pydantic:
+# no step imports engine.serve), plus what they import (gguf imports yaml) and pytest-xdist.
+WHEELS = {"gguf": "gguf", "yaml": "pyyaml", "tokenizers": "tokenizers", "psutil": "psutil",
+          "threadpoolctl": "threadpoolctl", "xdist": "pytest-xdist", "execnet": "execnet"}
+PIP_PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+                "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
+                "--platform", "manylinux_2_28_x86_64", "--no-deps"]
+NVIDIA_ICD = {"file_format_version": "1.0.0", "ICD": {"library_path": "libGLX_nvidia.so.0", "api_version": "1.3"}}
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A real model cut to travel: `source` is its catalog name (engine/catalog.py)."""
+    file: str
+    source: str
+    layers: int
+    n_vocab: int | None
+    about: str
+
+
+CUTS = (
+    Cut("smollm2-2l.gguf", "smollm2", 2, None,
+        "SmolLM2-135M-Instruct Q4_1, blocks 0-1 of 30; the real tokenizer and tied Q8_0 head (49152 x 576)"),
+    Cut("gemma3-2l-v2k.gguf", "gemma3", 2, 2048,
+        "Gemma 3 270M Q4_K_M, blocks 0-1 of 18 (sliding-window layers, window 512); the first 2048 of "
+        "262144 tokens (embedding = tied head rows, tokenizer entries): a cut tokenizer, not the real one "
+        "(the full vocabulary is 170 MiB alone)"),
+)
+
+
+# -- prepare ------------------------------------------------------------------------------
+def _git_files(*args) -> list[pathlib.Path]:
+    out = subprocess.run(["git", "ls-files", "-z", *args], cwd=REPO, capture_output=True, check=True).stdout
+    return [REPO / p for p in out.decode().split("\0") if p]
+
+
+def _size(paths) -> int:
+    return sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
+
+
+def call_size(bundle: pathlib.Path) -> dict:
+    """Bytes the one call carries: tracked files, untracked files git does not ignore, the bundle."""
+    tracked, untracked = _git_files(), _git_files("--others", "--exclude-standard")
+    inside = [p for p in untracked if bundle.resolve() in p.resolve().parents]   # a non-ignored bundle
+    return {"tracked": _size(tracked), "untracked": _size(set(untracked) - set(inside)),
+            "bundle": _size(bundle.rglob("*"))}
+
+
+def _download_wheels(dest: pathlib.Path) -> list[str]:
+    reqs = []
+    for dist in WHEELS.values():
+        try:
+            reqs.append(f"{dist}=={importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            reqs.append(dist)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", *PIP_PLATFORM,
+                    "-d", str(dest), *reqs], check=True)
+    return reqs
+
+
+def _download_vulkan_loader(dest: pathlib.Path) -> str:
+    """Debian's libvulkan1: its libvulkan.so.1, a plain file (links do not travel well)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["apt-get", "download", "-q", "libvulkan1"], cwd=tmp, check=True, capture_output=True)
+        deb = next(pathlib.Path(tmp).glob("libvulkan1_*.deb"))
+        subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], check=True)
+        lib = next(pathlib.Path(f"{tmp}/x").rglob("libvulkan.so.1"))
+        shutil.copyfile(lib.resolve(), dest / "libvulkan.so.1")
+        return deb.name
+
+
+def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
+    sys.path.insert(0, str(REPO))
+    from engine.model_path import named_model_path
+    sys.path.insert(0, str(REPO / "tools"))
+    from gguf_cut import cut_gguf
+
+    t0 = time.perf_counter()
+    for sub in ("models", "wheels", "vulkan"):
+        (bundle / sub).mkdir(parents=True, exist_ok=True)
+    old = {}
+    if (bundle / "manifest.json").is_file():
+        old = json.loads((bundle / "manifest.json").read_text())
+    models = []
+    for cut in CUTS:
+        src = named_model_path(cut.source)
+        if src is None:
+            raise SystemExit(f"prepare: model {cut.source!r} is not installed (make setup, or engine pull {cut.source})")
+        dst = bundle / "models" / cut.file
+        key = {"source": str(src), "source_bytes": src.stat().st_size, "layers": cut.layers, "n_vocab": cut.n_vocab,
+               "cutter": (REPO / "tools" / "gguf_cut.py").stat().st_size}
+        prev = next((m for m in old.get("models", []) if m["file"] == cut.file), None)
+        if not (dst.is_file() and prev and prev.get("key") == key):
+            cut_gguf(src, dst, range(cut.layers), cut.n_vocab)
+        models.append({"file": cut.file, "about": cut.about, "bytes": dst.stat().st_size, "key": key})
+    wheels = vulkan = None
+    if download:
+        wheels = _download_wheels(bundle / "wheels")
+        vulkan = _download_vulkan_loader(bundle / "vulkan")
+    (bundle / "vulkan" / "nvidia_icd.json").write_text(json.dumps(NVIDIA_ICD, indent=1) + "\n")
+    have_wheels = sorted(p.name for p in (bundle / "wheels").glob("*.whl"))
+    have_loader = (bundle / "vulkan" / "libvulkan.so.1").is_file()
+    sizes = call_size(bundle)
+    allowance = 0.0 if (have_wheels and have_loader) else ALLOWANCE_MIB * 2**20
+    total = sum(sizes.values()) + allowance
+    manifest = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "downloaded": download,
+        "models": models,
+        "wheels": [{"file": n, "bytes": (bundle / "wheels" / n).stat().st_size} for n in have_wheels],
+        "wheel_requirements": wheels or [f"{d} (not downloaded)" for d in WHEELS.values()],
+        "vulkan_loader": vulkan or ("libvulkan.so.1 (kept)" if have_loader else "not downloaded"),
+        "call_bytes": sizes, "allowance_bytes": allowance, "call_total_bytes": total,
+        "limit_bytes": LIMIT_MIB * 2**20, "one_call": {"command": ONE_CALL_COMMAND, "carry": ONE_CALL_CARRY},
+    }
+    (bundle / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    mib = lambda n: f"{n / 2**20:6.2f} MiB"   # noqa: E731
+    print(f"bundle {bundle} ({time.perf_counter() - t0:.1f} s)")
+    for m in models:
+        print(f"  models/{m['file']:<28} {mib(m['bytes'])}  {m['about']}")
+    for w in manifest["wheels"]:
+        print(f"  wheels/{w['file'][:60]:<60} {mib(w['bytes'])}")
+    print(f"  vulkan/: {manifest['vulkan_loader']}")
+    print(f"whole call: tracked {mib(sizes['tracked'])} + untracked {mib(sizes['untracked'])} + bundle "
+          f"{mib(sizes['bundle'])}" + (f" + allowance {mib(allowance)}" if allowance else "")
+          + f" = {mib(total)} (limit {LIMIT_MIB:.0f} MiB)")
+    if total > LIMIT_MIB * 2**20:
+        raise SystemExit(f"prepare: the call would carry {total / 2**20:.1f} MiB, over {LIMIT_MIB:.0f} MiB")
+    return manifest
+
+
+# -- run: steps as subprocesses -------------------------------------------------------------
+@dataclass
+class Step:
+    name: str
+    title: str
+    argv: list[str] | None          # None: decided at run time (skip_reason says why not)
+    timeout: float
+    env: dict = field(default_factory=dict)
+    needs: tuple[str, ...] = ()     # steps that must have passed
+    skip_reason: str | None = None
+    min_s: float = 20.0             # not started with less than this left of the budget
+    tail_lines: int = 25            # log lines shown in the report
+
+
+def _me(*args) -> list[str]:
+    return [sys.executable, str(REPO / "tools" / "gpu_check.py"), *args]
+
+
+def _sanitizer() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    for p in ([found] if found else []) + sorted(map(str, pathlib.Path("/usr/local").glob("cuda*/bin/compute-sanitizer"))):
+        if p and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def _vulkan_env(bundle: pathlib.Path) -> tuple[dict, list[str]]:
+    """LD_LIBRARY_PATH / VK_ICD_FILENAMES additions for the Vulkan steps, and what was found."""
+    env, notes = {}, []
+    ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout if shutil.which("ldconfig") else ""
+    if "libvulkan.so.1" in ldconfig:
+        notes.append("system Vulkan loader present")
+    elif (bundle / "vulkan" / "libvulkan.so.1").is_file():
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(bundle / "vulkan"), os.environ.get("LD_LIBRARY_PATH")]))
+        notes.append("no system Vulkan loader: using the bundle's libvulkan.so.1")
+    else:
+        notes.append("no Vulkan loader (system or bundle)")
+    icds = [str(p) for d in ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d") for p in sorted(pathlib.Path(d).glob("*.json"))]
+    nvidia_json = [p for p in icds if "nvidia" in p.lower()]
+    notes.append(f"ICD files: {', '.join(icds) or 'none'}")
+    if not nvidia_json and "libGLX_nvidia.so.0" in ldconfig:
+        env["VK_ICD_FILENAMES"] = str(bundle / "vulkan" / "nvidia_icd.json")
+        notes.append("libGLX_nvidia.so.0 present but no NVIDIA ICD file: using the bundle's nvidia_icd.json")
+    elif not nvidia_json:
+        notes.append("no NVIDIA Vulkan driver (libGLX_nvidia.so.0) in the image")
+    return env, notes
+
+
+def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool) -> list[Step]:
+    models = [str(bundle / "models" / c.file) for c in CUTS]
+    smol, gemma = models
+    gemma_global = str(work / "gemma3-2l-v2k-global.gguf")
+    bench_model = smol if dry else str(work / "smollm2-30l-bench.gguf")
+    cores = os.cpu_count() or 1
+    vk_env, _ = _vulkan_env(bundle)
+    sanitizer = _sanitizer()
+    no_san = "dry run: CUDA runs on the CPU harness" if dry else (None if sanitizer else "compute-sanitizer not found")
+    if dry:
+        parity = ["--tokens", "3", "--prompt-tokens", "140", "--snapkv-tokens", "2"]   # 3 prefill chunks
+        gemma_prompt = ["--tokens", "2", "--prompt-tokens", "24", "--snapkv-tokens", "0"]
+        compile_ = ["--arch", "90", "rotate.cu", "kv.cu"]
+        pytest_k = "cuda and (test_cuda_kv or rope or eltwise) and not default_model and not test_compile"
+        bench = ["--lengths", "96", "--kv-budget", "48", "--kv-window", "16", "--kv-min-tokens", "32",
+                 "--decode-tokens", "2", "--prefill-chunk", "64"]
+        vk_bench = bench
+    else:
+        parity = ["--tokens", "64", "--prompt-tokens", "300"]
+        gemma_prompt = ["--tokens", "64", "--prompt-tokens", "640"]   # past the 512 window of the local layers
+        compile_ = []
+        pytest_k = "cuda and not harness and not test_compile"   # the device's own; compile: its own step
+        bench = ["--lengths", "128,2048,32768", "--kv-budget", "2048"]
+        vk_bench = ["--lengths", "128,2048,8192", "--kv-budget", "2048"]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15", "tests/cuda",
+              "tests/backends", "-k", pytest_k]
+    if not dry and (importlib.util.find_spec("xdist") or any((bundle / "wheels").glob("pytest_xdist-*.whl"))):
+        pytest += ["-n", str(min(cores, 16))]
+    engine_cli = [sys.executable, "-m", "engine.cli", "bench", "--no-llama-cpp"]
+    steps = [
+        Step("env", "machine, driver, CUDA, NVRTC, compute capability, packages", _me("env"), 60),
+        Step("install", "carried wheels into a scratch site (only the missing ones)",
+             _me("install", "--bundle", str(bundle), "--site", str(work / "site")) + (["--all"] if dry else []), 60),
+        Step("compile", "cold NVRTC compile of every kernel variant for the live arch: registers, spills",
+             _me("compile", *compile_), 150, tail_lines=90),
+        Step("derive", "models made on the spot: Gemma all-global variant" + ("" if dry else ", SmolLM2 blocks x15 for bench"),
+             _me("derive", "--bundle", str(bundle), "--to", str(work)) + (["--no-bench-model"] if dry else []), 90,
+             needs=("install",)),
+        Step("parity-cuda-smollm2", "cut SmolLM2 (real weights): CPU vs CUDA logits, greedy tokens, SnapKV",
+             _me("parity", "--backend", "cuda", smol, *parity), 120, needs=("install",)),
+        Step("parity-cuda-gemma3", "cut Gemma 3 (local layers past the window, and all global): CPU vs CUDA",
+             _me("parity", "--backend", "cuda", gemma, gemma_global, *gemma_prompt), 150, needs=("derive",)),
+        Step("tiny-cuda", "tiny random models: every architecture, weight type, KV format; SnapKV, decode_batch",
+             _me("tiny", "--backend", "cuda") + (["--quick"] if dry else []), 150, needs=("install",)),
+        Step("pytest-cuda", f"pytest tests/cuda tests/backends -k {pytest_k!r} on the "
+             f"{'CPU harness' if dry else 'device'}", pytest, 150, needs=("install",)),
+        Step("bench-cuda", "engine bench --backend cuda (with and without SnapKV)",
+             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench], 180,
+             needs=("derive",)),
+    ]
+    for tool, t in (("memcheck", 90), ("racecheck", 90), ("synccheck", 60)):
+        steps.append(Step(f"sanitizer-{tool}", f"compute-sanitizer --tool {tool} over a short tiny-model run",
+                          None if no_san else [sanitizer, "--tool", tool, "--error-exitcode", "1", "--print-limit", "20",
+                                               *_me("parity", "--backend", "cuda", "--short", "--no-pool")],
+                          t, needs=("install",), skip_reason=no_san))
+    steps += [
+        Step("vulkan-env", "Vulkan loader, ICD, kp import, devices", _me("vulkan-env"), 60, env=vk_env,
+             needs=("install",)),
+        Step("parity-vulkan-smollm2", "cut SmolLM2: CPU vs Vulkan logits, greedy tokens, SnapKV",
+             _me("parity", "--backend", "vulkan", smol, *parity), 180, env=vk_env, needs=("vulkan-env",)),
+        Step("parity-vulkan-gemma3", "cut Gemma 3: CPU vs Vulkan",
+             _me("parity", "--backend", "vulkan", gemma, gemma_global, *gemma_prompt), 150, env=vk_env,
+             needs=("vulkan-env", "derive")),
+        Step("bench-vulkan", "engine bench --backend vulkan",
+             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench], 150,
+             env=vk_env, needs=("vulkan-env", "derive")),
+    ]
+    return steps
+
+
+def _tail(path: pathlib.Path, n: int = 25) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def _run_step(step: Step, env: dict, log: pathlib.Path, timeout: float) -> tuple[str, int | None]:
+    with open(log, "w") as f:
+        f.write(f"$ {' '.join(step.argv)}\n")
+        f.flush()
+        p = subprocess.Popen(step.argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    p.wait(timeout=5)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            return "timeout", None
+    if rc == SKIPPED:
+        return "skipped", rc
+    return ("ok" if rc == 0 else "failed"), rc
+
+
+def write_report(out: pathlib.Path, report: dict) -> None:
+    tmp = out / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(tmp, out / "report.json")
+    (out / "report.md").write_text(markdown(report))
+
+
+def markdown(r: dict) -> str:
+    kind = ("DRY RUN on a CPU machine: CUDA on the CPU harness (SHARPI_CUDA_EXECUTOR=cpu-harness), Vulkan on "
+            "whatever device kp finds (lavapipe), heavy steps scaled down; not a GPU result"
+            if r["dry_run"] else "GPU run")
+    counts = {}
+    for s in r["steps"]:
+        counts[s["status"]] = counts.get(s["status"], 0) + 1
+    lines = [f"# gpu_check report ({'dry run' if r['dry_run'] else 'device'})", "", f"**{kind}.**", "",
+             f"Started {r['started']}, {r.get('duration_s', 0):.0f} s of a {r['budget_s']:.0f} s budget; "
+             + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ("" if r.get("finished") else " (in progress)"),
+             "", "| step | status | s | what |", "|---|---|---:|---|"]
+    for s in r["steps"]:
+        status = (s["status"] + (f" ({s['reason']})" if s.get("reason") else "")).replace("|", "\\|")
+        lines.append(f"| {s['name']} | {status} | {s.get('duration_s', 0):.1f} | {s['title']} |")
+    if r.get("vulkan_notes"):
+        lines += ["", "Vulkan on this machine: " + "; ".join(r["vulkan_notes"])]
+    env = r.get("environment")
+    if env:
+        lines += ["", "## Environment", "", "```", json.dumps(env, indent=1), "```"]
+    if r.get("bundle"):
+        b = r["bundle"]
+        lines += ["", "## Bundle", "", f"whole call {b.get('call_total_bytes', 0) / 2**20:.2f} MiB "
+                  f"(limit {LIMIT_MIB:.0f}); models: " + "; ".join(f"{m['file']} {m['bytes'] / 2**20:.1f} MiB: {m['about']}"
+                                                              for m in b.get("models", []))]
+    lines += ["", "## Steps (last lines of each log; full logs under logs/)"]
+    for s in r["steps"]:
+        lines += ["", f"### {s['name']}: {s['status']}", "", f"`{s.get('command', '')}`"[:600]]
+        if s.get("tail"):
+            lines += ["", "```", s["tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, only: list[str] | None) -> int:
+    t0 = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    manifest = {}
+    if (bundle / "manifest.json").is_file():
+        manifest = json.loads((bundle / "manifest.json").read_text())
+    steps = plan(bundle, out, work, dry)
+    if only:
+        unknown = set(only) - {s.name for s in steps}
+        if unknown:
+            raise SystemExit(f"run: unknown steps {sorted(unknown)}; steps: {', '.join(s.name for s in steps)}")
+    if only:
+        only = ["env", *only]
+    while only:                               # what the chosen steps need runs too
+        more = {n for s in steps if s.name in only for n in s.needs} - set(only)
+        if not more:
+            break
+        only = only + sorted(more)
+    site = work / "site"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site) if not dry else "", str(REPO),
+                                                                      os.environ.get("PYTHONPATH")])),
+               SHARPI_CUDA_EXECUTOR="cpu-harness" if dry else "device", PYTHONUNBUFFERED="1")
+    env.pop("SHARPI_BACKEND", None)
+    _, vk_notes = _vulkan_env(bundle)
+    report = {"dry_run": dry, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "budget_s": budget_s,
+              "python": sys.version.split()[0], "executor": env["SHARPI_CUDA_EXECUTOR"], "vulkan_notes": vk_notes,
+              "bundle": {k: manifest.get(k) for k in ("models", "wheels", "call_total_bytes", "vulkan_loader")},
+              "one_call": {"command": ONE_CALL_COMMAND, "carry": ONE_CALL_CARRY}, "steps": [], "finished": False}
+    results: dict[str, dict] = {}
+    for step in steps:
+        rec = {"name": step.name, "title": step.title, "status": "skipped", "reason": None, "duration_s": 0.0,
+               "command": " ".join(step.argv) if step.argv else None}
+        report["steps"].append(rec)
+        left = budget_s - (time.monotonic() - t0)
+        if only and step.name not in only:
+            rec["reason"] = "not selected (--steps)"
+        elif step.skip_reason:
+            rec["reason"] = step.skip_reason
+        elif unmet := [results[n] for n in step.needs if results[n]["status"] != "ok"]:
+            need = unmet[0]
+            rec["reason"] = f"needs {need['name']}, {need['status']}" + (f": {need['reason']}" if need["reason"] else "")
+        elif left < step.min_s:
+            rec["reason"] = "time budget"
+        else:
+            log = out / "logs" / f"{step.name}.log"
+            rec["status"], rec["reason"] = "running", None
+            write_report(out, report)
+            s0 = time.monotonic()
+            status, rc = _run_step(step, {**env, **step.env}, log, min(step.timeout, left))
+            rec.update(status=status, rc=rc, duration_s=round(time.monotonic() - s0, 2), log=f"logs/{step.name}.log",
+                       tail=_tail(log, step.tail_lines), timeout_s=round(min(step.timeout, left), 1))
+            if status == "skipped":
+                rec["reason"] = (rec["tail"].splitlines() or ["?"])[-1][:300]
+            if status == "timeout":
+                rec["reason"] = f"after {rec['timeout_s']:.0f} s"
+            if step.name == "env" and status == "ok":
+                try:
+                    report["environment"] = json.loads(log.read_text().split("\n", 1)[1])
+                except (ValueError, IndexError):
+                    pass
+        results[step.name] = rec
+        report["duration_s"] = round(time.monotonic() - t0, 1)
+        write_report(out, report)
+    report["finished"] = True
+    report["duration_s"] = round(time.monotonic() - t0, 1)
+    write_report(out, report)
+    shutil.rmtree(work, ignore_errors=True)
+    failed = [s["name"] for s in report["steps"] if s["status"] in ("failed", "timeout")]
+    print(f"gpu_check {'dry run' if dry else 'run'}: {report['duration_s']:.0f} s; "
+          + ", ".join(f"{s['name']} {s['status']}" for s in report["steps"]) + f"; report {out / 'report.md'}")
+    return 1 if failed else 0
+
+
+# -- the steps ------------------------------------------------------------------------------
+def cmd_env(a) -> int:
+    info = {"python": sys.version.split()[0], "platform": platform.platform(), "cores": os.cpu_count(),
+            "executor": os.environ.get("SHARPI_CUDA_EXECUTOR")}
+    pk = {}
+    for dist in ("numpy", "numba", "cupy-cuda13x", "cupy-cuda12x", "gguf", "tokenizers", "jinja2", "pytest",
+                 "pytest-xdist", "hypothesis", "torch", "kp", "psutil", "threadpoolctl"):
+        try:
+            pk[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    info["packages"] = pk
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        info["nvidia_smi"] = (q.stdout or q.stderr).strip()
+        full = subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=30).stdout
+        info["nvidia_smi_q"] = [ln.strip() for ln in full.splitlines()
+                                if any(k in ln for k in ("Driver Version", "CUDA Version", "Product Name",
+                                                         "Product Architecture", "MIG Mode", "Current  ", "Persistence"))][:12]
+    try:
+        import cupy
+        rt = cupy.cuda.runtime
+        info["cuda_driver_version"] = rt.driverGetVersion()
+        info["cuda_runtime_version"] = rt.runtimeGetVersion()
+        p = rt.getDeviceProperties(0)
+        info["device"] = {"name": p["name"].decode() if isinstance(p["name"], bytes) else p["name"],
+                          "compute_capability": f"{p['major']}{p['minor']}", "sms": p["multiProcessorCount"],
+                          "total_bytes": p["totalGlobalMem"]}
+    except Exception as e:               # noqa: BLE001 - reported, not raised: a dry run has no GPU
+        info["cuda"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    try:
+        sys.path.insert(0, str(REPO))
+        from backends.cuda import nvrtc
+        info["nvrtc_version"] = ".".join(map(str, nvrtc.version()))
+        info["nvrtc_archs"] = list(nvrtc.supported_archs())
+    except Exception as e:               # noqa: BLE001
+        info["nvrtc"] = f"{type(e).__name__}: {e}"
+    info["compute_sanitizer"] = _sanitizer()
+    print(json.dumps(info, indent=1, default=str))
+    return 0
+
+
+def cmd_install(a) -> int:
+    """Unpack the carried wheels whose module is missing here into --site (wheels are zip
+    files; these need no install scripts, so no pip and no network). --all: every wheel
+    (the dry run: proves the bundle unpacks; the scratch site is not used)."""
+    site = pathlib.Path(a.site)
+    site.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(pathlib.Path(a.bundle, "wheels").glob("*.whl"))
+    done, present, missing = [], [], []
+    for module, dist in WHEELS.items():
+        if importlib.util.find_spec(module) is not None and not a.all:
+            present.append(module)
+            continue
+        norm = dist.replace("-", "_").lower()
+        whl = next((w for w in wheels if w.name.lower().startswith(norm + "-")), None)
+        if whl is None:
+            missing.append(f"{module} ({dist})")
+            continue
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(site)
+        done.append(whl.name)
+    print(f"present here: {', '.join(present) or 'none'}")
+    print(f"unpacked into {site}: {', '.join(done) or 'nothing'}")
+    if missing:
+        print(f"missing and not in the bundle: {', '.join(missing)}")
+        needed = [m for m in missing if not m.startswith(("xdist", "execnet"))]
+        return 1 if needed and not a.all else 0
+    return 0
+
+
+def cmd_compile(a) -> int:
+    arch = a.arch
+    if arch is None:
+        import cupy
+        p = cupy.cuda.runtime.getDeviceProperties(0)
+        arch = p["major"] * 10 + p["minor"]
+    print(f"arch {arch}", flush=True)
+    return subprocess.run([sys.executable, "-m", "backends.cuda.nvrtc", "--arch", str(arch), *a.files], cwd=REPO).returncode
+
+
+def cmd_derive(a) -> int:
+    sys.path.insert(0, str(REPO / "tools"))
+    from gguf_cut import cut_gguf
+    models, to = pathlib.Path(a.bundle, "models"), pathlib.Path(a.to)
+    to.mkdir(parents=True, exist_ok=True)
+    gemma = models / CUTS[1].file
+    print(cut_gguf(gemma, to / "gemma3-2l-v2k-global.gguf", range(CUTS[1].layers),
+                   metadata={"gemma3.attention.sliding_window": 0}))
+    if not a.no_bench_model:   # SmolLM2's real depth and shapes from the two carried blocks: speed, not outputs
+        print(cut_gguf(models / CUTS[0].file, to / "smollm2-30l-bench.gguf", [i % CUTS[0].layers for i in range(30)],
+                       metadata={"llama.context_length": 32768}))   # the 32K row; past 8192 untrained: speed only
+    return 0
+
+
+TEXT = ("The history of the lighthouse at Alexandria is told in many sources. Built in the third century BC, "
+        "it guided ships into the harbour for centuries, and travellers wrote about its fire and its mirror. ")
+
+
+def _scratch() -> pathlib.Path:
+    """A temporary folder removed when the process exits."""
+    import atexit
+    tmp = tempfile.mkdtemp(prefix="gpu_check-tiny-")
+    atexit.register(shutil.rmtree, tmp, True)
+    return pathlib.Path(tmp)
+
+
+def _tests_on_path():
+    for p in (REPO, REPO / "tests", REPO / "tests" / "backends"):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+
+
+def _greedy_logits(model, ids, n):
+    import numpy as np
+    cache, logits = model.prefill(ids, snapkv=False)
+    out, tokens = [logits], []
+    for _ in range(n):
+        tokens.append(int(np.argmax(logits)))
+        logits = model.forward.decode(tokens[-1], cache)
+        out.append(logits)
+    return out, tokens
+
+
+def parity_one(path, backend: str, n_prompt: int, n_tokens: int, snap_tokens: int, chunk: int, tol: float) -> dict:
+    """CPU backend vs `backend` on one GGUF: prompt and per-step logits (NMSE), greedy tokens, SnapKV."""
+    import numpy as np
+
+    import engine
+    from _backends import nmse
+    from _model_checks import check_snapkv
+    ctx = n_prompt + n_tokens + 64
+    cpu = engine.load(path, backend="cpu", snapkv_budget=0, ctx=ctx, prefill_chunk=chunk)
+    dev = engine.load(path, backend=backend, snapkv_budget=0, ctx=ctx, prefill_chunk=chunk)
+    ids = cpu.tokenize(TEXT * (1 + n_prompt // 30))[:n_prompt]     # TEXT is over 30 tokens for any vocabulary
+    t0 = time.perf_counter()
+    lc, tc = _greedy_logits(cpu, ids, n_tokens)
+    lg, tg = _greedy_logits(dev, ids, n_tokens)
+    errs = [float(nmse(g, c)) for g, c in zip(lg, lc)]
+    div = next((i for i, (x, y) in enumerate(zip(tg, tc)) if x != y), None)
+    r = {"model": os.path.basename(str(path)), "backend": backend,
+         "executor": getattr(dev.backend, "ex", None) and dev.backend.ex.name, "layers": dev.config.n_layers,
+         "layer_windows": list(dev.config.layer_windows), "prompt_tokens": len(ids), "tokens": n_tokens,
+         "prefill_chunk": chunk, "nmse_prompt": errs[0], "nmse_max_decode": max(errs[1:], default=0.0),
+         "argmax_equal": int(np.argmax(lg[0])) == int(np.argmax(lc[0])), "tokens_equal": tg == tc,
+         "first_divergence": div, "tol": tol}
+    if div is not None:
+        top = np.sort(lc[div])[-2:]
+        r["cpu_top2_margin_at_divergence"] = float(top[1] - top[0])
+    r["ok"] = errs[0] < tol and max(errs) < max(tol, 1e-4) and r["argmax_equal"] and r["tokens_equal"]
+    if snap_tokens and any(dev.config.layer_windows):
+        r["snapkv"] = "not checked: sliding-window layers (check_snapkv reads every layer's keep sets)"
+    elif snap_tokens and len(ids) > 96 + 32:
+        try:
+            check_snapkv(cpu, dev, ids, budget=96, window=16, n_tokens=snap_tokens,
+                         layers=tuple(range(dev.config.n_layers)))
+            r["snapkv"] = "ok (keep sets >= 95% equal, tokens equal, device cache = kept rows)"
+        except AssertionError as e:
+            r["snapkv"] = f"FAILED: {str(e).splitlines()[0] if str(e) else 'assertion'}"
+            r["ok"] = False
+    r["seconds"] = round(time.perf_counter() - t0, 2)
+    return r
+
+
+def cmd_parity(a) -> int:
+    _tests_on_path()
+    if a.no_pool:
+        import cupy
+        cupy.cuda.set_allocator(None)
+    models = list(a.models)
+    if a.short or not models:
+        from tiny_gguf import write_tiny_gguf
+        from gguf import GGMLQuantizationType as Q
+        tmp = _scratch()
+        models = [str(write_tiny_gguf(tmp / "tiny-llama-q8.gguf", dim=128, n_heads=4, n_kv_heads=2,
+                                      ffn_dim=256, qtype=Q.Q8_0, seed=5))]
+        a.prompt_tokens, a.tokens, a.snapkv_tokens = 130, 4, 2
+    ok = True
+    for path in models:
+        try:
+            r = parity_one(path, a.backend, a.prompt_tokens, a.tokens, a.snapkv_tokens, a.chunk, a.tol)
+        except Exception as e:           # noqa: BLE001 - one model's failure is reported, the next still runs
+            import traceback
+            traceback.print_exc()
+            r = {"model": os.path.basename(str(path)), "backend": a.backend, "ok": False,
+                 "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        print(json.dumps(r), flush=True)
+        ok &= bool(r["ok"])
+    return 0 if ok else 1
+
+
+def tiny_cases(quick: bool) -> list[tuple[str, dict, str]]:
+    """(name, write_tiny_gguf kwargs, check) over architectures x weight types x KV formats."""
+    from gguf import GGMLQuantizationType as Q
+
+    from engine.gguf.qtypes import SUPPORTED
+    base = {"llama": dict(dim=256, n_heads=4, n_kv_heads=2, ffn_dim=256),
+            "qwen2": dict(arch="qwen2", dim=256, n_heads=4, n_kv_heads=1, ffn_dim=256),
+            "gemma3": dict(arch="gemma3", dim=256, n_heads=4, n_kv_heads=1, ffn_dim=256, n_layers=6)}
+    if quick:
+        return [("llama-Q8_0", dict(base["llama"], qtype=Q.Q8_0), "logits"),
+                ("qwen2-Q4_1", dict(base["qwen2"], qtype=Q.Q4_1), "logits"),
+                ("gemma3-Q4_K", dict(base["gemma3"], qtype=Q.Q4_K), "logits"),
+                ("llama-Q8_0-kv-q8_0/tq4", dict(base["llama"], qtype=Q.Q8_0), "kv:q8_0/tq4"),
+                ("qwen2-Q4_1-snapkv", dict(base["qwen2"], qtype=Q.Q4_1), "snapkv"),
+                ("qwen2-Q4_1-decode_batch", dict(base["qwen2"], qtype=Q.Q4_1), "decode_batch")]
+    cases = [(f"{arch}-{q.name}", dict(kw, qtype=q), "logits") for arch, kw in base.items() for q in SUPPORTED]
+    for kv in ("q8_0", "q4_0", "tq4", "tq3", "rq4_0", "q8_0/tq4"):
+        cases.append((f"llama-Q8_0-kv-{kv}", dict(base["llama"], qtype=Q.Q8_0), f"kv:{kv}"))
+    # SnapKV on the models whose every layer is compacted (check_snapkv reads each layer's keep
+    # sets; gemma3's sliding-window layers keep none); adaptive needs more than one KV head.
+    for arch, checks in (("llama", ("snapkv", "adaptive", "decode_batch")), ("qwen2", ("snapkv", "decode_batch")),
+                         ("gemma3", ("decode_batch",))):
+        cases += [(f"{arch}-Q4_K-{check}", dict(base[arch], qtype=Q.Q4_K), check) for check in checks]
+    return cases
+
+
+def cmd_tiny(a) -> int:
+    _tests_on_path()
+    import engine
+    from _model_checks import check_adaptive, check_decode_batch, check_logits_and_tokens, check_snapkv
+    from tiny_gguf import write_tiny_gguf
+    prompt = list(range(3, 200, 2)) * 3
+    tmp = _scratch()
+    failed, written = 0, {}
+    for name, kw, check in tiny_cases(a.quick):
+        t0 = time.perf_counter()
+        try:
+            key = json.dumps({k: str(v) for k, v in kw.items()}, sort_keys=True)
+            if key not in written:
+                written[key] = write_tiny_gguf(tmp / f"{len(written)}.gguf", seed=len(written) + 1, **kw)
+            path, extra = written[key], {}
+            if check.startswith("kv:"):
+                extra["kv_dtype"] = check[3:]
+            load = lambda b: engine.load(path, backend=b, snapkv_budget=0, prefill_chunk=64, **extra)  # noqa: E731
+            cpu, dev = load("cpu"), load(a.backend)
+            if check == "logits":
+                check_logits_and_tokens(cpu, dev, prompt[:150], 8)
+            elif check.startswith("kv:"):
+                check_logits_and_tokens(cpu, dev, prompt[:100], 4, tol=1e-4)
+            elif check == "snapkv":
+                check_snapkv(cpu, dev, prompt[:200], budget=96, window=16, n_tokens=4, layers=(0, 1))
+            elif check == "adaptive":
+                check_adaptive(cpu, dev, prompt[:200], budget=96, window=16, n_tokens=4)
+            elif check == "decode_batch":
+                check_decode_batch(cpu, dev, [prompt[:80], prompt[5:15], prompt[20:60]])
+            status = "ok"
+        except Exception as e:           # noqa: BLE001 - every case runs; failures are counted and shown
+            failed += 1
+            msg = str(e).strip().splitlines()
+            status = f"FAILED {type(e).__name__}: {msg[0][:200] if msg else ''}"
+        print(f"{name:<32} {check:<14} {time.perf_counter() - t0:6.1f} s  {status}", flush=True)
+    n = len(tiny_cases(a.quick))
+    print(f"{n - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def cmd_vulkan_env(a) -> int:
+    print(f"LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')}")
+    print(f"VK_ICD_FILENAMES={os.environ.get('VK_ICD_FILENAMES', '')}")
+    try:
+        import kp  # noqa: F401
+    except Exception as e:               # noqa: BLE001
+        print(f"Vulkan: not run: kp not importable on Python {platform.python_version()} ({type(e).__name__}: {e}; "
+              f"kp 0.9.0 is an sdist only and no Python {sys.version_info.major}.{sys.version_info.minor} build "
+              f"travels in the bundle: docs/gpu_check.md)")
+        return SKIPPED
+    sys.path.insert(0, str(REPO))
+    from engine.errors import EngineError
+    try:
+        from backends.vulkan import list_devices
+        devices = list_devices()
+    except EngineError as e:
+        print(f"Vulkan: not run: {e}")
+        return SKIPPED
+    for d in devices:
+        print(f"vulkan {d['index']}: {d['name']} ({d['type']}, {d['vendor']}, Vulkan {d['api_version']})")
+    if not devices:
+        print("Vulkan: not run: kp imports but finds no Vulkan device")
+        return SKIPPED
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python tools/gpu_check.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="write the bundle (CPU machine)")
+    p.add_argument("--bundle", default=DEFAULT_BUNDLE)
+    p.add_argument("--no-download", action="store_true", help="cut models only; count an allowance for the rest")
+    for name, helptext in (("run", "run every step (GPU machine)"), ("dry-run", "prepare + run here, scaled down")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--bundle", default=DEFAULT_BUNDLE)
+        p.add_argument("--out", default=os.environ.get("OUT") or "results/gpu_check")
+        p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's time (default 450 s)")
+        p.add_argument("--steps", help="comma-separated step names to run, with env and the steps they need "
+                       "(the others are reported skipped)")
+        if name == "dry-run":
+            p.add_argument("--no-download", action="store_true", help="prepare --no-download")
+    p = sub.add_parser("parity", help="CPU backend vs a device backend on GGUF files")
+    p.add_argument("models", nargs="*")
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=300)
+    p.add_argument("--snapkv-tokens", type=int, default=8, help="greedy tokens after SnapKV (0: no SnapKV check)")
+    p.add_argument("--chunk", type=int, default=64, help="prefill chunk (several: the GEMM path)")
+    p.add_argument("--tol", type=float, default=1e-5, help="NMSE of the prompt's logits (tests/backends/_model_checks.py)")
+    p.add_argument("--short", action="store_true", help="a tiny model, a few tokens (under compute-sanitizer)")
+    p.add_argument("--no-pool", action="store_true",
+                   help="cupy without its memory pool: one cudaMalloc per array, so memcheck sees each array's end")
+    p = sub.add_parser("tiny", help="tiny random models: architectures x weight types x KV formats")
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--quick", action="store_true")
+    sub.add_parser("env", help="machine facts as JSON")
+    p = sub.add_parser("install", help="unpack the missing carried wheels")
+    p.add_argument("--bundle", default=DEFAULT_BUNDLE)
+    p.add_argument("--site", required=True)
+    p.add_argument("--all", action="store_true")
+    p = sub.add_parser("compile", help="python -m backends.cuda.nvrtc for the live (or given) arch")
+    p.add_argument("--arch", type=int)
+    p.add_argument("files", nargs="*")
+    p = sub.add_parser("derive", help="models made from the carried ones")
+    p.add_argument("--bundle", default=DEFAULT_BUNDLE)
+    p.add_argument("--to", required=True)
+    p.add_argument("--no-bench-model", action="store_true")
+    sub.add_parser("vulkan-env", help="Vulkan loader, ICD, kp, devices (exit 3: not usable)")
+    a = ap.parse_args(argv)
+
+    if a.cmd == "prepare":
+        prepare(pathlib.Path(a.bundle).resolve(), download=not a.no_download)
+        return 0
+    if a.cmd in ("run", "dry-run"):
+        bundle, dry = pathlib.Path(a.bundle).resolve(), a.cmd == "dry-run"
+        if dry:
+            prepare(bundle, download=not a.no_download)
+        if not (bundle / "models").is_dir():
+            print(f"gpu_check: no bundle at {bundle} (python tools/gpu_check.py prepare)", file=sys.stderr)
+        only = [s.strip() for s in a.steps.split(",")] if a.steps else None
+        return run(bundle, pathlib.Path(a.out).resolve(), dry, a.budget_s, only)
+    return {"parity": cmd_parity, "tiny": cmd_tiny, "env": cmd_env, "install": cmd_install, "compile": cmd_compile,
+            "derive": cmd_derive, "vulkan-env": cmd_vulkan_env}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
