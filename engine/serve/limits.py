@@ -113,29 +113,43 @@ class RequestGuard:
 
 class GuardedH11(H11Protocol):
     """uvicorn's h11 protocol, plus: request headers must arrive within `header_timeout`
-    of the connection's start (or of the previous response), and a connection beyond
-    `max_connections` is closed as soon as it is made. The values come from the Config
-    (`config.header_timeout`, `config.max_connections`, set by `uvicorn_config`)."""
+    of the connection's start (or of the previous response), and at most `max_connections`
+    connections are held: over the cap, the connection that has waited longest for its
+    request headers is closed to make room (so idle or half-open sockets cannot lock
+    clients out); only when every connection is mid-request is the new one refused. The
+    values come from the Config (`config.header_timeout`, `config.max_connections`, set
+    by `uvicorn_config`)."""
 
     def __init__(self, config, *args, **kw):
         super().__init__(config, *args, **kw)
         self._header_timeout = getattr(config, "header_timeout", None)
         self._max_connections = getattr(config, "max_connections", None)
         self._header_task = None
+        self._waiting_since: float | None = None     # loop time since when no request headers came
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         if self._max_connections is not None and len(self.connections) > self._max_connections:
-            transport.close()
-            return
+            # a closed connection stays in `connections` until its connection_lost runs
+            live = [c for c in self.connections if c.transport is not None and not c.transport.is_closing()]
+            if len(live) > self._max_connections:
+                waiting = [c for c in live if c is not self and getattr(c, "_waiting_since", None) is not None]
+                if not waiting:
+                    transport.close()
+                    return
+                oldest = min(waiting, key=lambda c: c._waiting_since)
+                oldest._disarm()
+                oldest.transport.close()
         self._arm()
 
     def _arm(self) -> None:
+        self._disarm()
+        self._waiting_since = self.loop.time()
         if self._header_timeout:
-            self._disarm()
             self._header_task = self.loop.call_later(self._header_timeout, self._too_slow)
 
     def _disarm(self) -> None:
+        self._waiting_since = None
         if self._header_task is not None:
             self._header_task.cancel()
             self._header_task = None
