@@ -2,6 +2,7 @@
 
     engine eval [MODEL] --tasks passkey,niah --lengths 1024,2048 --samples 11 --out results/eval
     engine eval --quick                       # a small subset, minutes on a laptop CPU
+    engine eval --tasks code --lengths 4096   # questions about a generated Python project (chat format)
     engine eval --policies full,snapkv-b512-head-avg-k31-w32-s4
     engine eval --render results/eval/results.json   # rewrite summary.md and plots from saved samples
     engine eval --render a/results.json b/results.json --out ab   # the report of one run split in two
@@ -19,13 +20,13 @@ from datetime import datetime, timezone
 from ..errors import ConfigError, EngineError
 from ..inputs import output_dir
 from . import policies as P
-from .tasks import TASKS, sample_depth
+from .tasks import DEFAULT_TASKS, TASK_GROUPS, TASKS, sample_depth
 
 # Defaults of a full run and of --quick; an explicit flag always wins.
-FULL_RUN = {"tasks": ",".join(TASKS), "lengths": "1024,2048,4096,8192", "budgets": "256,512,1024,2048",
+FULL_RUN = {"tasks": ",".join(DEFAULT_TASKS), "lengths": "1024,2048,4096,8192", "budgets": "256,512,1024,2048",
             "samples": 11, "depths": "0,10,20,30,40,50,60,70,80,90,100", "ablation_budget": 1024,
             "fraction": 8, "policies": None, "kv_dtypes": None}
-QUICK_RUN = {"tasks": ",".join(TASKS), "lengths": "1024", "budgets": "256,512",
+QUICK_RUN = {"tasks": ",".join(DEFAULT_TASKS), "lengths": "1024", "budgets": "256,512",
              "samples": 3, "depths": "0,10,20,30,40,50,60,70,80,90,100", "ablation_budget": 0,
              "fraction": 8, "policies": None, "kv_dtypes": None}
 
@@ -33,12 +34,17 @@ QUICK_RUN = {"tasks": ",".join(TASKS), "lengths": "1024", "budgets": "256,512",
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eval", help="long-context quality: full cache vs SnapKV eviction",
                               description="Passkey / needle-in-a-haystack retrieval and teacher-forced "
-                                          "fidelity, one prefill per prompt branched into every policy.")
+                                          "fidelity, and questions about a long generated Python project (--tasks code), "
+                                      "one prefill per prompt branched into every policy.")
     p.add_argument("model", nargs="?", help="a .gguf path or an installed model's name "
                    "(`engine models`; default: qwen2.5-coder-0.5b)")
     p.add_argument("--backend", help="cpu | vulkan | cuda | auto (env SHARPI_BACKEND)")
     p.add_argument("--threads", help="CPU threads (env SHARPI_THREADS)")
-    p.add_argument("--tasks", help=f"comma separated, from {','.join(TASKS)} (default: all)")
+    p.add_argument("--tasks", help=f"comma separated, from {','.join(TASKS)} (default: "
+                   f"{','.join(DEFAULT_TASKS)}). The code_* tasks ask about a generated Python project "
+                   "(several files, a few thousand lines at 32K) in the model's chat format: code_def, in which "
+                   "file a function is defined; code_value, a constant's value or the literal a function returns; "
+                   "code_caller, which function calls another (the one caller). `code` selects all three")
     p.add_argument("--lengths", help="prompt lengths in tokens (default 1024,2048,4096,8192; "
                                      "clipped to fit the context with the answer)")
     p.add_argument("--budgets", help="SnapKV budgets swept at default settings (default 256,512,1024,2048)")
@@ -104,9 +110,11 @@ def resolve(args) -> dict:
         if getattr(args, k, None) is not None:
             d[k] = getattr(args, k)
     tasks = [t.strip() for t in str(d["tasks"]).split(",") if t.strip()]
+    tasks = list(dict.fromkeys(x for t in tasks for x in TASK_GROUPS.get(t, (t,))))   # `code` -> its kinds
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
-        raise EngineError(f"unknown task {bad[0] if bad else '(none)'!r}: choose from {', '.join(TASKS)}")
+        raise EngineError(f"unknown task {bad[0] if bad else '(none)'!r}: choose from "
+                          f"{', '.join(TASKS + tuple(TASK_GROUPS))}")
     lengths = _ints(d["lengths"], "--lengths")
     if min(lengths) < 64:
         raise EngineError("--lengths must be at least 64 tokens")

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from .tasks import RETRIEVAL_TASKS
+from .tasks import SCORED_TASKS
 
 SCHEMA_VERSION = 1
 SAMPLE_KEYS = ("task", "length", "prompt_tokens", "index", "seed", "depth", "depth_actual", "key",
@@ -42,7 +42,7 @@ def summarize(rows: list[dict], policies: list[str]) -> dict:
                 cell.update(accuracy=_mean(r["correct"] for r in rs), score=_mean(r["score"] for r in rs))
             tasks[task][length] = cell
         mine = [r for r in rows if r["policy"] == p]
-        retr = [r for r in mine if r["task"] in RETRIEVAL_TASKS]
+        retr = [r for r in mine if r["task"] in SCORED_TASKS]
         fid = [r for r in mine if r["task"] == "fidelity"]
         out[p] = {"tasks": dict(tasks),
                   "retrieval_acc": _mean(r["correct"] for r in retr),
@@ -129,7 +129,7 @@ def paired_against(rows: list[dict], policies: list[str], reference: str = "full
         if p == reference:
             continue
         pairs = [(ref[key(r)], r) for r in rows if r["policy"] == p and key(r) in ref]
-        retr = [(f, r) for f, r in pairs if r["task"] in RETRIEVAL_TASKS]
+        retr = [(f, r) for f, r in pairs if r["task"] in SCORED_TASKS]
         n = len(retr)
         if n:
             lost = sum(bool(f["correct"]) and not bool(r["correct"]) for f, r in retr)
@@ -180,10 +180,11 @@ def markdown(meta: dict, summary: dict, lengths: list[int], tasks: list[str]) ->
     lines.append(f"{meta.get('n_samples', '?')} prompts x {len(summary)} policies, backend "
                  f"{meta.get('backend', '?')}, seed {meta.get('seed')}, wall {t.get('wall_s', 0):.0f} s "
                  f"(prefill {t.get('prefill_s', 0):.0f} s for {t.get('prefill_tokens', 0)} tokens). "
-                 "Accuracy: every expected number appears in the greedy answer. A policy whose budget "
+                 "Accuracy: every expected number appears in the greedy answer (code questions: the answer "
+                 "gives exactly the expected path, value or function). A policy whose budget "
                  "is at least the prompt length does not compact and repeats the full-cache answer.")
     lines.append("")
-    retrieval = [x for x in tasks if x in RETRIEVAL_TASKS]
+    retrieval = [x for x in tasks if x in SCORED_TASKS]
     head = ["policy", "retrieval acc", "KV MiB", "KV ratio"]
     if "fidelity" in tasks:
         head += ["fidelity KL", "top-1 agree"]
@@ -231,7 +232,7 @@ def _plt():
 def plot_heatmaps(path: str, rows: list[dict], policies: list[str], lengths: list[int]) -> None:
     """Retrieval accuracy, needle depth (rows) x prompt length (columns), one panel per policy."""
     plt = _plt()
-    retr = [r for r in rows if r["task"] in RETRIEVAL_TASKS]
+    retr = [r for r in rows if r["task"] in SCORED_TASKS]
     depths = sorted({r["depth"] for r in retr}) or [50.0]
     n = len(policies)
     cols = min(4, n)
@@ -272,7 +273,7 @@ def plot_accuracy_vs_budget(path: str, rows: list[dict], policy_meta: dict, leng
     default = {k: v for k, v in policy_meta.get("defaults", {}).items()}
     sweep = {name: m for name, m in policy_meta["policies"].items()
              if m["budget"] is not None and all(m[k] == v for k, v in default.items())}
-    tasks = [t for t in RETRIEVAL_TASKS if any(r["task"] == t for r in rows)]
+    tasks = [t for t in SCORED_TASKS if any(r["task"] == t for r in rows)]
     fig, axes = plt.subplots(1, max(len(tasks), 1), figsize=(4 * max(len(tasks), 1), 3.4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for j, length in enumerate(lengths):

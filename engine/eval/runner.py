@@ -11,7 +11,8 @@ exactly the queries of positions L - W .. L - 1 that a prefill capturing W
 would hold (queries do not depend on the capture). `tests/e2e/test_eval_harness`
 checks that the keep sets match a direct SnapKV prefill.
 
-Retrieval tasks decode greedily from each branch and parse digits; the
+Retrieval tasks decode greedily from each branch and parse digits (code questions:
+decode to the end of the turn and match the answer, `tasks.score`); the
 fidelity task teacher-forces a continuation through the full and the evicted
 cache and compares the next-token distributions.
 """
@@ -43,7 +44,7 @@ class EvalPlan:
     samples: int = 1                         # per (task, length); depths spread over them
     depths: Sequence[float] = DEPTHS         # percent
     seed: int = 0
-    max_new_tokens: int = 12                 # per expected number (niah_multivalue asks several)
+    max_new_tokens: int = 12                 # per expected number (niah_multivalue asks several; code: x3)
     fidelity_tokens: int = 64                # teacher-forced continuation length
 
     def validate(self) -> None:
@@ -63,12 +64,12 @@ class EvalPlan:
         """Positions needed after the prompt."""
         if task == "fidelity":
             return self.fidelity_tokens
-        return self.max_new_tokens * (T.N_VALUES if task == "niah_multivalue" else 1)
+        return self.max_new_tokens * T.answer_units(task)
 
     def context(self, model_ctx: int) -> int:
         """Context to run with: the longest prompt plus its answer, at most the model's
         (smaller cache pools to copy per policy)."""
-        need = max(self.lengths) + max(self.max_new_tokens * T.N_VALUES, self.fidelity_tokens) + 1
+        need = max(self.lengths) + max(self.margin(t) for t in T.TASKS) + 1
         return min(model_ctx, need)
 
     def cases(self):
@@ -101,24 +102,24 @@ class Timings:
 
 
 def greedy_numbers(logits: np.ndarray, step, detokenize, eot: set, max_new: int,
-                   n_numbers: int) -> tuple[str, int]:
-    """Greedy decode until `n_numbers` digit runs are complete, an end-of-text token, or
-    `max_new` tokens. logits: f32 [vocab] after the prompt; step(token) -> the next
-    logits. Returns (text, tokens decoded). tools/eval_llamacpp.py drives llama.cpp
-    through the same rule."""
+                   n_numbers: int | None) -> tuple[str, int]:
+    """Greedy decode until `n_numbers` digit runs are complete (None: no such stop, for
+    the code questions' chat answers), an end-of-text token, or `max_new` tokens.
+    logits: f32 [vocab] after the prompt; step(token) -> the next logits. Returns
+    (text, tokens decoded). tools/eval_llamacpp.py drives llama.cpp through the same rule."""
     out: list[int] = []
     token = int(np.argmax(logits))
     for _ in range(max_new):
         if token in eot:
             break
         out.append(token)
-        if T.finished_numbers(detokenize(out)) >= n_numbers or len(out) == max_new:
+        if len(out) == max_new or (n_numbers is not None and T.finished_numbers(detokenize(out)) >= n_numbers):
             break
         token = int(np.argmax(step(token)))
     return detokenize(out), len(out)
 
 
-def greedy_answer(model, cache, logits: np.ndarray, max_new: int, n_numbers: int) -> tuple[str, int]:
+def greedy_answer(model, cache, logits: np.ndarray, max_new: int, n_numbers: int | None) -> tuple[str, int]:
     """greedy_numbers on our engine, advancing `cache` in place."""
     eot = set(getattr(model.tokenizer, "eot_ids", ()) or ()) | {model.tokenizer.eos_id}
     return greedy_numbers(logits, lambda t: model.forward.decode(t, cache), model.detokenize, eot,
@@ -251,9 +252,9 @@ class Runner:
                 "evict_s": rep["seconds"]}
 
     def _answer(self, sample: T.Sample, cache, logits) -> dict:
-        n = len(sample.expected)
+        n = None if sample.task in T.CODE_TASKS else len(sample.expected)    # code: until end of turn
         t0 = time.perf_counter()
-        text, n_tok = greedy_answer(self.model, cache, logits, self.plan.max_new_tokens * n, n)
+        text, n_tok = greedy_answer(self.model, cache, logits, self.plan.margin(sample.task), n)
         dt = time.perf_counter() - t0
         self.timings.decode_s += dt
         self.timings.decode_tokens += n_tok

@@ -1,10 +1,13 @@
 """Seeded long-context tasks: passkey, needle-in-a-haystack (single, multi-key,
-multi-value) and a long document for teacher-forced fidelity. Nothing is downloaded.
+multi-value), a long document for teacher-forced fidelity, and questions about a
+generated Python project (code_def, code_value, code_caller: `code_tasks.py`).
+Nothing is downloaded.
 
-Every prompt is plain completion (no chat template): instructions, a haystack
+Every needle prompt is plain completion (no chat template): instructions, a haystack
 with the needle(s), the question, and an answer cue the small model continues
-("The pass key is"). Lengths are counted in tokens of the model's tokenizer;
-a prompt never exceeds its target and falls short of it by at most a sentence.
+("The pass key is"). The code questions are in the model's chat format. Lengths are
+counted in tokens of the model's tokenizer; a prompt never exceeds its target and
+falls short of it by at most a sentence (a few constants' lines for code).
 
 Depth d (percent) puts the (first) needle after d% of the haystack's tokens, on
 a sentence boundary. Other needles (distractors, extra values) go to random
@@ -19,9 +22,13 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from ..errors import EngineError
+from .code_tasks import CODE_ANSWER_UNITS, CODE_TASKS, make_code, score_code
 
-RETRIEVAL_TASKS = ("passkey", "niah", "niah_multikey", "niah_multivalue")
-TASKS = RETRIEVAL_TASKS + ("fidelity",)
+RETRIEVAL_TASKS = ("passkey", "niah", "niah_multikey", "niah_multivalue")   # digits answers
+DEFAULT_TASKS = RETRIEVAL_TASKS + ("fidelity",)      # a run without --tasks
+TASKS = DEFAULT_TASKS + CODE_TASKS
+SCORED_TASKS = RETRIEVAL_TASKS + CODE_TASKS          # answered and marked right or wrong
+TASK_GROUPS = {"code": CODE_TASKS}                   # --tasks code: all three kinds
 N_DISTRACTORS = 3        # niah_multikey: needles with other keys
 N_VALUES = 4             # niah_multivalue: numbers for the asked key
 
@@ -44,6 +51,8 @@ class Sample:
     key: str | None = None             # the asked word (niah*)
     needle_token_pos: int | None = None   # token index where the (first) needle starts
     continuation: list[int] = field(default_factory=list)   # fidelity: teacher-forced tokens
+    answer_kind: str | None = None     # code tasks: path | number | string | identifier
+    distractors: list[str] = field(default_factory=list)    # code_caller: names a right answer does not give
 
     @property
     def n_tokens(self) -> int:
@@ -302,6 +311,8 @@ def make_sample(task: str, tok: TokenCounter, target: int, depth: float, seed: i
         return make_niah(tok, target, depth, seed, index, task)
     if task == "fidelity":
         return make_fidelity(tok, target, seed, index, continuation)
+    if task in CODE_TASKS:
+        return make_code(tok, target, depth, seed, index, task)
     raise EngineError(f"unknown task {task!r} (choose from {', '.join(TASKS)})")
 
 
@@ -335,7 +346,15 @@ def finished_numbers(text: str) -> int:
     return len(runs) - (1 if text and text[-1].isdigit() else 0)
 
 
+def answer_units(task: str) -> int:
+    """Answer tokens of `task` in units of --max-new-tokens."""
+    return N_VALUES if task == "niah_multivalue" else CODE_ANSWER_UNITS if task in CODE_TASKS else 1
+
+
 def score(sample: Sample, generated: str) -> float:
-    """Fraction of expected numbers found among the digit runs of the answer."""
+    """Fraction of expected numbers found among the digit runs of the answer; code
+    tasks: 1.0 for exactly the expected answer (code_tasks.score_code), else 0.0."""
+    if sample.task in CODE_TASKS:
+        return score_code(sample.answer_kind or "", sample.expected[0], generated, sample.distractors)
     found = set(numbers_in(generated))
     return sum(v in found for v in sample.expected) / max(len(sample.expected), 1)

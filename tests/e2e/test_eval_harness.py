@@ -55,6 +55,25 @@ def test_bad_arguments_are_one_line_errors():
         resolve(_parse(["eval", "--lengths", "1k"]))
     r = resolve(_parse(["eval", "--quick"]))
     assert r["lengths"] == [1024] and [p.name for p in r["policies"]][0] == "full"
+    assert not any(t.startswith("code") for t in r["tasks"])          # the code questions are asked for
+    assert resolve(_parse(["eval", "--tasks", "passkey,code,code_def"]))["tasks"] == \
+        ["passkey", "code_def", "code_value", "code_caller"]
+
+
+def test_code_tasks_end_to_end(smollm2_path, tmp_path):
+    """`--tasks code`: one chat prompt per kind, answered to the end of the turn and scored."""
+    args = _parse(["eval", str(smollm2_path), "--tasks", "code", "--lengths", "600", "--samples", "1",
+                   "--policies", "full,snapkv-b128-head-avg-k31-w32-s4", "--out", str(tmp_path), "--no-progress"])
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    rows = doc["samples"]
+    assert sorted({r["task"] for r in rows}) == ["code_caller", "code_def", "code_value"] and len(rows) == 6
+    for r in rows:
+        assert 600 - 24 <= r["prompt_tokens"] <= 600 and isinstance(r["correct"], bool) and r["key"]
+        assert isinstance(r["generated"], str) and r["generated"].strip()     # a sentence, not cut at a digit
+    assert doc["summary"]["full"]["retrieval_acc"] is not None
+    md = (tmp_path / "summary.md").read_text()
+    assert all(f"## {t}: accuracy" in md for t in ("code_def", "code_value", "code_caller"))
 
 
 def test_kv_dtype_policies_are_named_and_crossed():

@@ -1,5 +1,6 @@
 """Task generators of `engine eval`: seeded, needles where asked, lengths on target;
-answer parsing; policy names."""
+answer parsing; the code questions' answers checked against the parsed code; policy names."""
+import ast
 import re
 
 import pytest
@@ -14,6 +15,9 @@ class WordTokenizer:
 
     def encode(self, text, add_bos=None, special=True):
         return [hash(w) % 50000 for w in re.findall(r"\w+|[^\w\s]", text)]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages) + "<assistant>\n"
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def test_seeded_and_deterministic(task):
     assert c.prompt != a.prompt and d.prompt != a.prompt
 
 
-@pytest.mark.parametrize("task", T.RETRIEVAL_TASKS)
+@pytest.mark.parametrize("task", T.RETRIEVAL_TASKS + T.CODE_TASKS)
 @pytest.mark.parametrize("depth", [0, 10, 50, 90, 100])
 def test_needle_at_requested_depth(task, depth):
     tok = WordTokenizer()
@@ -45,7 +49,10 @@ def test_needle_at_requested_depth(task, depth):
     for v in s.expected:
         assert v in s.prompt
     # depth is measured over the haystack; head and question shift it by a few percent
-    assert abs(s.depth_actual - depth) < 5.0, (s.depth_actual, depth)
+    # (code: the chat template, the instructions and the first file's head come first)
+    assert abs(s.depth_actual - depth) < (8.0 if task in T.CODE_TASKS else 5.0), (s.depth_actual, depth)
+    if task in T.CODE_TASKS:
+        return
     if task == "passkey":
         assert f"The pass key is {s.expected[0]}." in s.prompt
         assert s.prompt.endswith("The pass key is")
@@ -100,6 +107,119 @@ def test_followup_asks_for_two_keys_half_a_document_apart(real_tok, depth):
     assert 0.4 < gap < 0.6
     again = T.make_followup(real_tok, 2000, depth, seed=5, index=3)
     assert (again.first.ids, again.turn2) == (fu.first.ids, fu.turn2)
+
+
+def _files(sample) -> dict[str, ast.Module]:
+    """The generated project of a code question: path -> parsed module."""
+    code = sample.prompt.split("```python\n", 1)[1].split("\n```", 1)[0]
+    out = {}
+    for chunk in re.split(r"^(?=# file: )", code, flags=re.M)[1:]:
+        path = chunk.split("\n", 1)[0].removeprefix("# file: ")
+        assert path not in out
+        out[path] = ast.parse(chunk)
+    return out
+
+
+def _defs(files, kind=ast.FunctionDef):
+    return [(path, node) for path, tree in files.items() for node in ast.walk(tree) if isinstance(node, kind)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("task", T.CODE_TASKS)
+def test_code_answers_are_unique_and_true_to_the_parsed_code(real_tok, task, seed):
+    """Every file parses; the asked name is defined once; the answer is what the code says
+    and appears in it as claimed; the question is the prompt's last words."""
+    for index, depth in enumerate((0, 50, 100)):
+        s = T.make_sample(task, real_tok, 1500, depth, seed=seed, index=index)
+        files = _files(s)
+        assert len(files) >= 2 and len(s.expected) == 1
+        answer, name = s.expected[0], s.key
+        assert f"`{name}`" in s.prompt.rsplit("```", 1)[1]            # asked after the code
+        funcs = [(p, f) for p, f in _defs(files) if f.name != "__init__"]
+        names = [f.name for _, f in funcs]
+        assert len(names) == len(set(names)), "every function and method has its own name"
+        if task == "code_def":
+            assert [p for p, f in funcs if f.name == name] == [answer] and s.answer_kind == "path"
+            assert s.prompt.count(f"# file: {answer}\n") == 1
+        elif task == "code_value":
+            literal = int(answer) if s.answer_kind == "number" else answer
+            consts = [(t.id, n.value) for _, n in _defs(files, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+            if name.isupper():                                       # a constant
+                assert [ast.literal_eval(v) for c, v in consts if c == name] == [literal]
+            else:                                                    # a function returning a literal
+                [(_, f)] = [(p, f) for p, f in funcs if f.name == name]
+                returns = [n for n in ast.walk(f) if isinstance(n, ast.Return)]
+                assert [ast.literal_eval(r.value) for r in returns] == [literal]
+            shown = answer if s.answer_kind == "number" else f'"{answer}"'
+            assert len(re.findall(rf"(?<![\w.-]){re.escape(shown)}(?![\w.-])", s.prompt)) == 1
+        else:                                                        # code_caller
+            calls = [(p, f.name) for p, f in funcs for n in ast.walk(f)
+                     if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name]
+            assert [c for _, c in calls] == [answer] and s.answer_kind == "identifier"
+            assert names.count(name) == 1 and answer in names
+            assert name not in s.distractors and answer not in s.distractors
+            assert set(names) - {name, answer} <= set(s.distractors)
+
+
+@pytest.mark.parametrize("task", T.CODE_TASKS)
+def test_code_prompt_is_chat_and_seeded(real_tok, task):
+    a = T.make_sample(task, real_tok, 1200, 30, seed=7, index=2)
+    b = T.make_sample(task, real_tok, 1200, 30, seed=7, index=2)
+    assert (a.prompt, a.ids, a.expected, a.key, a.distractors) == (b.prompt, b.ids, b.expected, b.key, b.distractors)
+    assert a.prompt != T.make_sample(task, real_tok, 1200, 30, seed=8, index=2).prompt
+    assert a.prompt.startswith("<|im_start|>system\n") and a.prompt.endswith("<|im_start|>assistant\n")
+    code = a.prompt.split("```python\n", 1)[1].split("\n```", 1)[0]
+    blocks = code.split("\n\n\n")
+    assert len(set(blocks)) == len(blocks) > 10                     # a varied haystack, not one block repeated
+
+
+@pytest.mark.parametrize("target", [700, 2048, 8192])
+def test_code_prompt_length_close_to_target(real_tok, target):
+    from engine.eval.code_tasks import LENGTH_SLACK
+    for task in T.CODE_TASKS:
+        for index in range(2):
+            s = T.make_sample(task, real_tok, target, 50, seed=0, index=index)
+            assert s.ids == real_tok.encode(s.prompt)
+            assert target - LENGTH_SLACK <= s.n_tokens <= target, (task, index, s.n_tokens)
+
+
+def test_code_needs_room_and_a_chat_template(real_tok):
+    with pytest.raises(EngineError, match="cannot hold a code question"):
+        T.make_sample("code_caller", real_tok, 120, 50, seed=0, index=0)
+
+    class Plain(WordTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            raise EngineError("this model has no chat template (tokenizer.chat_template is missing)")
+    with pytest.raises(EngineError, match="chat format.*no chat template"):
+        T.make_sample("code_def", Plain(), 1000, 50, seed=0, index=0)
+
+
+@pytest.mark.parametrize("kind, expected, right, wrong", [
+    ("path", "pkg/core/ledger.py",
+     ["pkg/core/ledger.py", "`pkg/core/ledger.py`", "'./pkg/core/ledger.py'", "It is defined in pkg/core/ledger.py.",
+      "The function `load_x` is defined in `Pkg/core/ledger.py`.", "```\npkg/core/ledger.py\n```"],
+     ["ledger.py", "pkg/core/ledgers.py", "src/pkg/core/ledger.py", "pkg/core/ledger.py or pkg/io/page.py",
+      "pkg/core/ledger", ""]),
+    ("number", "4096",
+     ["4096", "`4096`", " 4096.", "The value is 4,096.", "MAX_BATCH_SIZE = 4_096", "It returns 4096 (an int)."],
+     ["409", "40960", "4096 or 8192", "0x1000", "'4096px'", "version 4096.5"]),
+    ("string", "stale-ledger",
+     ['"stale-ledger"', "'stale-ledger'", "`stale-ledger`", "stale-ledger", "It returns the string \"stale-ledger\"."],
+     ["stale-ledgers", "Stale-Ledger", "stale_ledger", "not-stale-ledger", "stale ledger"]),
+    ("identifier", "sync_quota",
+     ["sync_quota", "`sync_quota`", "sync_quota()", "The function `sync_quota` calls `sync_user`.",
+      "pkg.core.sync_quota"],
+     ["sync_quotas", "sync_user", "sync_quota or load_page", "`LedgerStore.sync_quota` and `load_page`", "quota"]),
+])
+def test_code_answers_scored_by_exact_match(kind, expected, right, wrong):
+    s = T.Sample("code_x", 100, 0, 0.0, 0, "", [], expected=[expected], answer_kind=kind,
+                 distractors=["sync_user_x", "load_page", "LedgerStore"])
+    s.task = T.CODE_TASKS[0]
+    s.distractors = ["load_page", "LedgerStore"]
+    for text in right:
+        assert T.score(s, text) == 1.0, text
+    for text in wrong:
+        assert T.score(s, text) == 0.0, text
 
 
 def test_sample_depth_spreads():
