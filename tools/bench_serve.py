@@ -7,13 +7,19 @@ time per output token for every client count, all measured in one run.
 
     .venv/bin/python tools/bench_serve.py [--model smollm2] [--clients 1 2 4 8]
         [--parallel 4] [--prompt-tokens 2048] [--max-tokens 64] [--kv-budget 0 512]
-        [--llama-cpp] [--threads N] [--json FILE]
+        [--llama-cpp] [--threads N] [--json FILE] [--structured]
 
 Every client sends a different prompt (the same text to both servers); the end of
 text is suppressed (our `ignore_eos`, llama.cpp's logit bias) so every answer has
 --max-tokens tokens; tok/s counts the text chunks the clients received (one per
 token) and `pieces_min` in the JSON is the shortest answer. Not a test: numbers go
 to stdout (and --json FILE).
+
+--structured: the same clients twice per client count, free and constrained
+(`response_format` json_schema: an array of at least 1024 short strings, so the
+grammar never ends an answer before --max-tokens), and the ratio of their decode tok/s
+(constrained / free; each stream's tokens after its first over the time since its
+first, summed over the clients) and of their wall tok/s.
 """
 from __future__ import annotations
 
@@ -47,6 +53,14 @@ def one_client(url: str, prompt: str, max_tokens: int, extra: dict, out: list) -
                 "pieces": len(stamps)})
 
 
+# --structured: long enough that no answer completes the grammar before --max-tokens
+LONG_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 1024,
+                                                           "items": {"type": "string", "maxLength": 16}}},
+               "required": ["items"], "additionalProperties": False}
+STRUCTURED = {"response_format": {"type": "json_schema", "json_schema": {"name": "items", "schema": LONG_SCHEMA,
+                                                                         "strict": True}}}
+
+
 class Prompts:
     """Prompt texts of prompt_tokens tokens of filler, each starting at a token no
     earlier prompt started at, so no server answers one from its prompt cache."""
@@ -76,7 +90,9 @@ def run(url: str, prompts: list[str], max_tokens: int, extra: dict) -> dict:
         raise RuntimeError(f"{len(prompts) - len(out)} of {len(prompts)} clients failed or got no text")
     ttft = [r["first"] - r["start"] for r in out]
     tpot = [(r["end"] - r["first"]) / max(r["pieces"] - 1, 1) for r in out]
+    decode = sum((r["pieces"] - 1) / (r["end"] - r["first"]) for r in out if r["pieces"] > 1 and r["end"] > r["first"])
     return {"clients": len(prompts), "wall_s": wall, "tok_s": sum(r["pieces"] for r in out) / wall,
+            "decode_tok_s": decode,
             "ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft),
             "tpot_median_ms": 1e3 * statistics.median(tpot),
             "pieces_min": min(r["pieces"] for r in out)}
@@ -123,9 +139,10 @@ class LlamaCppServer:
 
 
 def show(row: dict) -> None:
-    print(f"{row['server']:>10} {row['parallel']:>8} {row['kv_budget']:>9} {row['clients']:>7} | "
-          f"{row['tok_s']:>7.1f} {row['wall_s']:>7.1f} {row['ttft_median_s']:>8.2f}s {row['ttft_max_s']:>8.2f}s "
-          f"{row['tpot_median_ms']:>7.0f}ms", flush=True)
+    print(f"{row['server'] + ('+json' if row.get('structured') else ''):>10} {row['parallel']:>8} "
+          f"{row['kv_budget']:>9} {row['clients']:>7} | "
+          f"{row['tok_s']:>7.1f} {row['decode_tok_s']:>8.1f} {row['wall_s']:>7.1f} {row['ttft_median_s']:>8.2f}s "
+          f"{row['ttft_max_s']:>8.2f}s {row['tpot_median_ms']:>7.0f}ms", flush=True)
 
 
 def main() -> int:
@@ -139,6 +156,8 @@ def main() -> int:
     p.add_argument("--llama-cpp", dest="llama_cpp", action="store_true", help="also llama.cpp's own server")
     p.add_argument("--threads", type=int)
     p.add_argument("--json", type=Path)
+    p.add_argument("--structured", action="store_true",
+                   help="free vs constrained (json_schema) requests, and their tok/s ratio")
     a = p.parse_args()
     ctx = a.prompt_tokens + a.max_tokens + 64
     model = engine.load(a.model, threads=a.threads, ctx=ctx, snapkv_budget=0)
@@ -147,19 +166,23 @@ def main() -> int:
     rows = []
     print(f"clients {a.clients}, {a.prompt_tokens}-token prompts, {a.max_tokens} tokens each, "
           f"{threads} threads")
-    print(f"{'server':>10} {'parallel':>8} {'kv_budget':>9} {'clients':>7} | {'tok/s':>7} {'wall s':>7} "
+    print(f"{'server':>10} {'parallel':>8} {'kv_budget':>9} {'clients':>7} | {'tok/s':>7} {'decode':>8} {'wall s':>7} "
           f"{'TTFT med':>9} {'TTFT max':>9} {'TPOT med':>9}")
     for n in a.parallel:
         server = serve_in_thread(build_app(model, max_queue=64, max_running=n))
         url = server.url + "/v1"
         try:
             run(url, prompts.take(1), 4, {"ignore_eos": True})      # warm-up (numba, scratch)
+            if a.structured:                                        # (llguidance's tokenizer)
+                run(url, prompts.take(1), 4, {"ignore_eos": True, **STRUCTURED})
             for budget in a.kv_budget:
                 extra = {"ignore_eos": True, **({"kv_budget": budget} if budget else {})}
                 for c in a.clients:
-                    rows.append(dict(server="ours", parallel=n, kv_budget=budget,
-                                     **run(url, prompts.take(c), a.max_tokens, extra)))
-                    show(rows[-1])
+                    for structured in (False, True) if a.structured else (False,):
+                        body = {**extra, **STRUCTURED} if structured else extra
+                        rows.append(dict(server="ours", parallel=n, kv_budget=budget, structured=structured,
+                                         **run(url, prompts.take(c), a.max_tokens, body)))
+                        show(rows[-1])
         finally:
             server.stop(30)
     if a.llama_cpp:
@@ -174,9 +197,24 @@ def main() -> int:
                 show(rows[-1])
         finally:
             server.stop()
+    ratios = []
+    if a.structured:
+        free = {(r["parallel"], r["kv_budget"], r["clients"]): r for r in rows if r["server"] == "ours"
+                and not r["structured"]}
+        print("constrained / free (json_schema vs none):")
+        for r in rows:
+            f = free.get((r["parallel"], r["kv_budget"], r["clients"]))
+            if r.get("structured") and f is not None:
+                ratios.append({"parallel": r["parallel"], "kv_budget": r["kv_budget"], "clients": r["clients"],
+                               "decode_ratio": r["decode_tok_s"] / f["decode_tok_s"],
+                               "wall_ratio": r["tok_s"] / f["tok_s"]})
+                q = ratios[-1]
+                print(f"  parallel {q['parallel']} kv_budget {q['kv_budget']} clients {q['clients']}: decode "
+                      f"{q['decode_ratio']:.3f}x ({r['decode_tok_s']:.1f} vs {f['decode_tok_s']:.1f} tok/s), "
+                      f"wall {q['wall_ratio']:.3f}x")
     if a.json:
         a.json.write_text(json.dumps({"prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
-                                      "threads": threads, "rows": rows}, indent=1))
+                                      "threads": threads, "rows": rows, "structured_ratios": ratios}, indent=1))
     return 0
 
 

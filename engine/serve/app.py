@@ -22,7 +22,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import jobs, protocol
+from . import jobs, protocol, structured
 from .limits import Limits, RequestGuard
 from .metrics import Metrics
 from .render import TemplateRenderer
@@ -226,25 +226,28 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
         start = time.monotonic()
         _check_model(body.model)
         jobs.check_stop(body.stop, limits)
-        rendered = await renderer.render(jobs.chat_messages(body.messages))
-        job = await run_in_threadpool(jobs.chat_job, model, body, rendered, limits)
-        return await _respond(request, body, job, True, start)
+        plan = structured.tool_plan(body, tok.chat_template)
+        rendered = await renderer.render(jobs.chat_messages(body.messages), tools=plan.tools)
+        job = await run_in_threadpool(jobs.chat_job, model, body, rendered, limits, plan)
+        return await _respond(request, body, job, True, start, plan.parse)
 
     def _check_model(name: str | None) -> None:
         if name is not None and name not in names:
             raise ApiError(404, f"model {name!r} is not served here; this server serves {model_id!r}",
                            "model", "model_not_found")
 
-    async def _respond(request: Request, body, job, chat: bool, start: float):
+    async def _respond(request: Request, body, job, chat: bool, start: float, tool_calls: bool = False):
+        """`tool_calls`: parse <tool_call> blocks out of the output (structured.py)."""
         sub = Submission(scheduler, job)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         deadline = start + limits.request_timeout if limits.request_timeout else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(sub, rid, chat, include_usage, job.logprobs is not None, deadline),
+            calls = structured.CallStream() if tool_calls else None
+            return StreamingResponse(_sse(sub, rid, chat, include_usage, job.logprobs is not None, deadline, calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, sub, rid, chat, job.logprobs is not None, deadline)
+        return await _collect(request, sub, rid, chat, job.logprobs is not None, deadline, tool_calls)
 
     def _timed_out() -> ApiError:
         return ApiError(504, f"the request ran longer than the server's --request-timeout of "
@@ -256,7 +259,8 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
     def _logprobs(entries, chat: bool) -> dict:
         return (protocol.chat_logprobs if chat else protocol.completion_logprobs)(entries, token_bytes)
 
-    async def _collect(request: Request, sub: Submission, rid: str, chat: bool, logprobs: bool, deadline):
+    async def _collect(request: Request, sub: Submission, rid: str, chat: bool, logprobs: bool, deadline,
+                       tool_calls: bool = False):
         parts: list[str] = []
         entries: list = []
         try:
@@ -274,15 +278,22 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
                     parts.append(event.text)
                     entries += event.logprobs
                 elif isinstance(event, Finished):
-                    make = protocol.chat_completion if chat else protocol.completion
                     lp = _logprobs(entries + list(event.logprobs), chat) if logprobs else None
-                    return make(rid, model_id, protocol.now(), "".join(parts), event.finish_reason, event.usage, lp)
+                    text = "".join(parts)
+                    if tool_calls:
+                        content, calls = structured.parse_calls(text)
+                        if calls:
+                            return protocol.chat_completion(rid, model_id, protocol.now(), content, "tool_calls",
+                                                            event.usage, lp, calls)
+                    make = protocol.chat_completion if chat else protocol.completion
+                    return make(rid, model_id, protocol.now(), text, event.finish_reason, event.usage, lp)
                 elif isinstance(event, Failed):
                     raise _api_error(event)
         finally:
             sub.close()
 
-    async def _sse(sub: Submission, rid: str, chat: bool, include_usage: bool, logprobs: bool, deadline):
+    async def _sse(sub: Submission, rid: str, chat: bool, include_usage: bool, logprobs: bool, deadline,
+                   calls: structured.CallStream | None = None):
         t = protocol.now()
 
         def chunk(text: str, reason: str | None, entries=()) -> dict:
@@ -305,9 +316,19 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
                     yield "data: [DONE]\n\n"
                     return
                 if isinstance(event, Delta):
-                    yield _event(chunk(event.text, None, event.logprobs))
+                    text = event.text if calls is None else calls.feed(event.text)
+                    if text or event.logprobs or calls is None:
+                        yield _event(chunk(text, None, event.logprobs))
                 elif isinstance(event, Finished):
-                    yield _event(chunk("", event.finish_reason, event.logprobs))
+                    reason = event.finish_reason
+                    if calls is not None:           # the held text: calls, or content after all
+                        rest, found = calls.finish()
+                        if rest:
+                            yield _event(chunk(rest, None))
+                        if found:
+                            yield _event(protocol.chat_chunk(rid, model_id, t, protocol.tool_call_deltas(found), None))
+                            reason = "tool_calls"
+                    yield _event(chunk("", reason, event.logprobs))
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
                         yield _event(protocol.usage_chunk(rid, model_id, t, obj, event.usage))

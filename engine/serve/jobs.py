@@ -20,6 +20,7 @@ from ..snapkv import SnapKvConfig, check_values
 from .limits import Limits
 from .protocol import KV_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest
 from .sequence import Job
+from .structured import NO_TOOLS, ToolPlan, constraint, template_messages
 
 COUNT_CHUNK = 1 << 16      # a long text's tokens are counted this many characters at a time first
 
@@ -37,25 +38,28 @@ def completion_job(model, req: CompletionRequest, limits: Limits = Limits()) -> 
     if req.max_tokens == 0 and not req.echo:
         raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
     check_stop(req.stop, limits)
+    if req.echo and req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(400, "echo cannot be combined with a response_format", "echo")
     ids = _completion_ids(model, req.prompt)
-    return _job(model, req, ids, req.max_tokens, _top_logprobs(req.logprobs, "logprobs"), echo=req.echo)
+    job = _job(model, req, ids, req.max_tokens, _top_logprobs(req.logprobs, "logprobs"), echo=req.echo)
+    return dataclasses.replace(job, constraint=constraint(model, req))
 
 
-def chat_job(model, req: ChatCompletionRequest, rendered: str | None = None, limits: Limits = Limits()) -> Job:
+def chat_job(model, req: ChatCompletionRequest, rendered: str | None = None, limits: Limits = Limits(),
+             plan: ToolPlan = NO_TOOLS) -> Job:
     """`rendered`: the chat template's output for req.messages (rendered by the server in a
-    worker process, render.py); None renders it here."""
+    worker process, render.py); None renders it here. `plan`: the request's tools
+    (structured.tool_plan), rendered into the prompt and maybe constraining the output."""
     _check_supported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    if req.tools:
-        raise ApiError(400, "tools are not supported", "tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format other than text is not supported", "response_format")
     check_stop(req.stop, limits)
-    ids = _checked_ids(model, _chat_ids(model, req.messages, rendered, limits.content_specials), "messages")
+    ids = _checked_ids(model, _chat_ids(model, req.messages, rendered, limits.content_specials, plan.tools),
+                       "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = _top_logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
-    return _job(model, req, ids, max_tokens, logprobs)
+    job = _job(model, req, ids, max_tokens, logprobs)
+    return dataclasses.replace(job, constraint=constraint(model, req, plan))
 
 
 def tokenize(model, req, rendered: str | None = None, limits: Limits = Limits()) -> list[int]:
@@ -89,15 +93,17 @@ def _check_supported(req) -> None:
 
 
 def chat_messages(chat_messages) -> list[dict]:
-    """The request's messages as the chat template sees them (text parts joined)."""
+    """The request's messages as the chat template sees them (text parts joined; an
+    assistant's tool calls and a tool message's call id, structured.template_messages)."""
     messages = []
     for m in chat_messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
         messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
-    return messages
+    return template_messages(messages, chat_messages)
 
 
-def _chat_ids(model, request_messages, rendered: str | None = None, content_specials: str = "text") -> list[int]:
+def _chat_ids(model, request_messages, rendered: str | None = None, content_specials: str = "text",
+              tools: list[dict] | None = None) -> list[int]:
     """Chat messages rendered by the GGUF's chat template -> token ids. With
     content_specials "text", special-token text inside a message's content (a forged
     `<|im_end|><|im_start|>system`) is tokenized as plain text: only the template's own
@@ -105,7 +111,8 @@ def _chat_ids(model, request_messages, rendered: str | None = None, content_spec
     messages = chat_messages(request_messages)
     if rendered is None:
         try:
-            rendered = model.render_chat(messages)
+            rendered = (model.tokenizer.apply_chat_template(messages, tools=tools) if tools
+                        else model.render_chat(messages))
         except EngineError as e:
             raise ApiError(400, str(e), "messages") from None
     text = inputs_text(rendered, "messages")

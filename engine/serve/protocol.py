@@ -70,6 +70,7 @@ class _Common(_Body):
     kv_allocation: str | None = None
     kv_pyramid_beta: int | None = None
     kv_dtype: str | None = None
+    response_format: ResponseFormat | None = None                  # constrained output (engine/grammar.py)
 
 
 TokenIds = list[int]
@@ -89,10 +90,57 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict = "{}"                   # OpenAI sends a JSON string; a dict is taken too
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None        # an assistant's earlier calls
+    tool_call_id: str | None = None                 # role "tool": the call this answers
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None                  # a JSON schema of the arguments (an object)
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """`text`, `json_object` (any JSON object) or `json_schema` (its schema, strict or not)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -100,8 +148,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)          # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list | None = None
-    response_format: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Body):
@@ -139,12 +188,24 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish_reaso
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_completion(rid: str, model: str, created: int, text: str, finish_reason: str, usage: dict,
-                    logprobs: dict | None = None) -> dict:
+def chat_completion(rid: str, model: str, created: int, text: str | None, finish_reason: str, usage: dict,
+                    logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage}
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    """One parsed call in OpenAI's shape (arguments: a JSON string)."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_deltas(calls: list[dict]) -> dict:
+    """A stream's delta carrying whole calls (index added, as OpenAI's chunks have it)."""
+    return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None,

@@ -97,7 +97,9 @@ class TemplateRenderer:
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-template")
         self._available: asyncio.Semaphore | None = None
 
-    async def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    async def render(self, messages: list[dict], add_generation_prompt: bool = True,
+                     tools: list[dict] | None = None) -> str:
+        """`tools`: the request's tools, the template's `tools` variable (absent when None)."""
         if not self.template:
             raise ApiError(400, "this model has no chat template (tokenizer.chat_template is missing): "
                                 "use /v1/completions", "messages")
@@ -112,7 +114,8 @@ class TemplateRenderer:
         worker = self._free.pop()
         try:
             left = max(self.timeout - (time.monotonic() - start), 0.05)
-            request = {"messages": messages, "add_generation_prompt": add_generation_prompt, **self._vars}
+            request = {"messages": messages, "add_generation_prompt": add_generation_prompt, **self._vars,
+                       **({"tools": tools} if tools is not None else {})}
             loop = asyncio.get_running_loop()
             answer = await loop.run_in_executor(self._executor, worker.render, request, left)
         finally:

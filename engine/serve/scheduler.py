@@ -60,6 +60,7 @@ from collections import deque
 
 from ..errors import DeviceError, DeviceFault, DeviceOutOfMemory, EngineError
 from ..kv.paged import KvCacheError
+from ..grammar import fill_masks
 from .sequence import Failed, Job, Sequence
 
 
@@ -430,6 +431,12 @@ class Scheduler:
         """One token of every sequence in `handles`: sample (a sequence may finish here),
         then one batched forward over those still going."""
         live, tokens = [], []
+        constrained = [h.sequence.job.constraint for h in handles if h.sequence.job.constraint is not None]
+        if constrained:
+            try:
+                fill_masks(constrained)     # every grammar's next mask at once, in llguidance's threads
+            except Exception as e:          # (a failure shows again, per request, in next_token)
+                log.warning("engine serve: computing grammar masks failed: %s", e)
         for h in handles:
             n = len(h.sequence.tokens)
             try:

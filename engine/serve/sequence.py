@@ -28,6 +28,8 @@ class Job:
     kv_dtype: str | None = None    # KV row format of its cache (None: the model's)
     logprobs: int | None = None    # None: no logprobs; k: each token's logprob and its k likeliest
     echo: bool = False             # the output starts with the prompt (and its tokens' logprobs)
+    constraint: object = None      # grammar.Constraint: the output's grammar, its matcher's state (one
+                                   # job, one sequence; None: free output)
 
 
 # A token's logprobs (when the job asks): its id, where its text starts in the output,
@@ -220,12 +222,14 @@ class Sequence:
         """Sample from the current logits and handle what the token means. Returns the
         token to run through the model next, or None when the sequence has finished
         (then `finished` is set; the cache stays until release())."""
-        p = self.job.params
+        p, grammar = self.job.params, self.job.constraint
         if len(self.tokens) >= p.max_tokens:    # max_tokens 0: the prompt alone (echo)
             return self._finish("length")
-        token = self._sampler(self.logits)
-        if not p.ignore_eos and token in self._eot:
-            return self._finish("stop")
+        token = self._sampler(self.logits if grammar is None else grammar.apply(self.logits))
+        if token in self._eot and (grammar is not None or not p.ignore_eos):   # (a grammar allows it
+            return self._finish("stop")                                       # once complete)
+        if grammar is not None:
+            grammar.consume(token)
         self.tokens.append(token)
         if self.job.logprobs is not None:
             self._logprobs.append(token_logprob(self.logits, token, self.job.logprobs, self._text_len))
@@ -236,6 +240,8 @@ class Sequence:
             self.emit(Delta(piece, self._take_logprobs()))
         if stopped:
             return self._finish("stop", flush=False)
+        if grammar is not None and grammar.stopped:     # the grammar's output is complete
+            return self._finish("stop")
         if len(self.tokens) >= p.max_tokens or self.cache.logical_length >= self.cache.max_rows:
             return self._finish("length")
         return token
