@@ -3,6 +3,7 @@
 #   make run [PROMPT="..."] [N=64]   a chat turn with the default model (qwen2.5-coder-0.5b)
 #   make test                  whole pytest suite
 #   make bench
+#   make docs                  the documentation site (MkDocs, strict) into site/
 ROOT   := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
 VENV   ?= $(ROOT)/.venv
 PROMPT ?= Write a Python function that reverses a string.
@@ -13,7 +14,7 @@ export VENV PROMPT N
 
 STAMP := $(VENV)/.setup/complete
 
-.PHONY: setup run test bench
+.PHONY: setup run test bench docs
 .DEFAULT_GOAL := setup
 
 setup:
@@ -31,3 +32,6 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	@cd "$(ROOT)" && "$$VENV/bin/engine" bench
+
+docs: $(STAMP)
+	@cd "$(ROOT)" && NO_MKDOCS_2_WARNING=1 "$$VENV/bin/python" -m mkdocs build --strict

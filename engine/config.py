@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields, replace
 
-from backends.kvformat import kv_dtype_name, parse_kv_dtype
+from backends.kvformat import KV_DTYPES, kv_dtype_name, parse_kv_dtype
 
 from .errors import ConfigError
 
@@ -22,6 +22,7 @@ def _int(lo=None):
         if lo is not None and value < lo:
             raise ConfigError(f"{name} must be >= {lo}, got {value}")
         return value
+    parse.range = "integer" if lo is None else f"integer >= {lo}"   # for the docs' settings table
     return parse
 
 
@@ -33,6 +34,7 @@ def _odd_int(lo: int, hi: int):
         if value % 2 == 0 or value > hi:
             raise ConfigError(f"{name} must be an odd integer in {lo}..{hi}, got {value}")
         return value
+    parse.range = f"odd integer {lo}..{hi}"
     return parse
 
 
@@ -42,6 +44,7 @@ def _choice(*options):
         if value not in options:
             raise ConfigError(f"{name} must be one of {'|'.join(options)}, got {text!r}")
         return value
+    parse.range = "one of " + ", ".join(options)
     return parse
 
 
@@ -52,6 +55,7 @@ def _optional_int(lo=None):
         if text is None or str(text).strip().lower() in ("", "none"):
             return None
         return inner(text, name)
+    parse.range = f"{inner.range}, or unset"
     return parse
 
 
@@ -64,12 +68,16 @@ def _float(lo: float = 0.0):
         if not value >= lo or value == float("inf"):
             raise ConfigError(f"{name} must be a finite number >= {lo:g}, got {text!r}")
         return value
+    parse.range = f"number >= {lo:g}"
     return parse
 
 
 def _kv_dtype(text, name):
     """A KV dtype, or KEYS/VALUES ("q8_0/tq4"), normalised to its canonical spelling."""
     return kv_dtype_name(*parse_kv_dtype(text, name))
+
+
+_kv_dtype.range = "one of " + ", ".join(KV_DTYPES) + ", or KEYS/VALUES"
 
 
 @dataclass(frozen=True)

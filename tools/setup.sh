@@ -3,7 +3,7 @@
 #
 #   1. system packages (apt-get; only what is missing)
 #   2. a virtual environment ($VENV, default <repo>/.venv; created only if missing)
-#   3. pip/setuptools/wheel upgrade, then `pip install -e .[test,eval]` (the test
+#   3. pip/setuptools/wheel upgrade, then `pip install -e .[test,eval,docs]` (the test
 #      extra has playwright, which drives the apt chromium: its own browser
 #      download is never run)
 #   4. the `cuda` extra: `pip install -e .[cuda]` (cupy-cuda12x and
@@ -116,10 +116,10 @@ fi
 
 proj_key="$REPO $(hash_of "$REPO/pyproject.toml")"
 if stamp_ok project "$proj_key" && compgen -G "$VENV/lib/python*/site-packages/snapkv_engine-*.dist-info" >/dev/null; then
-    skip "pip install -e .[test,eval]"
+    skip "pip install -e .[test,eval,docs]"
 else
-    say "pip install -e '.[test,eval]'"
-    "${PIP[@]}" install -q -e "$REPO[test,eval]"
+    say "pip install -e '.[test,eval,docs]'"
+    "${PIP[@]}" install -q -e "$REPO[test,eval,docs]"
     stamp_set project "$proj_key"
 fi
 
