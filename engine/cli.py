@@ -20,6 +20,7 @@ import json  # noqa: E402
 
 from . import config as config_mod  # noqa: E402
 from .errors import EngineError  # noqa: E402
+from .progress import ProgressLine  # noqa: E402
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -103,13 +104,13 @@ def cmd_run(args) -> int:
     return 0
 
 
-class PrefillProgress:
+class PrefillProgress(ProgressLine):
     """A one-line prefill progress bar on stderr, shown for prompts of at least
     `min_tokens` (short prompts prefill in well under a second); erased when done."""
 
     def __init__(self, min_tokens: int = 1024, stream=None):
-        self.min_tokens, self.stream = min_tokens, stream or sys.stderr
-        self.t0, self.shown = None, False
+        super().__init__(stream)
+        self.min_tokens, self.t0 = min_tokens, None
 
     def __call__(self, done: int, total: int) -> None:
         import time
@@ -120,18 +121,7 @@ class PrefillProgress:
         elapsed = time.perf_counter() - self.t0
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = f", {(total - done) / rate:.0f} s left" if rate and done < total else ""
-        width = 30
-        fill = width * done // total
-        self.stream.write(f"\rprefill [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens"
-                          f" ({rate:.0f} tok/s{eta})\x1b[K")
-        self.stream.flush()
-        self.shown = True
-
-    def close(self) -> None:
-        if self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.shown = False
+        self.draw("prefill", done, total, f"{done}/{total} tokens ({rate:.0f} tok/s{eta})")
 
 
 def _print_stats(s: dict) -> None:

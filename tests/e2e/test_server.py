@@ -18,6 +18,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from waiting import wait_until
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -39,14 +40,6 @@ KV = dict(kv_budget=64, kv_window=32, kv_sinks=4, kv_kernel=31, kv_pool="avg", k
 KV_POLICY = SnapKvConfig(budget=64, window=32, sinks=4, kernel=31, pool="avg", granularity="head", min_tokens=128)
 
 
-def wait_until(predicate, what: str, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Served:

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from waiting import wait_until
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("cupy")
@@ -34,14 +35,6 @@ MARK = 9                      # a prompt starting with this id runs out of memor
 BODY = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
-def wait_until(predicate, what: str, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def post(url: str, body: dict):

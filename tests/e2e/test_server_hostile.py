@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from waiting import wait_until
 
 pytest.importorskip("uvicorn")
 
@@ -38,14 +39,6 @@ BODY = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 4, "temperatur
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}
 
 
-def wait_until(predicate, what: str, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def request(url: str, path: str, body=None, headers=None, timeout: float = WAIT_S, method=None):
