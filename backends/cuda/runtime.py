@@ -14,7 +14,8 @@ allocate memory only through an executor, so one host layer drives both:
 Launch convention (both): `ex.function(file, name, defines)(grid, block, args,
 shared_mem=0)` as cupy.RawKernel; array arguments are passed as the address of
 their first element (views allowed), scalars as numpy scalars of exactly the
-kernel parameter's type.
+kernel parameter's type. `function` looks each (file, name, defines) up once and
+keeps the function object, so a launch's lookup is a dict hit (_FunctionCache).
 """
 from __future__ import annotations
 
@@ -52,7 +53,22 @@ def inline_includes(file: str, seen: set | None = None) -> str:
     return _INCLUDE.sub(expand, text)
 
 
-class HarnessExecutor:
+class _FunctionCache:
+    """`function` of both executors: each (file, name, defines) is looked up once (module
+    built or loaded, entry point fetched) and kept, so a launch costs a dict hit, not a
+    module lookup (cupy: a cuModuleGetFunction per get_function)."""
+
+    _functions: dict
+
+    def function(self, file: str, name: str, defines: tuple[str, ...] = ()):
+        key = (file, name, tuple(defines))
+        fn = self._functions.get(key)
+        if fn is None:
+            fn = self._functions[key] = self._lookup(*key)
+        return fn
+
+
+class HarnessExecutor(_FunctionCache):
     """Kernels on the CPU harness; arrays are numpy."""
 
     name = "cpu-harness"
@@ -62,6 +78,7 @@ class HarnessExecutor:
         from . import harness
         self._harness = harness
         self._modules: dict = {}
+        self._functions: dict = {}      # (file, name, defines) -> function object (_FunctionCache)
         self.cache: dict = {}           # per-executor state of the op modules (scratch buffers)
 
     def zeros(self, shape, dtype=np.float32) -> np.ndarray:
@@ -80,8 +97,8 @@ class HarnessExecutor:
     def to_host(self, arr) -> np.ndarray:
         return np.array(arr, copy=True)
 
-    def function(self, file: str, name: str, defines: tuple[str, ...] = ()):
-        key = (file, tuple(defines))
+    def _lookup(self, file: str, name: str, defines: tuple[str, ...]):
+        key = (file, defines)
         mod = self._modules.get(key)
         if mod is None:
             mod = self._modules[key] = self._harness.build(KERNELS / file, tuple(defines))
@@ -99,7 +116,7 @@ class HarnessExecutor:
         return None
 
 
-class CupyExecutor:
+class CupyExecutor(_FunctionCache):
     """Kernels on an NVIDIA GPU through cupy (cupy-cuda12x or -13x); one stream (the
     current one), no host synchronisation except `to_host` and `synchronize`."""
 
@@ -118,6 +135,7 @@ class CupyExecutor:
         self.device_id = device
         self.label = f"CUDA device {device}"
         self._modules: dict = {}
+        self._functions: dict = {}      # (file, name, defines) -> function object (_FunctionCache)
         self.cache: dict = {}
         self.target = self._probe(open_device(cupy, device))   # nvrtc.Target: what every kernel is built for
 
@@ -164,8 +182,8 @@ class CupyExecutor:
             return np.array(arr, copy=True)
         return self.cp.asnumpy(arr)
 
-    def function(self, file: str, name: str, defines: tuple[str, ...] = ()):
-        key = (file, tuple(defines))
+    def _lookup(self, file: str, name: str, defines: tuple[str, ...]):
+        key = (file, defines)
         mod = self._modules.get(key)
         if mod is None:
             from .nvrtc import CompileError

@@ -1,0 +1,61 @@
+"""The CUDA host layer's per-token work, counted without a GPU (issue 35): the real
+CudaBackend and op modules over tools/bench_host.py's no-op executor (launches count
+themselves, arrays are numpy). A decode token makes the same launches every token, and
+after the first decode token no kernel function is looked up again (runtime.py keeps
+each function object per (file, name, defines))."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from engine.model_path import smollm2_model_path
+from tiny_gguf import write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench_host():
+    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "tools" / "bench_host.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench_host = _bench_host()
+
+
+def _check_steady(m, tokens: int = 6, prompt: int = 128):
+    r = bench_host.run(m, tokens, prompt)
+    assert len(set(r["launches"])) == 1, r["launches"]           # every decode token alike
+    assert r["launches"][0] > m.config.n_layers * 5
+    assert r["lookups"][1:] == [0] * (tokens - 1), r["lookups"]   # looked up once, never per launch
+    return r
+
+
+def test_tiny_model_decode_launches_steady_and_no_lookups(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=Q.Q8_0, seed=1)
+    m = bench_host.load(str(path), ctx=256)
+    assert m.backend.name == "cuda" and m.backend.ex.name == "null"
+    _check_steady(m)
+
+
+@pytest.mark.skipif(smollm2_model_path() is None, reason="smollm2 not installed")
+def test_smollm2_decode_launches_steady_and_no_lookups():
+    m = bench_host.load("smollm2", ctx=256)
+    r = _check_steady(m)
+    assert r["launches"][0] == 334          # 30 layers: 11 per layer + embedding, final add, norm, head
+
+
+def test_function_is_a_dict_hit_for_every_spelling_of_defines():
+    ex = bench_host.NullExecutor()
+    fn = ex.function("matmul.cu", "matvec", ("QTYPE_Q8_0",))
+    assert ex.function("matmul.cu", "matvec", ("QTYPE_Q8_0",)) is fn
+    assert ex.function("matmul.cu", "matvec", ["QTYPE_Q8_0"]) is fn
+    assert ex.function("matmul.cu", "dequant_rows", ("QTYPE_Q8_0",)) is not fn
+    assert ex.counts.snapshot()[1:] == (2, 1)   # two get_function calls, one module built
+    fn((1,), (32,), (np.zeros(1),))
+    assert ex.counts.launches == 1
