@@ -125,6 +125,9 @@ def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_d
         os.unlink(job)
     if r.returncode != 0:
         tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        if r.returncode < 0:                     # killed by a signal: a crash inside llama.cpp
+            import signal
+            tail = f"llama.cpp crashed ({signal.Signals(-r.returncode).name}); {tail}; --no-llama-cpp skips it"
         raise EngineError(f"llama.cpp benchmark failed: {tail}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
