@@ -17,21 +17,23 @@ import json
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..config import Settings
 from .protocol import error
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    max_body_bytes: int = 8 << 20
-    max_stop: int = 16
-    max_stop_chars: int = 512
-    template_timeout: float = 5.0
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    max_connections: int = 512
-    request_timeout: float = 900.0          # 0: none
-    shutdown_timeout: float = 30.0
-    content_specials: str = "text"          # "text" | "parse"
+    """What one request or client may hold; the defaults are engine/config.py's (Settings)."""
+    max_body_bytes: int = int(Settings.serve_max_body_mb * (1 << 20))
+    max_stop: int = Settings.serve_max_stop
+    max_stop_chars: int = Settings.serve_max_stop_chars
+    template_timeout: float = Settings.serve_template_timeout
+    header_timeout: float = Settings.serve_header_timeout
+    body_timeout: float = Settings.serve_body_timeout
+    max_connections: int = Settings.serve_max_connections
+    request_timeout: float = Settings.serve_request_timeout          # 0: none
+    shutdown_timeout: float = Settings.serve_shutdown_timeout
+    content_specials: str = Settings.serve_content_specials          # "text" | "parse"
 
     @classmethod
     def from_settings(cls, s) -> "Limits":

@@ -13,3 +13,15 @@ def ex(request):
     using it errors with the BackendUnavailable reason (never the harness instead)."""
     from backends.cuda.runtime import make_executor
     return make_executor(request.param)
+
+
+@pytest.fixture(scope="module")
+def nvrtc_loaded():
+    """NVRTC through cupy's binding (no GPU needed); the test skips with the reason when
+    it cannot be loaded (backends/cuda/nvrtc.py)."""
+    from backends.cuda import nvrtc
+    from engine.errors import BackendUnavailable
+    try:
+        nvrtc.load()
+    except BackendUnavailable as e:
+        pytest.skip(str(e))

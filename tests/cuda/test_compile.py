@@ -8,7 +8,6 @@ import fnmatch
 import pytest
 
 from backends.cuda import ALL_VARIANTS, nvrtc
-from engine.errors import BackendUnavailable
 
 # Kernels launched for every decoded token (once or more per layer): ptxas must
 # report zero spill stores/loads for them, since a spill there is local-memory
@@ -46,14 +45,6 @@ PAIRS = [(v, a) for v in VARIANTS for a in _archs(v)]
 def _variant_id(variant) -> str:
     file, defines = variant
     return "-".join((file,) + tuple(defines))
-
-
-@pytest.fixture(scope="module")
-def nvrtc_loaded():
-    try:
-        nvrtc.load()
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

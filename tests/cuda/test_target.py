@@ -75,13 +75,6 @@ def test_runtime_flags_in_options():
 
 # -- with the loaded NVRTC ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def nvrtc_loaded():
-    try:
-        nvrtc.load()
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
-
 
 def test_version_table_matches_loaded_nvrtc(nvrtc_loaded):
     """The fallback table (for a binding without getSupportedArchs) agrees with NVRTC."""
