@@ -52,6 +52,17 @@ head per page ([n_pages * n_kv_heads, 1, page_size, row_width]) and a table per 
 A residual add and the norm after it in one call (where each op costs a dispatch;
 the engine otherwise calls add then rms_norm):
     add_rms_norm(x, r, weight, eps, out)   x += r, then out = rms_norm(x) * weight.
+
+Recorded decode steps (optional; engine/replay.py uses them where a backend has both):
+    record_step(values, run, max_position) -> recording
+        values: int32 [n_slots] (host), copied into a new step buffer; run() then makes
+        one decode step's op calls as usual, except that some int arguments are
+        StepValue: the backend passes their ops the step buffer's slot instead of the
+        value, so a replay reads the slot's new value. The ops run (the step happens) and
+        their launches are recorded. max_position: the positions the step buffer may
+        hold stay below it (tables a recorded op reads must cover them).
+    replay(recording, values)   writes values into the recording's step buffer and
+        runs the recorded launches again, in order, reading the new values.
 """
 from __future__ import annotations
 
@@ -60,6 +71,16 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from engine.errors import BackendUnavailable, ConfigError
+
+class StepValue(int):
+    """An int argument of a step being recorded (record_step): a backend that records reads
+    it from slot `slot` of the step buffer at every replay; to anything else it is the int."""
+
+    def __new__(cls, value: int, slot: int):
+        self = super().__new__(cls, value)
+        self.slot = slot
+        return self
+
 
 # The complete op list. `check_complete` verifies a backend has every one.
 OPS = (

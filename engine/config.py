@@ -136,6 +136,9 @@ SETTINGS = (
     Spec("cuda_executor", "SHARPI_CUDA_EXECUTOR", None, _choice("device", "cpu-harness"), "device",
          "where CUDA kernels run: device = an NVIDIA GPU through cupy; cpu-harness = the same kernel "
          "source on the CPU through our test harness (no GPU needed, ~1000x slower)"),
+    Spec("decode_replay", "SHARPI_DECODE_REPLAY", None, _choice("on", "off"), "on",
+         "decode of one sequence on a backend that records steps (CUDA): on = each token replays a "
+         "recorded step (a CUDA graph on a GPU), off = every kernel launched from Python each token"),
     # read once, when backends/cuda/harness.py is imported (its MEMCHECK switch)
     Spec("cuda_harness_memcheck", "SHARPI_CUDA_HARNESS_MEMCHECK", None, _choice("1", "0"), "1",
          "CUDA CPU harness: 1 = every array argument between guard pages, an out-of-bounds access "
@@ -190,6 +193,7 @@ class Settings:
     snapkv_auto_mib: int = 256
     cpu_kernels: str = "auto"
     cuda_executor: str = "device"
+    decode_replay: str = "on"
     cuda_harness_memcheck: str = "1"
     serve_max_body_mb: float = 8.0
     serve_max_stop: int = 16

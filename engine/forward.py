@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
+from backends.base import StepValue
 from backends.kvformat import parse_kv_dtype
 from backends.reference import read_rows
 
@@ -23,6 +24,7 @@ from .errors import EngineError
 from .gguf import GgufFile, ModelConfig
 from .kv.merge import merged_rows
 from .kv.paged import KvCache, PagePool, layer_pages
+from .replay import POSITION_SLOT, TOKEN_SLOT, DecodeReplay, row_slot
 from .snapkv import SnapKvConfig, SnapKvSelector
 
 HEAD_ROWS = 16      # prompt rows per output-projection call when every position's logits are
@@ -162,7 +164,7 @@ class ForwardPass:
     """Runs the model on a backend. `prefill` and `decode` advance a KvCache."""
 
     def __init__(self, g: GgufFile, cfg: ModelConfig, backend, max_ctx: int,
-                 chunk: int = 256, page_size: int = 64, kv_dtype: str = "bf16"):
+                 chunk: int = 256, page_size: int = 64, kv_dtype: str = "bf16", replay: bool = True):
         self.cfg, self.backend = cfg, backend
         self.max_ctx, self.chunk, self.page_size = max_ctx, chunk, page_size
         self.kv_dtype = kv_dtype              # new caches' row formats (see new_cache)
@@ -179,6 +181,8 @@ class ForwardPass:
         self._prefill_scratch: Scratch | None = None
         self._batch_scratch: Scratch | None = None   # decode_batch, grown on demand
         self.window_capture: WindowCapture | None = None   # set by a caller (eval, tools): fed by prefill
+        # decode of one sequence as a recorded step replayed (engine/replay.py), where the backend records
+        self.replay = DecodeReplay(self) if replay and DecodeReplay.supported(backend) else None
 
     def new_cache(self, kv_dtype: str | None = None, pool: PagePool | None = None) -> KvCache:
         """A cache for max_ctx positions; sliding-window layers get pages for their
@@ -322,6 +326,8 @@ class ForwardPass:
 
     def decode(self, token: int, cache: KvCache) -> np.ndarray:
         """One token at position cache.logical_length -> host f32 logits [vocab]."""
+        if self.replay is not None and self.replay.usable(cache):
+            return self.replay.decode(token, cache)
         s = self._decode_scratch
         self._forward(np.array([token], dtype=np.int32), [(cache, 1)], s)
         return self._head(s, 1)
@@ -345,12 +351,14 @@ class ForwardPass:
         return self._head(s, n, first=0)
 
     # -- the layer graph ------------------------------------------------------------
-    def _forward(self, ids: np.ndarray, spans: list, s: Scratch, capture=None) -> None:
+    def _forward(self, ids: np.ndarray, spans: list, s: Scratch, capture=None, step: bool = False) -> None:
         """ids int32 [n]; spans [(KvCache, rows)]: each cache takes the next `rows` of
         the n tokens, at its own positions (a prefill chunk: one cache, n rows; a
         batched decode step: n caches, one row each). Every weight runs once over the
         n rows; RoPE, K/V writes and attention per cache. `capture`: a WindowCapture
-        fed with the full-attention layers' queries (prefill of one cache)."""
+        fed with the full-attention layers' queries (prefill of one cache). `step`: a
+        decode step being recorded (engine/replay.py): the token, its position and each
+        layer's rows go to the ops as StepValue in replay.SLOTS' slots."""
         b, c, w = self.backend, self.cfg, self.weights
         n = len(ids)
         x, h, qkv, attn = s.x[:n], s.h[:n], s.qkv[:n], s.attn[:n]
@@ -365,6 +373,8 @@ class ForwardPass:
         for cache, lo, hi in rows:           # pages first: a full cache or pool fails before any write
             for kv in cache.layers:
                 kv.reserve(hi - lo)
+        if step:
+            ids, positions = StepValue(ids[0], TOKEN_SLOT), StepValue(positions[0], POSITION_SLOT)
         b.embedding(w.token_embd, ids, x)
         if self.embed_scale is not None:
             b.scale(x, self.embed_scale, x)
@@ -381,7 +391,7 @@ class ForwardPass:
             b.rope(qkv[:, :k_end], positions, c.n_heads + c.n_kv_heads, c.head_dim, c.rot_dim,
                    c.layer_rope_base(li), c.arch.rope_neox, self.rope_factors)
             for cache, lo, hi in rows:
-                self._attend(cache, li, window, qkv[lo:hi], attn[lo:hi], capture)
+                self._attend(cache, li, window, qkv[lo:hi], attn[lo:hi], capture, step)
             b.matmul(lw.attn_output, attn, proj)
             if lw.post_attention_norm is not None:
                 b.rms_norm(proj, lw.post_attention_norm, c.norm_eps, proj)
@@ -409,9 +419,9 @@ class ForwardPass:
             b.add(x, r, x)
             b.rms_norm(x, weight, eps, h)
 
-    def _attend(self, cache: KvCache, li: int, window: int, qkv, attn, capture) -> None:
+    def _attend(self, cache: KvCache, li: int, window: int, qkv, attn, capture, step: bool = False) -> None:
         """One cache's rows of layer li: write their K/V, attend (queries see the
-        cache's earlier rows and their own), advance the layer."""
+        cache's earlier rows and their own), advance the layer. `step`: as in _forward."""
         b, c = self.backend, self.cfg
         q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
         n = qkv.shape[0]
@@ -424,6 +434,9 @@ class ForwardPass:
             kv.advance(n)
             return
         start_row = kv.length
+        n_rows = start_row + 1
+        if step:                             # read from the step buffer when replayed
+            start_row, n_rows = StepValue(start_row, row_slot(li)), StepValue(n_rows, row_slot(li) + 1)
         table = kv.page_table()
         pages = kv.pool                      # the layer's segment of the pool
         b.kv_write(pages.k_pages, pages.v_pages, table, qkv[:, q_end:k_end],
@@ -432,7 +445,7 @@ class ForwardPass:
             dtypes["row_bias"] = kv.bias()
         if n == 1:
             b.attention_decode(qkv[:, :q_end], pages.k_pages, pages.v_pages, table,
-                               start_row + 1, c.n_heads, self.scale, attn, window=window, **dtypes)
+                               n_rows, c.n_heads, self.scale, attn, window=window, **dtypes)
         else:
             b.attention_prefill(qkv[:, :q_end], pages.k_pages, pages.v_pages, table,
                                 start_row, c.n_heads, self.scale, attn, window=window, **dtypes)
@@ -469,17 +482,19 @@ class ForwardPass:
     def _head(self, s: Scratch, n: int, first: int | None = None) -> np.ndarray:
         """Final norm + output projection: logits f32 [vocab] of row n-1, or [n - first,
         vocab] of rows first .. n-1, into the scratch's logits when they have room."""
-        b, w = self.backend, self.weights
         all_rows = first is not None
-        if first is None:
-            first = n - 1
+        out = finite(self.backend.download(self._head_logits(s, n, n - 1 if first is None else first)))
+        return out if all_rows else out[0]
+
+    def _head_logits(self, s: Scratch, n: int, first: int):
+        """_head's ops: the backend array of logits [n - first, vocab]."""
+        b, w = self.backend, self.weights
         h = s.h[first:n]
         b.rms_norm(s.x[first:n], w.output_norm, self.cfg.norm_eps, h)
         rows = n - first
         logits = s.logits[:rows] if s.logits.shape[0] >= rows else b.alloc((rows, self.cfg.vocab_size))
         b.matmul(w.output, h, logits)
-        out = _finite(b.download(logits))
-        return out if all_rows else out[0]
+        return logits
 
 
 def check_rescorable(cache: KvCache) -> None:
@@ -492,7 +507,7 @@ def check_rescorable(cache: KvCache) -> None:
                           "(its layers or KV heads hold different row counts)")
 
 
-def _finite(logits: np.ndarray) -> np.ndarray:
+def finite(logits: np.ndarray) -> np.ndarray:
     """Logits as they are, or an EngineError when any is NaN or infinite: weights that
     hold non-finite values (a corrupt file) would otherwise decode to silent garbage."""
     if not np.isfinite(logits).all():

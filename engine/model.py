@@ -137,7 +137,8 @@ class Model:
         else:
             self.snapkv, note = (snapkv or None), None
         self.forward = ForwardPass(self.gguf, self.config, self.backend, self.ctx,
-                                   chunk=chunk, page_size=PAGE_SIZE, kv_dtype=self.kv_dtype)
+                                   chunk=chunk, page_size=PAGE_SIZE, kv_dtype=self.kv_dtype,
+                                   replay=settings.decode_replay == "on")
         self.gguf.release_pages()     # the weights are the backend's now: the file's pages need not stay
         self.last_cache: KvCache | None = None
         if note:

@@ -1,7 +1,7 @@
 """Host cost of a decode token on a GPU backend's host layer, without a GPU.
 
     .venv/bin/python tools/bench_host.py --backend cuda [--model smollm2] [--tokens 64]
-        [--prompt 32] [--profile 15]
+        [--prompt 32] [--replay on|off] [--profile 15]
 
 Loads the model on the real CudaBackend (the real op modules, argument lists and
 launch geometry, the real `ex.function` lookup of runtime.HarnessExecutor) over a
@@ -9,8 +9,10 @@ no-op executor (NullExecutor): kernels are looked up as usual but a launch only
 counts itself, arrays are numpy zeros/empty of the right shape, uploads are empty
 arrays of the host's shape, downloads zeros, the GEMM nothing. Runs a prefill of a
 short prompt and then --tokens decode steps (ForwardPass.decode), and reports per
-decode token: kernel launches, function lookups (module get_function calls plus
-module builds), and host microseconds (median over the tokens, time.perf_counter).
+decode token: kernel launches, graph launches (a replayed step, engine/replay.py: on a
+GPU one CUDA graph launch, counted as such here), function lookups (module
+get_function calls plus module builds), and host microseconds (median over the tokens,
+time.perf_counter). --replay off: every kernel launched from Python each token.
 --profile K: a cProfile of the decode loop (a second run), the top K functions by
 tottime and the top K source files by their functions' tottime.
 The last line is the host microseconds per token alone. Not a test (see
@@ -36,11 +38,12 @@ from backends.cuda.runtime import HarnessExecutor  # noqa: E402
 class Counts:
     def __init__(self):
         self.launches = 0       # NullFunction calls
+        self.graphs = 0         # replays (one graph launch each on a GPU)
         self.lookups = 0        # NullModule.get_function calls
         self.builds = 0         # modules built (NullHarness.build)
 
-    def snapshot(self) -> tuple[int, int, int]:
-        return self.launches, self.lookups, self.builds
+    def snapshot(self) -> tuple[int, int, int, int]:
+        return self.launches, self.lookups, self.builds, self.graphs
 
 
 class NullFunction:
@@ -102,6 +105,10 @@ class NullExecutor(HarnessExecutor):
     def gemm(self, x, w, out) -> None:
         pass
 
+    def replay(self, recorded) -> None:
+        """One graph launch on a GPU (CupyExecutor.replay): counted, nothing run."""
+        self.counts.graphs += 1
+
 
 @contextlib.contextmanager
 def null_executor():
@@ -115,11 +122,11 @@ def null_executor():
         cuda_backend.make_executor = real
 
 
-def load(model: str | None = None, ctx: int = 512):
+def load(model: str | None = None, ctx: int = 512, replay: str = "on"):
     """engine.load(model, backend="cuda") over a NullExecutor (no SnapKV)."""
     import engine
     with null_executor():
-        m = engine.load(model, backend="cuda", ctx=ctx, snapkv_budget=0)
+        m = engine.load(model, backend="cuda", ctx=ctx, snapkv_budget=0, decode_replay=replay)
     assert isinstance(m.backend.ex, NullExecutor)
     return m
 
@@ -132,7 +139,7 @@ def run(m, tokens: int, prompt: int = 128, profile=None) -> dict:
     cache = fp.new_cache()
     ids = np.arange(10, 10 + prompt, dtype=np.int32)
     fp.prefill(ids, cache)
-    launches, lookups, times = [], [], []
+    launches, lookups, graphs, times = [], [], [], []
     token = 42
     for _ in range(tokens):
         before = counts.snapshot()
@@ -146,8 +153,9 @@ def run(m, tokens: int, prompt: int = 128, profile=None) -> dict:
         after = counts.snapshot()
         launches.append(after[0] - before[0])
         lookups.append((after[1] - before[1]) + (after[2] - before[2]))
+        graphs.append(after[3] - before[3])
         times.append(dt)
-    return {"launches": launches, "lookups": lookups, "us": [t * 1e6 for t in times]}
+    return {"launches": launches, "lookups": lookups, "graphs": graphs, "us": [t * 1e6 for t in times]}
 
 
 def main() -> int:
@@ -156,16 +164,19 @@ def main() -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128, help="prompt token ids prefilled first")
+    p.add_argument("--replay", default="on", choices=["on", "off"],
+                   help="decode through recorded steps (SHARPI_DECODE_REPLAY)")
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="also profile the decode loop (a second run): top K by tottime")
     a = p.parse_args()
-    m = load(a.model, ctx=a.prompt + a.tokens + 64)
+    m = load(a.model, ctx=a.prompt + a.tokens + 64, replay=a.replay)
     r = run(m, a.tokens, a.prompt)
     us = statistics.median(r["us"])
     print(f"model {Path(m.path).name}: {m.config.n_layers} layers, {a.tokens} decode tokens after a "
-          f"{a.prompt}-token prefill, backend cuda, executor {m.backend.ex.name}")
+          f"{a.prompt}-token prefill, backend cuda, executor {m.backend.ex.name}, replay {a.replay}")
     print(f"launches/token: {statistics.median(r['launches']):g} "
-          f"(min {min(r['launches'])}, max {max(r['launches'])})")
+          f"(first {r['launches'][0]}, min {min(r['launches'])}, max {max(r['launches'])})")
+    print(f"graph launches/token: {statistics.median(r['graphs']):g}")
     print(f"lookups/token:  {statistics.median(r['lookups']):g} (first {r['lookups'][0]}, "
           f"after {max(r['lookups'][1:], default=0)} at most)")
     print(f"host us/token:  median {us:.1f}, min {min(r['us']):.1f}, max {max(r['us']):.1f}")

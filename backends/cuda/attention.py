@@ -21,7 +21,7 @@ import numpy as np
 
 from ..kvformat import KV_DTYPES
 from . import kvrows
-from .elementwise import scratch, rotate, row_stride
+from .elementwise import rotate, row_stride, scratch, step_args
 
 VARIANTS = list(dict.fromkeys(      # rq4_0 rows are read as q4_0: no variants of their own
     [("attention.cu", kvrows.defines(k, v)) for k in KV_DTYPES for v in KV_DTYPES]
@@ -173,10 +173,11 @@ def decode_geometry(n_rows: int, n_q_heads: int, n_kv: int) -> tuple[int, int, i
 
 def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads: int, scale: float,
                      out, window: int = 0, k_dtype: str = "bf16", v_dtype: str = "bf16",
-                     row_bias=None) -> None:
+                     row_bias=None, step: tuple | None = None) -> None:
     """q, out: f32 [1, n_q_heads*head_dim]; attends rows 0 .. n_rows-1, or with window > 0
     rows max(0, n_rows - window) .. n_rows-1: the splits cover only those. row_bias as in
-    attention_prefill."""
+    attention_prefill. step: None, or (step buffer, slot) whose int32 the kernels read as
+    n_rows (a recorded step: the launches then serve any n_rows the page table holds)."""
     n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_decode", k_dtype, v_dtype)
     _check_rows(q, 1, n_q_heads * head_dim, "q", "attention_decode")
     _check_rows(out, 1, n_q_heads * head_dim, "out", "attention_decode")
@@ -186,11 +187,16 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
     bias = _bias_args(row_bias, n_kv, q, "attention_decode")
     row0 = max(0, n_rows - window) if window > 0 else 0
     n_chunks, heads_per_block, n_splits, rows_per_split = decode_geometry(n_rows - row0, n_q_heads, n_kv)
-    # partials: acc f32 [n_q_heads, n_splits, head_dim] then (max, sum) f32 [n_q_heads, n_splits, 2];
-    # sized once for DEC_MAX_SPLITS so a growing context never reallocates
-    n_acc = n_q_heads * n_splits * head_dim
+    launch_splits = n_splits
+    if step is not None:                             # the grid of the longest rows the table holds
+        capacity = page_table.shape[0] * page_size
+        launch_splits = decode_geometry(min(capacity, window) if window > 0 else capacity, n_q_heads, n_kv)[2]
+    at = step_args(step, page_table)
+    # partials: acc f32 [n_q_heads, n_splits, head_dim] then (max, sum) f32 [n_q_heads, n_splits, 2]
+    # at fixed offsets, sized once for DEC_MAX_SPLITS so a growing context never reallocates
+    n_acc = n_q_heads * DEC_MAX_SPLITS * head_dim
     buf = scratch(ex, "attention_decode", n_q_heads * DEC_MAX_SPLITS * (head_dim + 2))
-    part_acc, part_ml = buf[:n_acc], buf[n_acc:n_acc + 2 * n_q_heads * n_splits]
+    part_acc, part_ml = buf[:n_acc], buf[n_acc:]
     k_spec, v_spec = kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype]
     defines = kvrows.defines(k_dtype, v_dtype)
     if k_spec.rotated:                               # q' = R q, once per query head
@@ -199,15 +205,16 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
         rotate(ex, q, width, q_rot, width, kvrows.rotation(ex, k_dtype, head_dim)[0], n_q_heads, n_q_heads, head_dim)
         q = q_rot
     ex.function("attention.cu", "attention_decode_split", defines)(
-        (n_kv * n_chunks, n_splits), (DEC_THREADS,),
+        (n_kv * n_chunks, launch_splits), (DEC_THREADS,),
         (q, k_pages, v_pages, page_table, *_codebooks(ex, k_dtype, v_dtype), *bias, out, part_acc, part_ml,
          _i32(row0), _i32(n_rows), _i32(rows_per_split), _i32(n_q_heads), _i32(n_kv), _i32(head_dim),
-         _i32(page_size), _i32(heads_per_block), _f32(scale)))
+         _i32(page_size), _i32(heads_per_block), _f32(scale), *at, _i32(window)))
     # tq values: the combine rotates them back; rq4_0 values (read as q4_0 rows): rotate.cu after
-    if n_splits > 1 or v_spec.coded:                 # else the first kernel wrote out
+    if launch_splits > 1 or v_spec.coded:            # else the first kernel wrote out
         v_rot = kvrows.rotation(ex, v_dtype, head_dim)[1] if v_spec.coded else part_ml     # any pointer: unread
         ex.function("attention.cu", "attention_decode_combine", defines)(
-            (n_q_heads,), (DEC_THREADS,), (part_acc, part_ml, v_rot, out, _i32(n_splits), _i32(head_dim)))
+            (n_q_heads,), (DEC_THREADS,), (part_acc, part_ml, v_rot, out, _i32(n_splits), _i32(head_dim),
+                                           *at, _i32(window), _i32(n_kv * n_chunks)))
     if v_spec.rotated and not v_spec.coded:          # out = R^T y, in place
         rotate(ex, out, row_stride(out), out, row_stride(out), kvrows.rotation(ex, v_dtype, head_dim)[1],
                n_q_heads, n_q_heads, head_dim)

@@ -20,7 +20,7 @@ import numpy as np
 from engine.config import env_setting
 from engine.errors import EngineError
 
-from ..base import check_kv_dtypes
+from ..base import StepValue, check_kv_dtypes
 from ..kvformat import KV_DTYPES, KvFormat
 from . import attention, elementwise, kvrows, quant
 from .errors import translate_device_errors
@@ -39,6 +39,34 @@ class CudaBackend:
         self.ex = make_executor(executor or env_setting("cuda_executor"), device)
         self.bytes_to_device = 0                           # host<->device traffic counters
         self.bytes_to_host = 0
+        self._step = None                                  # the step buffer of the recording under way
+        self._max_position = 0                             # ... and the positions it may hold
+
+    # -- recorded steps (backends/base.py, engine/replay.py) ---------------------------
+    def record_step(self, values: np.ndarray, run, max_position: int):
+        """run() as one step whose StepValue arguments the kernels read from a new step
+        buffer (int32, `values`), its launches recorded; the recording for `replay`."""
+        step = self.upload(np.ascontiguousarray(values, dtype=np.int32))
+        self._step, self._max_position = step, max_position
+        self.ex.begin_recording()
+        try:
+            run()
+        finally:
+            recorded = self.ex.end_recording()
+            self._step, self._max_position = None, 0
+        return recorded, step
+
+    def replay(self, recording, values: np.ndarray) -> None:
+        """The recorded step again, its step buffer rewritten with `values` first."""
+        recorded, step = recording
+        self.update(step, values)
+        self.ex.replay(recorded)
+
+    def _slot(self, value) -> tuple | None:
+        """(step buffer, slot) of a StepValue argument while a step is recorded, else None."""
+        if self._step is None or not isinstance(value, StepValue):
+            return None
+        return self._step, value.slot
 
     # -- memory -----------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):
@@ -101,8 +129,9 @@ class CudaBackend:
 
     # -- ops --------------------------------------------------------------------------
     def embedding(self, table, ids, out) -> None:
+        step = self._slot(ids)                             # a recorded step's token (one StepValue)
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
-        quant.embedding(self.ex, table, ids, out)
+        quant.embedding(self.ex, table, ids, out, step)
         if ids.size > 1:                                   # one id travels as a kernel argument
             self.bytes_to_device += ids.nbytes
 
@@ -120,13 +149,15 @@ class CudaBackend:
 
     def rope(self, x, positions, n_heads: int, head_dim: int, rot_dim: int, freq_base: float,
              neox: bool, freq_factors=None) -> None:
+        step = self._slot(positions)                       # a recorded step's position (one StepValue)
         self.bytes_to_device += elementwise.rope(self.ex, x, positions, n_heads, head_dim, rot_dim,
-                                                 freq_base, neox, freq_factors)
+                                                 freq_base, neox, freq_factors, step, self._max_position)
 
     def kv_write(self, k_pages, v_pages, page_table, k, v, start_row: int,
                  k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
         check_kv_dtypes(self, k_dtype, v_dtype)
-        elementwise.kv_write(self.ex, k_pages, v_pages, page_table, k, v, start_row, k_dtype, v_dtype)
+        elementwise.kv_write(self.ex, k_pages, v_pages, page_table, k, v, start_row, k_dtype, v_dtype,
+                             self._slot(start_row))
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,
@@ -140,7 +171,7 @@ class CudaBackend:
                          k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         check_kv_dtypes(self, k_dtype, v_dtype)
         attention.attention_decode(self.ex, q, k_pages, v_pages, page_table, n_rows, n_q_heads, scale, out,
-                                   window, k_dtype, v_dtype, row_bias)
+                                   window, k_dtype, v_dtype, row_bias, self._slot(n_rows))
 
     def silu_gate(self, gate, up, out) -> None:
         elementwise.silu_gate(self.ex, gate, up, out)

@@ -47,6 +47,15 @@ def check_grid(op: str, grid: tuple, what: str) -> tuple:
     return grid
 
 
+def step_args(step: tuple | None, unread) -> tuple:
+    """The (step pointer, slot) kernel arguments of a value a recorded step reads from its
+    step buffer: step None -> (unread, -1), the kernel then takes its scalar argument."""
+    if step is None:
+        return unread, _i32(-1)
+    buf, slot = step
+    return buf, _i32(slot)
+
+
 def scratch(ex, key: str, n_floats: int):
     """f32 [>= n_floats] kept in ex.cache[key]; reallocated only to grow."""
     buf = ex.cache.get(key)
@@ -165,17 +174,25 @@ def _rope_table(ex, base: float, rot_dim: int, max_pos: int, factors):
 
 
 def rope(ex, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int, freq_base: float,
-         neox: bool, freq_factors=None) -> int:
-    """Returns the bytes uploaded (a grown table, or non-contiguous positions)."""
+         neox: bool, freq_factors=None, step: tuple | None = None, max_position: int = 0) -> int:
+    """Returns the bytes uploaded (a grown table, or non-contiguous positions). step: None,
+    or (step buffer, slot) holding the position of a one-row x (a recorded step; the
+    table then covers positions below max_position, so replays never outgrow it)."""
     positions = np.asarray(positions, dtype=np.int32).reshape(-1)
     n = x.shape[0]
     if n == 0:
         return 0
     if x.shape[1] < n_heads * head_dim or rot_dim > head_dim or rot_dim % 2 or rot_dim > 512:
         raise ValueError(f"cuda rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
-    table, uploaded = _rope_table(ex, freq_base, rot_dim, int(positions.max()), freq_factors)
+    if step is not None and n != 1:
+        raise ValueError(f"cuda rope: a position from the step buffer serves one row, got {n}")
+    table, uploaded = _rope_table(ex, freq_base, rot_dim, max(int(positions.max()), max_position - 1),
+                                  freq_factors)
     pos0 = int(positions[0])
-    if np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
+    if step is not None:
+        buf, slot = step
+        pos_dev, use = buf[slot:slot + 1], 1
+    elif np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
         pos_dev, use = table, 0                          # any valid pointer; not read
     else:
         pos_dev, use = ex.asarray(positions), 1
@@ -187,9 +204,10 @@ def rope(ex, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int
 
 
 def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: str = "bf16",
-             v_dtype: str = "bf16") -> None:
+             v_dtype: str = "bf16", step: tuple | None = None) -> None:
     """k, v: f32 [n, n_kv*head_dim] -> rows start_row .. start_row+n-1 of the pools, each
-    head's row quantized on the device as KvFormat.quantize does (kv.cu)."""
+    head's row quantized on the device as KvFormat.quantize does (kv.cu). step: None, or
+    (step buffer, slot) whose int32 the kernels read as start_row (a recorded step)."""
     head_dim = kvrows.head_dim_of(k_pages, k_dtype, "kv_write")
     if kvrows.head_dim_of(v_pages, v_dtype, "kv_write") != head_dim or v_pages.shape[:3] != k_pages.shape[:3]:
         raise ValueError(f"cuda kv_write: K and V pools differ: {k_dtype} {k_pages.shape}, {v_dtype} {v_pages.shape}")
@@ -201,10 +219,11 @@ def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: st
         raise ValueError(f"cuda kv_write: k {k.shape}, v {v.shape}, {n_kv} KV heads of {head_dim}")
     if head_dim % 2:
         raise ValueError(f"cuda kv_write: head_dim must be even, got {head_dim}")
+    at = step_args(step, page_table)
     if k_dtype == v_dtype == "bf16":                 # both pools in one launch
         ex.function("kv.cu", "kv_write")((n, n_kv), (threads_for(head_dim // 2, 128),),
                                          (k_pages, v_pages, page_table, k, row_stride(k), v, row_stride(v),
-                                          _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row)))
+                                          _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row), *at))
         return
     for pages, x, dtype in ((k_pages, k, k_dtype), (v_pages, v, v_dtype)):
         cb = kvrows.codebook_dev(ex, dtype)
@@ -218,7 +237,7 @@ def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: st
         ex.function("kv.cu", f"kv_write_{kernel}")(
             (n, n_kv), (KVW_THREADS,),
             (pages, page_table, x, row_stride(x), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row),
-             rot_t, cb, kvrows.bounds_dev(ex, dtype)))
+             rot_t, cb, kvrows.bounds_dev(ex, dtype), *at))
 
 
 def _move_unit(*byte_counts: int) -> tuple[str, type]:

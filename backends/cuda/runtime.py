@@ -16,6 +16,12 @@ shared_mem=0)` as cupy.RawKernel; array arguments are passed as the address of
 their first element (views allowed), scalars as numpy scalars of exactly the
 kernel parameter's type. `function` looks each (file, name, defines) up once and
 keeps the function object, so a launch's lookup is a dict hit (_FunctionCache).
+
+Recording (both): between `begin_recording()` and `end_recording()` every launch runs
+as usual and is also logged; `replay(recorded)` runs the logged launches again with the
+same arguments (the kernels read what changes from a step buffer, backend.record_step).
+The device executor captures them into a CUDA graph on the first replay and launches
+the graph after that: one launch a step. The harness runs them one by one.
 """
 from __future__ import annotations
 
@@ -53,19 +59,57 @@ def inline_includes(file: str, seen: set | None = None) -> str:
     return _INCLUDE.sub(expand, text)
 
 
+class Recorded:
+    """The launches of a recorded step in order, (function, grid, block, args, shared_mem);
+    `graph`: the device executor's CUDA graph of them, captured on the first replay."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+        self.graph = None
+
+
+class _Logged:
+    """A function during a recording: launches it and logs the launch."""
+    __slots__ = ("fn", "log")
+
+    def __init__(self, fn, log: list):
+        self.fn, self.log = fn, log
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.fn(grid, block, args, shared_mem=shared_mem)
+        self.log.append((self.fn, grid, block, tuple(args), shared_mem))
+
+
 class _FunctionCache:
     """`function` of both executors: each (file, name, defines) is looked up once (module
     built or loaded, entry point fetched) and kept, so a launch costs a dict hit, not a
-    module lookup (cupy: a cuModuleGetFunction per get_function)."""
+    module lookup (cupy: a cuModuleGetFunction per get_function). Also the recording
+    of launches (the module docstring)."""
 
     _functions: dict
+    _log: list | None = None            # the launches of the recording under way
 
     def function(self, file: str, name: str, defines: tuple[str, ...] = ()):
         key = (file, name, tuple(defines))
         fn = self._functions.get(key)
         if fn is None:
             fn = self._functions[key] = self._lookup(*key)
-        return fn
+        return fn if self._log is None else _Logged(fn, self._log)
+
+    def begin_recording(self) -> None:
+        if self._log is not None:
+            raise RuntimeError("a recording is already under way")
+        self._log = []
+
+    def end_recording(self) -> Recorded:
+        """The launches since begin_recording (also what ends a recording an error broke off)."""
+        log, self._log = self._log, None
+        return Recorded(log or [])
+
+    def replay(self, recorded: Recorded) -> None:
+        """The recorded launches again, one by one (the device executor: one graph)."""
+        for fn, grid, block, args, shared_mem in recorded.launches:
+            fn(grid, block, args, shared_mem=shared_mem)
 
 
 class HarnessExecutor(_FunctionCache):
@@ -195,6 +239,20 @@ class CupyExecutor(_FunctionCache):
                                   f"{e.first_error()}") from None
             self._modules[key] = mod
         return mod.get_function(name)
+
+    def replay(self, recorded: Recorded) -> None:
+        """The recorded launches as one CUDA graph on the current stream, captured on a
+        side stream the first time (capture runs nothing; the recording step already ran)."""
+        if recorded.graph is None:
+            side = self.cp.cuda.Stream(non_blocking=True)
+            with side:
+                side.begin_capture()
+                try:
+                    super().replay(recorded)
+                finally:
+                    graph = side.end_capture()
+            recorded.graph = graph
+        recorded.graph.launch()
 
     def gemm(self, x, w, out) -> None:
         """out[...] = x @ w.T (f32, cuBLAS)."""

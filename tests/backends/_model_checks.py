@@ -44,12 +44,15 @@ def check_logits_and_tokens(cpu, dev, ids, n, tol=1e-5):
 
 def check_decode_moves_only_the_logits(model, ids):
     """Per decode token: nothing to the device (the token id is a kernel argument or
-    push constant), the logits back."""
+    push constant) but, where decode replays a recorded step (engine/replay.py), its
+    step buffer (int32: token, position, two per layer); the logits back."""
     cache, logits = model.prefill(ids)
     b = model.backend
+    token = int(np.argmax(model.forward.decode(int(np.argmax(logits)), cache)))   # a replay records here
     before = (b.bytes_to_device, b.bytes_to_host)
-    model.forward.decode(int(np.argmax(logits)), cache)
-    assert b.bytes_to_device - before[0] == 0
+    model.forward.decode(token, cache)
+    step_bytes = 4 * (2 + 2 * model.config.n_layers) if model.forward.replay is not None else 0
+    assert b.bytes_to_device - before[0] == step_bytes
     assert b.bytes_to_host - before[1] == 4 * model.config.vocab_size
 
 

@@ -1,8 +1,10 @@
 """The CUDA host layer's per-token work, counted without a GPU (issue 35): the real
 CudaBackend and op modules over tools/bench_host.py's no-op executor (launches count
-themselves, arrays are numpy). A decode token makes the same launches every token, and
-after the first decode token no kernel function is looked up again (runtime.py keeps
-each function object per (file, name, defines))."""
+themselves, arrays are numpy). Without replay a decode token makes the same launches
+every token; with it (engine/replay.py) the first token's launches are recorded and every
+later token is one graph launch and no kernel launch from Python. After the first decode
+token no kernel function is looked up again (runtime.py keeps each function object per
+(file, name, defines))."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,22 +32,31 @@ bench_host = _bench_host()
 
 def _check_steady(m, tokens: int = 6, prompt: int = 128):
     r = bench_host.run(m, tokens, prompt)
-    assert len(set(r["launches"])) == 1, r["launches"]           # every decode token alike
     assert r["launches"][0] > m.config.n_layers * 5
+    if m.forward.replay is None:
+        assert len(set(r["launches"])) == 1, r["launches"]       # every decode token alike
+        assert r["graphs"] == [0] * tokens
+    else:                                                         # recorded once, then replayed
+        assert r["launches"][1:] == [0] * (tokens - 1), r["launches"]
+        assert r["graphs"] == [0] + [1] * (tokens - 1), r["graphs"]
+        assert m.forward.replay.stats == {"recordings": 1, "replays": tokens - 1}
     assert r["lookups"][1:] == [0] * (tokens - 1), r["lookups"]   # looked up once, never per launch
     return r
 
 
-def test_tiny_model_decode_launches_steady_and_no_lookups(tmp_path):
+@pytest.mark.parametrize("replay", ["on", "off"])
+def test_tiny_model_decode_launches_steady_and_no_lookups(tmp_path, replay):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=Q.Q8_0, seed=1)
-    m = bench_host.load(str(path), ctx=256)
+    m = bench_host.load(str(path), ctx=256, replay=replay)
     assert m.backend.name == "cuda" and m.backend.ex.name == "null"
+    assert (m.forward.replay is not None) == (replay == "on")
     _check_steady(m)
 
 
 @pytest.mark.skipif(smollm2_model_path() is None, reason="smollm2 not installed")
-def test_smollm2_decode_launches_steady_and_no_lookups():
-    m = bench_host.load("smollm2", ctx=256)
+@pytest.mark.parametrize("replay", ["on", "off"])
+def test_smollm2_decode_launches_steady_and_no_lookups(replay):
+    m = bench_host.load("smollm2", ctx=256, replay=replay)
     r = _check_steady(m)
     assert r["launches"][0] == 334          # 30 layers: 11 per layer + embedding, final add, norm, head
 
@@ -56,6 +67,6 @@ def test_function_is_a_dict_hit_for_every_spelling_of_defines():
     assert ex.function("matmul.cu", "matvec", ("QTYPE_Q8_0",)) is fn
     assert ex.function("matmul.cu", "matvec", ["QTYPE_Q8_0"]) is fn
     assert ex.function("matmul.cu", "dequant_rows", ("QTYPE_Q8_0",)) is not fn
-    assert ex.counts.snapshot()[1:] == (2, 1)   # two get_function calls, one module built
+    assert ex.counts.snapshot()[1:3] == (2, 1)   # two get_function calls, one module built
     fn((1,), (32,), (np.zeros(1),))
     assert ex.counts.launches == 1

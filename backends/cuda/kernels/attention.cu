@@ -28,6 +28,11 @@
 //                             straight to out.
 //   attention_decode_combine  grid (n_q_heads), DEC_THREADS threads: merges the splits (and
 //                             rotates tq values back: out = R^T y, v_rot = R).
+//   A recorded decode step (step_at >= 0) reads n_rows from step[step_at] and derives row0,
+//   the splits and their rows in the kernels (decode_splits: attention.decode_geometry's
+//   arithmetic), so one launch serves every length: the grid has the most splits any length
+//   up to the table's capacity needs, and blocks past this length's splits return at once;
+//   the combine returns when the split kernel wrote out itself. Otherwise step is unread.
 // Prefill (n queries, query i sees rows 0 .. start_row + i, or its window of them):
 //   attention_prefill_d{64,128,256}  (BQ = 64, 32, 16) grid (ceil(n / BQ), n_q_heads),
 //                             PRE_THREADS threads, dynamic shared memory
@@ -52,6 +57,8 @@ typedef KvRow<KV_V> VF;
 #define DEC_VALS 8               // values per lane: head_dim <= 32 * 8
 #define MAX_HEAD_DIM 256
 #define MAX_SPLITS 256           // attention.py caps n_splits at this
+#define DEC_SPLIT_ROWS 64        // attention.py: rows a split has at least
+#define DEC_TARGET_BLOCKS 1024   // attention.py: blocks a decode launch aims for
 
 #define PRE_THREADS 128
 #define PRE_BK 32                // cache rows per tile (= WARP_SIZE: one lane per column in the softmax)
@@ -64,12 +71,22 @@ typedef KvRow<KV_V> VF;
 
 // -- decode ----------------------------------------------------------------------------
 
+// attention.decode_geometry for `rows` attended rows and `blocks` blocks per split (n_kv *
+// n_chunks): the number of splits, and the rows of each (the last may have fewer).
+__device__ __forceinline__ int decode_splits(int rows, int blocks, int* rows_per_split) {
+    const int want = (DEC_TARGET_BLOCKS + blocks - 1) / blocks;
+    const int n = max(1, min(MAX_SPLITS, min(want, (rows + DEC_SPLIT_ROWS - 1) / DEC_SPLIT_ROWS)));
+    *rows_per_split = (rows + n - 1) / n;
+    return (rows + *rows_per_split - 1) / *rows_per_split;
+}
+
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split(
         const float* __restrict__ q, const u8* __restrict__ k_pages, const u8* __restrict__ v_pages,
         const int* __restrict__ page_table, const float* __restrict__ k_cb, const float* __restrict__ v_cb,
         const float* __restrict__ row_bias, int bias_stride, int n_bias, float* __restrict__ out,
         float* __restrict__ part_acc, float* __restrict__ part_ml, int row0, int n_rows, int rows_per_split,
-        int n_q_heads, int n_kv, int head_dim, int page_size, int heads_per_block, float scale) {
+        int n_q_heads, int n_kv, int head_dim, int page_size, int heads_per_block, float scale,
+        const int* __restrict__ step, int step_at, int window) {
     constexpr int KU = KF::UNIT, VU = VF::UNIT, KPL = DEC_VALS / KU, VPL = DEC_VALS / VU;
     __shared__ float sh_acc[DEC_WARPS][DEC_HEADS][MAX_HEAD_DIM];
     __shared__ float sh_m[DEC_WARPS][DEC_HEADS];
@@ -83,7 +100,14 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
     const int g = blockIdx.x / n_chunks, chunk = blockIdx.x % n_chunks;
     const int h0 = g * group + chunk * heads_per_block;
     const int nh = min(heads_per_block, group - chunk * heads_per_block);
-    const int split = blockIdx.y, n_splits = gridDim.y;
+    const int split = blockIdx.y;
+    int n_splits = gridDim.y;
+    if (step_at >= 0) {                              // a recorded step (block-uniform)
+        n_rows = step[step_at];
+        row0 = window > 0 ? max(0, n_rows - window) : 0;
+        n_splits = decode_splits(n_rows - row0, n_kv * n_chunks, &rows_per_split);
+        if (split >= n_splits) return;
+    }
     const int r_begin = row0 + split * rows_per_split, r_end = min(n_rows, r_begin + rows_per_split);
     const float* bias = row_bias + (long long)g * bias_stride;   // read below n_bias only
 
@@ -233,11 +257,18 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
 // rotated basis; out = R^T y with v_rot = R f32 [head_dim, head_dim] (read for tq only).
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_combine(
         const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ v_rot,
-        float* __restrict__ out, int n_splits, int head_dim) {
+        float* __restrict__ out, int n_splits, int head_dim, const int* __restrict__ step, int step_at,
+        int window, int split_blocks) {
     __shared__ float weight[MAX_SPLITS];
     __shared__ float red[32];
     __shared__ float y[VF::ROTATED ? MAX_HEAD_DIM : 1];
     const int h = blockIdx.x;
+    if (step_at >= 0) {                              // a recorded step: split_blocks = n_kv * n_chunks
+        const int n_rows = step[step_at], row0 = window > 0 ? max(0, n_rows - window) : 0;
+        int rows_per_split;
+        n_splits = decode_splits(n_rows - row0, split_blocks, &rows_per_split);
+        if (n_splits == 1 && !VF::ROTATED) return;   // the split kernel wrote out
+    }
     const float* ml = part_ml + 2ll * h * n_splits;
     float mx = NEG_INF;
     for (int s = threadIdx.x; s < n_splits; s += DEC_THREADS) mx = fmaxf(mx, ml[2 * s]);

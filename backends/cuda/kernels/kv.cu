@@ -5,6 +5,8 @@
 //   kv_write           K and V rows -> bf16 pages, one launch (the default pair)
 //   kv_write_<fmt>     one pool's rows -> fmt (bf16, q8_0, q4_0, tq4, tq3), a launch per pool
 // Grid (n, n_kv), a block per (token, KV head) row; KVW_THREADS threads for kv_write_<fmt>.
+// start_row is the argument, or step[step_at] when step_at >= 0 (a recorded decode step reads
+// it from the step buffer its replays rewrite; step is any pointer, unread, otherwise).
 //   q8_0 / q4_0   a warp per 32-value block: ggml's reference rounding (quantize_row_q8_0_ref:
 //                 d = amax / 127, q = roundf(x / d); quantize_row_q4_0_ref: d = max / -8,
 //                 q = min(15, (int)(x / d + 8.5)), max the first value of largest |x|), with
@@ -25,8 +27,9 @@
 extern "C" __global__ void kv_write(u32* __restrict__ k_pages, u32* __restrict__ v_pages,
                                     const int* __restrict__ page_table, const float* __restrict__ k, int k_stride,
                                     const float* __restrict__ v, int v_stride, int n_kv, int head_dim,
-                                    int page_size, int start_row) {
+                                    int page_size, int start_row, const int* __restrict__ step, int step_at) {
     const int t = blockIdx.x, h = blockIdx.y, hd2 = head_dim / 2;
+    if (step_at >= 0) start_row = step[step_at];
     const long long dst = row_word(page_table, start_row + t, h, n_kv, page_size, hd2);
     const float* kr = k + (long long)t * k_stride + h * head_dim;
     const float* vr = v + (long long)t * v_stride + h * head_dim;
@@ -139,8 +142,10 @@ __device__ __forceinline__ void write_row(u8* __restrict__ dst, const float* __r
     extern "C" __global__ void __launch_bounds__(KVW_THREADS) NAME(                                          \
             u8* __restrict__ pages, const int* __restrict__ page_table, const float* __restrict__ x,          \
             int x_stride, int n_kv, int head_dim, int page_size, int start_row,                              \
-            const float* __restrict__ rot_t, const float* __restrict__ cb, const float* __restrict__ bounds) { \
+            const float* __restrict__ rot_t, const float* __restrict__ cb, const float* __restrict__ bounds,  \
+            const int* __restrict__ step, int step_at) {                                                     \
         const int t = blockIdx.x, h = blockIdx.y;                                                            \
+        if (step_at >= 0) start_row = step[step_at];                                                         \
         u8* dst = pages + kv_row_offset(page_table, start_row + t, h, n_kv, page_size,                       \
                                         KvRow<F>::row_bytes(head_dim));                                      \
         write_row<F>(dst, x + (long long)t * x_stride + (long long)h * head_dim, head_dim, rot_t, cb, bounds); \

@@ -1,0 +1,131 @@
+"""Decode through recorded steps (engine/replay.py) against fresh launches, on the CUDA
+backend and the tests' executor (the CPU harness without a GPU: the recorded launches
+run again one by one; on a GPU a CUDA graph captured from them).
+
+A replayed step launches the same kernels over the same arrays, reading the token, its
+position and each layer's rows from the step buffer, with the same split of the
+attended rows: its logits must equal the fresh launches' bit for bit, across page-table
+growth, sliding-window rings, SnapKV compaction of the cache it was recorded on,
+quantized KV formats, and a new cache (recorded again, counted)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import engine
+from _backends import EXECUTOR_IDS, cuda_test_executor
+from engine.snapkv import SnapKvConfig
+from tiny_gguf import write_tiny_gguf
+
+PROMPT = list(range(3, 200, 2)) * 3
+EXECUTOR = cuda_test_executor()
+
+
+@pytest.fixture(params=[pytest.param(EXECUTOR, id=EXECUTOR_IDS[EXECUTOR])])
+def executor(request, monkeypatch):
+    monkeypatch.setenv("SHARPI_CUDA_EXECUTOR", request.param)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-replay")
+    return {
+        "llama-q8": write_tiny_gguf(d / "llama.gguf", qtype=Q.Q8_0, seed=1),
+        "qwen2-q4_1": write_tiny_gguf(d / "qwen2.gguf", arch="qwen2", qtype=Q.Q4_1, seed=2),
+        "llama-q4_k-gqa4": write_tiny_gguf(d / "gqa4.gguf", dim=256, n_heads=4, n_kv_heads=1, ffn_dim=256,
+                                           qtype=Q.Q4_K, seed=3),          # head_dim 64: every KV format
+        "gemma3-w16": write_tiny_gguf(d / "gemma3.gguf", arch="gemma3", qtype=Q.Q8_0, seed=4,
+                                      n_layers=6, sliding_window=16),
+    }
+
+
+def pair(path, **kw):
+    """(replayed, fresh): the same model loaded with decode replay on and off."""
+    on = engine.load(path, backend="cuda", snapkv_budget=0, decode_replay="on", **kw)
+    off = engine.load(path, backend="cuda", snapkv_budget=0, decode_replay="off", **kw)
+    assert on.forward.replay is not None and off.forward.replay is None
+    return on, off
+
+
+def decode_logits(model, cache, first_logits, n):
+    """n greedy decode steps: the logits of each."""
+    out, logits = [], first_logits
+    for _ in range(n):
+        logits = model.forward.decode(int(np.argmax(logits)), cache)
+        out.append(logits)
+    return out
+
+
+def check_same(on, off, ids, n, snapkv=False, kv_dtype=None):
+    ca, la = on.prefill(ids, snapkv=snapkv, kv_dtype=kv_dtype)
+    cb, lb = off.prefill(ids, snapkv=snapkv, kv_dtype=kv_dtype)
+    np.testing.assert_array_equal(la, lb)
+    for i, (a, b) in enumerate(zip(decode_logits(on, ca, la, n), decode_logits(off, cb, lb, n))):
+        np.testing.assert_array_equal(a, b, err_msg=f"decode step {i}")
+    assert ca.length == cb.length and ca.logical_length == cb.logical_length
+    return ca
+
+
+@pytest.mark.parametrize("name,kv_dtype,prompt,n", [
+    ("llama-q8", "bf16", 60, 8),              # rows 60 .. 68: a new page (64 rows) while replaying
+    ("llama-q4_k-gqa4", "q8_0/tq4", 120, 6),  # tq values: the combine always runs
+    ("llama-q4_k-gqa4", "rq4_0", 130, 4),     # rotated rows, 3 splits of the attended rows
+])
+def test_replayed_decode_equals_fresh_launches(executor, tiny, name, kv_dtype, prompt, n):
+    on, off = pair(tiny[name], prefill_chunk=64)
+    check_same(on, off, PROMPT[:prompt], n, kv_dtype=kv_dtype)
+    assert on.forward.replay.stats == {"recordings": 1, "replays": n - 1}
+
+
+def test_sliding_window_rings_replay(executor, tiny):
+    """Gemma 3's sliding-window layers (window 16) reuse their ring of pages while one
+    recording replays; the global layer grows."""
+    on, off = pair(tiny["gemma3-w16"], prefill_chunk=32)
+    check_same(on, off, PROMPT[:50], 20)
+    assert on.forward.replay.stats == {"recordings": 1, "replays": 19}
+
+
+def test_snapkv_compaction_of_the_recorded_cache_replays(executor, tiny):
+    """A cache compacted by SnapKV replays fine, and so does the same cache after a
+    continued prompt compacts it again (fewer rows, the tables rewritten in place): one
+    recording for all."""
+    on, off = pair(tiny["qwen2-q4_1"], prefill_chunk=64)
+    cfg = SnapKvConfig(budget=64, window=16, min_tokens=32)
+    ca = check_same(on, off, PROMPT[:150], 4, snapkv=cfg)
+    assert ca.eviction["rows_after"] == 64
+    caches = []
+    for m in (on, off):
+        cache, _ = m.prefill(PROMPT[:150], snapkv=cfg)
+        first = decode_logits(m, cache, m.forward.decode(7, cache), 3)
+        cache, logits = m.prefill(PROMPT[150:230], cache, snapkv=cfg, compact_continued=True)
+        caches.append((cache, first + [logits] + decode_logits(m, cache, logits, 4)))
+    (a, la), (b, lb) = caches
+    assert a.length == b.length < a.logical_length
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+    assert on.forward.replay.stats["recordings"] == 2    # check_same's cache, then this one
+
+
+def test_a_new_cache_records_again_and_adaptive_budgets_run_fresh(executor, tiny):
+    on, _ = pair(tiny["qwen2-q4_1"], prefill_chunk=64)
+    stats = on.forward.replay.stats
+    for _ in range(2):
+        on.generate(PROMPT[:40], max_tokens=3, ignore_eos=True)
+    assert stats == {"recordings": 2, "replays": 2}
+    cfg = SnapKvConfig(budget=64, window=16, min_tokens=32, allocation="adaptive")
+    cache, logits = on.prefill(PROMPT[:150], snapkv=cfg)
+    assert any(kv.ragged for kv in cache.layers)
+    decode_logits(on, cache, logits, 2)                   # heads with their own rows: not replayed
+    assert stats == {"recordings": 2, "replays": 2}
+
+
+def test_bad_token_is_refused_before_any_work(executor, tiny):
+    on, _ = pair(tiny["llama-q8"], prefill_chunk=64)
+    cache, logits = on.prefill(PROMPT[:20])
+    on.forward.decode(int(np.argmax(logits)), cache)
+    length = cache.length
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        on.forward.decode(on.config.vocab_size, cache)
+    assert cache.length == length
