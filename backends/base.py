@@ -54,13 +54,15 @@ the engine otherwise calls add then rms_norm):
     add_rms_norm(x, r, weight, eps, out)   x += r, then out = rms_norm(x) * weight.
 
 Recorded decode steps (optional; engine/replay.py uses them where a backend has both):
-    record_step(values, run, max_position) -> recording
+    record_step(values, run, max_position, readback=None) -> recording
         values: int32 [n_slots] (host), copied into a new step buffer; run() then makes
         one decode step's op calls as usual, except that some int arguments are
         StepValue: the backend passes their ops the step buffer's slot instead of the
         value, so a replay reads the slot's new value. The ops run (the step happens) and
         their launches are recorded. max_position: the positions the step buffer may
-        hold stay below it (tables a recorded op reads must cover them).
+        hold stay below it (tables a recorded op reads must cover them). readback: the
+        array the caller downloads after every step (a backend may record its copy back).
+        None where the backend could not record the step whole (the caller records again).
     replay(recording, values)   writes values into the recording's step buffer and
         runs the recorded launches again, in order, reading the new values.
 """

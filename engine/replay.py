@@ -13,15 +13,18 @@ read by the kernels from a small step buffer instead of passed as an argument:
 
 Every later token does the cache's page bookkeeping on the host (pages reserved,
 tables updated in place, lengths advanced), writes the step buffer and replays the
-recording (backend.replay: on a GPU one CUDA graph launch; on the CPU harness the
-launches one by one), then downloads the logits. A recording is valid while every
+recording (backend.replay: CUDA on a GPU, one graph launch, on the CPU harness the
+launches one by one; Vulkan, the recorded command buffer submitted again), then
+downloads the logits. A recording is valid while every
 array it bound is the one the step would bind: the cache's page tables, pools and
 merged-row biases (compared by identity; the recording holds them, so an identity
 cannot be reused while it lives) and the ForwardPass's scratch and weights (fixed);
 tables change in place and row counts are values, so page growth, sliding-window
 rings and a SnapKV compaction replay the same recording. Another cache, a cache
 whose arrays changed, or one whose KV heads hold their own rows (adaptive budgets:
-not replayed) records or runs afresh. `stats` counts recordings and replays.
+not replayed) records or runs afresh. A backend may decline to keep a recording
+(record_step returns None: the step was not recorded whole); the next token records
+again. `stats` counts recordings (kept or not) and replays.
 """
 from __future__ import annotations
 
@@ -83,10 +86,11 @@ class DecodeReplay:
             def step():
                 fp._forward(np.array([token], dtype=np.int32), [(cache, 1)], s, step=True)
                 fp._head_logits(s, 1, 0)
-            self._recording = fp.backend.record_step(values, step, max_position=fp.max_ctx)
-            self._key = key
-            self._owner = weakref.finalize(cache, self.forget)
+            self._recording = fp.backend.record_step(values, step, max_position=fp.max_ctx, readback=s.logits[:1])
             self.stats["recordings"] += 1
+            if self._recording is not None:  # None: not recorded whole (the backend says why)
+                self._key = key
+                self._owner = weakref.finalize(cache, self.forget)
         return finite(fp.backend.download(s.logits[:1]))[0]
 
     def forget(self) -> None:

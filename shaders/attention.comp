@@ -24,6 +24,9 @@
 // its own causal (and window) range. Grid: (.., ceil(n / QPW), 1).
 // Row bias (merged rows' log-counts): row r of KV head kv adds RB[bias_off + kv * bias_stride + r]
 // to its scaled score when r < n_bias (rows >= n_bias add 0; n_bias = 0 binds a dummy buffer).
+// A recorded decode step (engine/replay.py) passes step_at > 0: start_row = STEP[step_at - 1] - 1
+// (the slot holds the rows attended), so one recorded dispatch serves every length; else STEP
+// is a dummy, unread.
 #extension GL_GOOGLE_include_directive : require
 #define TILE 64u
 layout(local_size_x = 64) in;
@@ -33,10 +36,12 @@ layout(set = 0, binding = 2) readonly buffer VPB { uint VP[]; };
 layout(set = 0, binding = 3) readonly buffer PTB { int PT[]; };
 layout(set = 0, binding = 4) buffer OB { float O[]; };
 layout(set = 0, binding = 5) readonly buffer RBB { float RB[]; };
+layout(set = 0, binding = 6) readonly buffer STB { int STEP[]; };  // a recorded step's values
 layout(push_constant) uniform P {
     uint n, n_q_heads, n_kv, head_dim, page_size, start_row;
     uint q_off, q_stride, o_off, o_stride, scale_bits, window;
     uint bias_off, bias_stride, n_bias;
+    uint step_at;                        // > 0: start_row = STEP[step_at - 1] - 1 (rows attended - 1)
 } pc;
 #include "common.glsl"
 #define KV_READ_K
@@ -52,6 +57,7 @@ shared float ps[NV * TILE];
 shared float red[NV * TILE];
 
 void main() {
+    uint start_row = pc.step_at != 0u ? uint(STEP[pc.step_at - 1u]) - 1u : pc.start_row;
     uint tid = gl_LocalInvocationID.x;
     uint hd = pc.head_dim;
     uint k_rb = row_bytes(K_FMT, hd), v_rb = row_bytes(V_FMT, hd);
@@ -59,7 +65,7 @@ void main() {
     uint h0 = GROUP > 1u ? gl_WorkGroupID.x * GROUP : gl_WorkGroupID.x;      // first query head served
 #ifdef SPLIT
     uint t0 = 0u, nq = 1u;
-    uint end = pc.start_row + 1u;
+    uint end = start_row + 1u;
     uint first = pc.window != 0u && end > pc.window ? end - pc.window : 0u;
     uint span = (end - first + SPLIT - 1u) / SPLIT;
     uint lo = min(first + gl_WorkGroupID.y * span, end);
@@ -67,8 +73,8 @@ void main() {
 #else
     uint t0 = gl_WorkGroupID.y * QPW;
     uint nq = min(QPW, pc.n - t0);                                   // queries t0 .. t0+nq-1
-    uint n_vis = pc.start_row + t0 + nq;                             // rows lo .. n_vis-1 (the last query's)
-    uint first = pc.start_row + t0 + 1u;                             // the first query's rows, its lowest
+    uint n_vis = start_row + t0 + nq;                                // rows lo .. n_vis-1 (the last query's)
+    uint first = start_row + t0 + 1u;                                // the first query's rows, its lowest
     uint lo = pc.window != 0u && first > pc.window ? first - pc.window : 0u;
 #endif
     float scale = uintBitsToFloat(pc.scale_bits);
@@ -96,7 +102,7 @@ void main() {
 #ifdef SPLIT
             bool vis = r < n_vis;                                    // the span's rows
 #else
-            uint last = pc.start_row + t0 + v / GROUP;               // this vector's query row
+            uint last = start_row + t0 + v / GROUP;                  // this vector's query row
             bool vis = v / GROUP < nq && r <= last && (pc.window == 0u || r + pc.window > last);
 #endif
             s[v] = vis ? k_dot(kr, v * 256u) + rb : -1.0 / 0.0;

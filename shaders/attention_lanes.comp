@@ -22,10 +22,12 @@ layout(set = 0, binding = 2) readonly buffer VPB { uint VP[]; };
 layout(set = 0, binding = 3) readonly buffer PTB { int PT[]; };
 layout(set = 0, binding = 4) buffer OB { float O[]; };
 layout(set = 0, binding = 5) readonly buffer RBB { float RB[]; };
+layout(set = 0, binding = 6) readonly buffer STB { int STEP[]; };  // a recorded step's values
 layout(push_constant) uniform P {
     uint n, n_q_heads, n_kv, head_dim, page_size, start_row;
     uint q_off, q_stride, o_off, o_stride, scale_bits, window;
     uint bias_off, bias_stride, n_bias;
+    uint step_at;                        // > 0: start_row = STEP[step_at - 1] - 1 (rows attended - 1)
 } pc;
 #include "common.glsl"
 #define KV_READ_K
@@ -38,6 +40,7 @@ float qr[GROUP * HD];                    // the group's queries (scaled), in eac
 #include "kv.glsl"
 
 void main() {
+    uint start_row = pc.step_at != 0u ? uint(STEP[pc.step_at - 1u]) - 1u : pc.start_row;
     uint lane = gl_LocalInvocationID.x;
     uint hd = HD;
     uint k_rb = row_bytes(K_FMT, hd), v_rb = row_bytes(V_FMT, hd);
@@ -48,7 +51,7 @@ void main() {
     kv_tables_init(lane + LANES);                                    // tq4's 16 levels
     barrier();
 
-    uint end = pc.start_row + 1u;
+    uint end = start_row + 1u;
     uint first = pc.window != 0u && end > pc.window ? end - pc.window : 0u;
     uint spans = gl_NumWorkGroups.y;
     uint span = (end - first + spans - 1u) / spans;

@@ -1,6 +1,7 @@
 #version 450
 // out[i, :] = dequantized row ids[i] of the table (raw GGUF blocks).
-// ids come from the IDS buffer, or from the push constant id0 when n == 1; a table
+// ids come from the IDS buffer, IDS[use_ids - 1 + i] when use_ids > 0 (1: an ids buffer;
+// 1 + s: slot s of a recorded step's buffer), or from the push constant id0; a table
 // split over several buffers (backends/vulkan/weights.py) is one dispatch per part;
 // with BLOCK_MAJOR the table is stored block-major (quant.glsl).
 // Grid: (ceil(ceil(cols/32) / 64), n, 1); one thread per 32-element sub-block.
@@ -19,7 +20,7 @@ void main() {
     uint sub = gl_GlobalInvocationID.x;
     uint i = gl_WorkGroupID.y;
     if (sub * 32u >= pc.cols || i >= pc.n) return;
-    uint id = (pc.use_ids != 0u ? uint(IDS[i]) : pc.id0) - pc.row0;
+    uint id = (pc.use_ids != 0u ? uint(IDS[pc.use_ids - 1u + i]) : pc.id0) - pc.row0;
     if (id >= pc.part_rows) return;                          // another part's row
     float w[32];
 #if defined(BLOCK_MAJOR)

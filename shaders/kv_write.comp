@@ -1,5 +1,6 @@
 #version 450
-// K/V rows (f32 views) -> physical rows start_row .. start_row+n-1, each KV head's row
+// K/V rows (f32 views) -> physical rows start_row .. start_row+n-1 (start_row: STEP[step_at - 1]
+// when step_at > 0, a recorded step's buffer; else the push constant), each KV head's row
 // stored as KvFormat.quantize stores it (K_FMT, V_FMT: kv.glsl): bf16 round to nearest
 // even; q8_0 / q4_0 ggml's reference rounding, scales by correctly rounded division;
 // tq rows arrive rotated (y = R x, from kv_rotate), are normalised by sigma = |y| /
@@ -15,8 +16,9 @@ layout(set = 0, binding = 1) buffer VPB { uint VP[]; };
 layout(set = 0, binding = 2) readonly buffer PTB { int PT[]; };
 layout(set = 0, binding = 3) readonly buffer KB { float K[]; };
 layout(set = 0, binding = 4) readonly buffer VB { float V[]; };
+layout(set = 0, binding = 5) readonly buffer STB { int STEP[]; };
 layout(push_constant) uniform P {
-    uint n, n_kv, head_dim, page_size, start_row, k_off, k_stride, v_off, v_stride;
+    uint n, n_kv, head_dim, page_size, start_row, k_off, k_stride, v_off, v_stride, step_at;
 } pc;
 #include "common.glsl"
 #include "kv.glsl"
@@ -122,7 +124,7 @@ uint row_byte(uint fmt, uint i) {
 void main() {
     uint h = gl_WorkGroupID.x, t = gl_WorkGroupID.y, tid = gl_LocalInvocationID.x;
     uint hd = pc.head_dim;
-    uint r = pc.start_row + t;
+    uint r = (pc.step_at != 0u ? uint(STEP[pc.step_at - 1u]) : pc.start_row) + t;
     uint page = uint(PT[r / pc.page_size]), off = r % pc.page_size;
     if (gl_WorkGroupID.z == 0u) {
         uint xo = pc.k_off + t * pc.k_stride + h * hd;

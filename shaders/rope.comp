@@ -1,7 +1,8 @@
 #version 450
 // RoPE in place on x[t, h*head_dim ...] for h < n_heads. cos/sin come from a
 // device table [max_pos][rot_dim/2] of (cos, sin) pairs computed in float64 on
-// the host once per (base, rot_dim, frequency factors). Position of row t: POS[t] (use_pos) or pos0 + t.
+// the host once per (base, rot_dim, frequency factors). Position of row t: POS[use_pos - 1 + t] when
+// use_pos > 0 (1: a positions buffer; 1 + s: slot s of a recorded step's buffer), else pos0 + t.
 // Adjacent pairs (2i, 2i+1), or NEOX pairs (i, i + rot_dim/2). Grid: (n_heads, n, 1).
 layout(local_size_x = 64) in;
 layout(set = 0, binding = 0) buffer XB { float X[]; };
@@ -14,7 +15,7 @@ layout(push_constant) uniform P {
 void main() {
     uint h = gl_WorkGroupID.x, t = gl_WorkGroupID.y;
     uint half_ = pc.rot_dim / 2u;
-    uint pos = pc.use_pos != 0u ? uint(POS[t]) : pc.pos0 + t;
+    uint pos = pc.use_pos != 0u ? uint(POS[pc.use_pos - 1u + t]) : pc.pos0 + t;
     uint base = pc.x_off + t * pc.x_stride + h * pc.head_dim;
     for (uint i = gl_LocalInvocationID.x; i < half_; i += 64u) {
         vec2 cs = CS[pos * half_ + i];

@@ -2,11 +2,12 @@
 with --allocations the SnapKV allocation too), then decode timed in alternating
 rounds (bf16, tq4, bf16, tq4, ...), so machine noise that moves 10-20% between runs
 falls on every variant alike. Reports per round tok/s and the median of the
-per-round ratios against the first variant.
+per-round ratios against the first variant. --replays off,on: each variant also with
+decode replay off and on (engine/replay.py; a copy of the one prefilled cache each).
 
-    .venv/bin/python tools/bench_decode_ab.py [--model smollm2] [--length 8000]
+    .venv/bin/python tools/bench_decode_ab.py [--model smollm2] [--backend cpu] [--length 8000]
         [--kv-budget 1024] [--kv-dtypes bf16,tq4] [--allocations uniform,adaptive]
-        [--rounds 8] [--tokens 16]
+        [--replays on] [--rounds 8] [--tokens 16]
 
 --kv-budget 0: the full cache. Not a test: numbers go to stdout (and --json FILE).
 """
@@ -37,27 +38,36 @@ def main() -> int:
     p.add_argument("--allocations", default="uniform", help="SnapKV allocations (variants: every dtype x each)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--tokens", type=int, default=16, help="decode tokens per round")
+    p.add_argument("--replays", default="on", help="decode replay modes (variants: each of the others x each)")
+    p.add_argument("--backend", default=None)
     p.add_argument("--threads", type=int)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     allocations = [x.strip() for x in a.allocations.split(",") if x.strip()]
+    replays = [x.strip() for x in a.replays.split(",") if x.strip()]
     variants = [(d.strip(), x) for d in a.kv_dtypes.split(",") if d.strip() for x in allocations]
-    dtypes = [d if len(allocations) == 1 else f"{d}/{x}" for d, x in variants]   # the variants' names
+    names = [d if len(allocations) == 1 else f"{d}/{x}" for d, x in variants]   # the prefilled variants
+    dtypes = [n if len(replays) == 1 else f"{n} replay {r}" for n in names for r in replays]
     ctx = a.length + a.rounds * a.tokens + 1
-    model = engine.load(a.model, ctx=ctx, threads=a.threads, snapkv_budget=a.kv_budget)
+    model = engine.load(a.model, backend=a.backend, ctx=ctx, threads=a.threads, snapkv_budget=a.kv_budget,
+                        decode_replay="on")
+    replayer = model.forward.replay          # None where the backend records no steps (cpu)
     ids = bench_prompt(model.tokenizer, a.length)
     state = {}
-    for d, (kv_dtype, allocation) in zip(dtypes, variants):
+    for name, (kv_dtype, allocation) in zip(names, variants):
         snapkv = model.snapkv and dataclasses.replace(model.snapkv, allocation=allocation)
         t0 = time.perf_counter()
         cache, logits = model.prefill(ids, kv_dtype=kv_dtype, snapkv=snapkv if snapkv else False)
-        print(f"{d}: prefill {time.perf_counter() - t0:.1f} s, {cache.length} rows, "
+        print(f"{name}: prefill {time.perf_counter() - t0:.1f} s, {cache.length} rows, "
               f"{cache.bytes / 2**20:.1f} MiB", flush=True)
-        state[d] = [cache, int(np.argmax(logits))]
+        for i, r in enumerate(replays):
+            d = name if len(replays) == 1 else f"{name} replay {r}"
+            state[d] = [cache if i == 0 else cache.copy(), int(np.argmax(logits)), r]
     rates = {d: [] for d in dtypes}
     for r in range(a.rounds):
         for d in dtypes:
-            cache, token = state[d]
+            cache, token, replay = state[d]
+            model.forward.replay = replayer if replay == "on" else None
             t0 = time.perf_counter()
             for _ in range(a.tokens):
                 token = int(np.argmax(model.forward.decode(token, cache)))

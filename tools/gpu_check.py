@@ -243,13 +243,14 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         pytest_k = "cuda and (test_cuda_kv or rope or eltwise) and not default_model and not test_compile"
         bench = ["--lengths", "96", "--kv-budget", "48", "--kv-window", "16", "--kv-min-tokens", "32",
                  "--decode-tokens", "2", "--prefill-chunk", "64"]
-        vk_bench = bench
+        vk_bench = fresh_bench = bench
     else:
         parity = ["--tokens", "64", "--prompt-tokens", "300"]
         gemma_prompt = ["--tokens", "64", "--prompt-tokens", "640"]   # past the 512 window of the local layers
         compile_ = []
         pytest_k = "cuda and not harness and not test_compile"   # the device's own; compile: its own step
         bench = ["--lengths", "128,2048,32768", "--kv-budget", "2048"]
+        fresh_bench = ["--lengths", "128,2048", "--kv-budget", "2048"]
         vk_bench = ["--lengths", "128,2048,8192", "--kv-budget", "2048"]
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15", "tests/cuda",
               "tests/backends", "-k", pytest_k]
@@ -276,6 +277,10 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         Step("bench-cuda", "engine bench --backend cuda (with and without SnapKV)",
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench], 180,
              needs=("derive",)),
+        Step("bench-cuda-fresh", "engine bench --backend cuda with SHARPI_DECODE_REPLAY=off (every kernel "
+             "launched from Python each token): decode against bench-cuda's replayed steps",
+             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-fresh"), *fresh_bench],
+             90, env={"SHARPI_DECODE_REPLAY": "off"}, needs=("derive",)),
     ]
     for tool, t in (("memcheck", 90), ("racecheck", 90), ("synccheck", 60)):
         steps.append(Step(f"sanitizer-{tool}", f"compute-sanitizer --tool {tool} over a short tiny-model run",

@@ -43,9 +43,10 @@ class CudaBackend:
         self._max_position = 0                             # ... and the positions it may hold
 
     # -- recorded steps (backends/base.py, engine/replay.py) ---------------------------
-    def record_step(self, values: np.ndarray, run, max_position: int):
+    def record_step(self, values: np.ndarray, run, max_position: int, readback=None):
         """run() as one step whose StepValue arguments the kernels read from a new step
-        buffer (int32, `values`), its launches recorded; the recording for `replay`."""
+        buffer (int32, `values`), its launches recorded; the recording for `replay`.
+        `readback` (the array downloaded after each step) needs nothing here."""
         step = self.upload(np.ascontiguousarray(values, dtype=np.int32))
         self._step, self._max_position = step, max_position
         self.ex.begin_recording()

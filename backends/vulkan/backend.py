@@ -45,7 +45,7 @@ import numpy as np
 from engine.errors import BackendUnavailable
 
 from . import shaders
-from ..base import check_kv_dtypes, rope_inv_freq
+from ..base import StepValue, check_kv_dtypes, rope_inv_freq
 from ..kvformat import KV_DTYPES, KvFormat, is_rotated, rotation_kind
 from .arrays import PER_WORD, Buffer, DeviceArray, to_words
 from .device import (check_buffer, check_device, check_grid, list_devices, manager, max_buffer_bytes,
@@ -154,6 +154,72 @@ class VulkanBackend:
         self._readback: dict[int, Buffer] = {}             # device-only buffer serial -> host copy
         self.bytes_to_device = 0                           # host<->device traffic counters
         self.bytes_to_host = 0
+        self._step = None                                  # the step buffer of the recording under way
+        self._max_position = 0                             # ... and the positions it may hold
+        self._read_back = None                             # (serial, host tensor) the last replay copied back
+        self._step_arrays: dict[int, DeviceArray] = {}     # step buffers by length, reused (their
+                                                           # pipelines stay cached)
+
+    # -- recorded steps (backends/base.py, engine/replay.py) ---------------------------
+    def record_step(self, values: np.ndarray, run, max_position: int, readback=None):
+        """run() as one step whose StepValue arguments the shaders read from a new step
+        buffer (int32, `values`), recorded as a sequence of its own and kept for `replay`:
+        a barrier first where dispatches need them, then (device-local buffers) the step
+        buffer's staging copy, so a replay only rewrites the host side (the recorded ops
+        hold their algorithms and buffers), and last the copy back of `readback` (the array
+        downloaded after each step; on device-local buffers), so a replayed token stays one
+        submission with its download. None when the step could not be recorded whole
+        (something in it submitted work: a buffer grown on the way, or one submission per
+        dispatch without the barrier extension); the next step then records again."""
+        values = np.ascontiguousarray(values, dtype=np.int32)
+        step = self._step_arrays.get(values.size)
+        if step is None:
+            step = self._step_arrays[values.size] = self.upload(values)
+        else:
+            self.update(step, values)
+        self.flush()                                       # the recording starts a batch of its own
+        submissions = self.submissions
+        self._seq = self.mgr.sequence()
+        if self._barrier is not None:                      # after whatever ran before it
+            self._seq.record(self._barrier)
+        if self._ttype == kp.TensorTypes.device:           # the values written before each replay
+            self._seq.record(kp.OpTensorSyncDevice([step.buffer.tensor]))
+        self._step, self._max_position = step, max_position
+        try:
+            run()
+            back = None if readback is None else (readback.buffer.serial, self._record_readback(readback.buffer))
+        finally:
+            self._step, self._max_position = None, 0
+        whole = self.submissions == submissions and self._seq is not None
+        seq, keep, serials = self._seq, list(self._keepalive), self._pending_serials | {step.buffer.serial}
+        self.flush()                                       # the step runs now
+        return (seq, step, keep, serials, back) if whole else None
+
+    def replay(self, recording, values: np.ndarray) -> None:
+        """The recorded sequence submitted again with `values` in its step buffer, not
+        awaited (the next download waits for it)."""
+        seq, step, keep, serials, back = recording
+        self.flush()
+        self._await_in_flight()                            # a replay still running reads the step buffer
+        words, _ = to_words(np.ascontiguousarray(values, dtype=np.int32))
+        step.buffer.tensor.data()[:words.size] = words     # host-visible memory, or the staging copy
+        self.bytes_to_device += words.nbytes
+        with self._device_errors():
+            seq.eval_async()
+        self.submissions += 1
+        self._in_flight.append((seq, keep, serials))
+        self._read_back = back                             # (serial, host tensor) the sequence copied back
+
+    def _slot(self, value) -> int:
+        """A StepValue argument's slot + 1 while a step is recorded (what the shaders take:
+        STEP[x - 1]), else 0."""
+        if self._step is None or not isinstance(value, StepValue):
+            return 0
+        return value.slot + 1
+
+    @property
+    def _step_buffer(self) -> Buffer:
+        return self._dummy if self._step is None else self._step.buffer
 
     @property
     def pipelines_compiled(self) -> int | None:
@@ -261,10 +327,9 @@ class VulkanBackend:
             self._record(kp.OpTensorSyncDevice([buf.tensor]))
             self._pending_serials.add(serial)
 
-    def download(self, arr) -> np.ndarray:
-        if isinstance(arr, np.ndarray):
-            return np.array(arr, copy=True)
-        buf = arr.buffer
+    def _record_readback(self, buf: Buffer):
+        """Record the copy of buf back to the host (into the pending batch) where buffers are
+        device-local; the host tensor to read after it runs."""
         if buf.device_only:                            # the copy back rides with the compute
             host = self._readback.get(buf.serial)
             if host is None:
@@ -273,11 +338,19 @@ class VulkanBackend:
                     self._readback[buf.serial] = host
                     weakref.finalize(buf, self._readback.pop, buf.serial, None)
             self._copy_words(buf, host)
-            t = host.tensor
+            return host.tensor
+        if self._ttype == kp.TensorTypes.device:
+            self._record(kp.OpTensorSyncLocal([buf.tensor]))
+        return buf.tensor
+
+    def download(self, arr) -> np.ndarray:
+        if isinstance(arr, np.ndarray):
+            return np.array(arr, copy=True)
+        buf = arr.buffer
+        if self._read_back is not None and self._read_back[0] == buf.serial:   # a replay copied it back
+            t = self._read_back[1]
         else:
-            t = buf.tensor
-            if self._ttype == kp.TensorTypes.device:
-                self._record(kp.OpTensorSyncLocal([t]))
+            t = self._record_readback(buf)
         self.flush()
         out = arr.host_view(t.data())
         self.bytes_to_host += out.nbytes
@@ -335,7 +408,9 @@ class VulkanBackend:
     def _record(self, op) -> None:
         """Append an operation to the pending batch, after a barrier in "barrier" mode
         (also at the start of a batch that follows one still in flight: a pipeline
-        barrier's first scope covers everything submitted before it on the queue)."""
+        barrier's first scope covers everything submitted before it on the queue). Work
+        after a replay makes its copy back stale."""
+        self._read_back = None
         if self._seq is None:
             self._seq = self.mgr.sequence()
             if self._sync == "barrier" and self._in_flight:
@@ -395,12 +470,15 @@ class VulkanBackend:
 
     # -- ops --------------------------------------------------------------------------
     def embedding(self, table: VulkanWeight, ids, out) -> None:
+        at = self._slot(ids)                               # a recorded step's token (one StepValue)
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         out = self._f32(out, "embedding")
         n, cols = len(ids), table.shape[1]
         if out.shape != (n, cols):
             raise ValueError(f"vulkan embedding: out {out.shape} != ({n}, {cols})")
-        if n == 1:
+        if at:
+            id_buf, id0, use = self._step_buffer, 0, at
+        elif n == 1:
             id_buf, id0, use = self._dummy, int(ids[0]), 0
         else:
             id_buf, id0, use = self._transient(ids).buffer, 0, 1
@@ -470,15 +548,21 @@ class VulkanBackend:
     def rope(self, x, positions, n_heads: int, head_dim: int, rot_dim: int,
              freq_base: float, neox: bool, freq_factors=None) -> None:
         x = self._f32(x, "rope")
+        at = self._slot(positions)                         # a recorded step's position (one StepValue)
         positions = np.asarray(positions, dtype=np.int32).reshape(-1)
         n = x.shape[0]
         if n == 0:
             return
         if x.shape[1] < n_heads * head_dim or rot_dim > head_dim or rot_dim % 2:
             raise ValueError(f"vulkan rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
-        table = self._rope_table(freq_base, rot_dim, int(positions.max()), freq_factors)
+        if at and n != 1:
+            raise ValueError("vulkan rope: a position from the step buffer serves one row")
+        table = self._rope_table(freq_base, rot_dim, max(int(positions.max()), self._max_position - 1),
+                                 freq_factors)
         pos0 = int(positions[0])
-        if np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
+        if at:
+            pos_buf, use = self._step_buffer, at
+        elif np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
             pos_buf, use = self._dummy, 0
         else:
             pos_buf, use = self._transient(positions).buffer, 1
@@ -557,13 +641,15 @@ class VulkanBackend:
             v, v_src = self._rot_buffer("b", n, width), v
             self._rotate(v_src, v, v_dtype, n_kv, head_dim, back=False)
         page_size = k_pages.shape[2]
-        push = _u32(n, n_kv, head_dim, page_size, start_row, k.offset, k.row_stride, v.offset, v.row_stride)
+        at = self._slot(start_row)                         # a recorded step's row: STEP[at - 1]
+        push = _u32(n, n_kv, head_dim, page_size, start_row, k.offset, k.row_stride, v.offset, v.row_stride, at)
         self._dispatch("kv_write", shaders.kv_defines(k_dtype, v_dtype),
-                       [k_pages.buffer, v_pages.buffer, page_table.buffer, k.buffer, v.buffer],
-                       (n_kv, n, 2), push)
+                       [k_pages.buffer, v_pages.buffer, page_table.buffer, k.buffer, v.buffer,
+                        self._step_buffer if at else self._dummy], (n_kv, n, 2), push)
 
     def _attention(self, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
-                   k_dtype, v_dtype, row_bias):
+                   k_dtype, v_dtype, row_bias, step_at: int = 0):
+        """step_at > 0: a recorded decode step's rows attended are STEP[step_at - 1]."""
         check_kv_dtypes(self, k_dtype, v_dtype)
         q, out = self._f32(q, "attention"), self._f32(out, "attention")
         n_kv = k_pages.shape[1]
@@ -584,7 +670,8 @@ class VulkanBackend:
         o = self._rot_buffer("b", n, width) if is_rotated(v_dtype) else out
         page_size = k_pages.shape[2]
         push = _u32(n, n_q_heads, n_kv, head_dim, page_size, start_row, q.offset, q.row_stride,
-                    o.offset, o.row_stride, _fbits(scale), window, bias_off, bias_stride, n_bias)
+                    o.offset, o.row_stride, _fbits(scale), window, bias_off, bias_stride, n_bias, step_at)
+        step_buf = self._step_buffer if step_at else self._dummy
         defines = shaders.kv_defines(k_dtype, v_dtype)
         group = n_q_heads // n_kv if n_q_heads // n_kv <= shaders.MAX_GROUP else 1   # heads per workgroup
         workgroups = n_q_heads // group                    # one per KV head, or per query head
@@ -600,12 +687,12 @@ class VulkanBackend:
         else:
             first = None
         if first is None:                                  # one pass: a workgroup per (KV) head and queries
-            self._dispatch("attention", defines, pages + [o.buffer, bias_buf], (workgroups, -(-n // qpw), 1),
-                           push, spec)
+            self._dispatch("attention", defines, pages + [o.buffer, bias_buf, step_buf],
+                           (workgroups, -(-n // qpw), 1), push, spec)
         else:                                              # partial results per span, merged per head
             shader, variant, grid, constants = first
             part = self._kept_scratch("partials", n_q_heads * splits * (head_dim + 2))
-            self._dispatch(shader, variant, pages + [part, bias_buf], grid, push, constants)
+            self._dispatch(shader, variant, pages + [part, bias_buf, step_buf], grid, push, constants)
             self._dispatch("attention_combine", (), [part, o.buffer], (n_q_heads, 1, 1),
                            _u32(head_dim, splits, o.offset))
         if o is not out:                                   # sum_j p_j y_j back from the values' basis
@@ -635,7 +722,7 @@ class VulkanBackend:
                          n_q_heads: int, scale: float, out, window: int = 0,
                          k_dtype: str = "bf16", v_dtype: str = "bf16", row_bias=None) -> None:
         self._attention(q, k_pages, v_pages, page_table, n_rows - 1, n_q_heads, scale, out, window,
-                        k_dtype, v_dtype, row_bias)
+                        k_dtype, v_dtype, row_bias, self._slot(n_rows))
 
     def _eltwise(self, op: str, a, b, out, s: float = 0.0) -> None:
         """out = op(a, b) (b None for "scale", which multiplies by s) over [n, d] views."""

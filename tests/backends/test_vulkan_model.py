@@ -69,7 +69,9 @@ def test_decode_counters_per_token(models):
     one queue submission per token (the logits copy rides with the compute), no
     pipeline created after the first token (page tables are updated in place, so the
     pipelines that bind them stay cached), and host<->device traffic of the logits plus
-    the page tables' few ints when a page is added."""
+    the page tables' few ints when a page is added, plus each token's step buffer (the
+    token, its position and two ints per layer) where decode replays a recorded step
+    (engine/replay.py: the default; the first decode token recorded it)."""
     vk = models[1]
     b, cfg = vk.backend, vk.config
     cache, logits = vk.prefill(vk.tokenize(PROMPT))
@@ -83,7 +85,9 @@ def test_decode_counters_per_token(models):
     assert b.submissions - before[0] == n
     assert b.algorithms_created - before[1] == 0
     table_bytes = 4 * -(-CTX // 64)                      # one layer's page table
-    assert b.bytes_to_device - before[2] == cfg.n_layers * table_bytes   # once, at row 64
+    step_bytes = 4 * (2 + 2 * cfg.n_layers) if vk.forward.replay is not None else 0
+    assert vk.forward.replay is not None and vk.forward.replay.stats["replays"] >= n
+    assert b.bytes_to_device - before[2] == cfg.n_layers * table_bytes + n * step_bytes   # tables at row 64
     assert b.bytes_to_host - before[3] == n * 4 * cfg.vocab_size
 
 

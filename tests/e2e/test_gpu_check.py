@@ -131,7 +131,7 @@ def test_dry_run_writes_a_complete_report(smollm2_path, tmp_path):
         if s["status"] == "skipped":
             assert s["reason"], name
     for name in ("env", "install", "compile", "derive", "parity-cuda-smollm2", "parity-cuda-gemma3", "tiny-cuda",
-                 "pytest-cuda", "bench-cuda"):
+                 "pytest-cuda", "bench-cuda", "bench-cuda-fresh"):
         assert steps[name]["status"] == "ok", name
     assert all(steps[f"sanitizer-{t}"]["status"] == "skipped" for t in ("memcheck", "racecheck", "synccheck"))
     parity = [json.loads(line) for line in steps["parity-cuda-gemma3"]["tail"].splitlines() if line.startswith("{")]

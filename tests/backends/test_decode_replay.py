@@ -1,8 +1,9 @@
-"""Decode through recorded steps (engine/replay.py) against fresh launches, on the CUDA
-backend and the tests' executor (the CPU harness without a GPU: the recorded launches
-run again one by one; on a GPU a CUDA graph captured from them).
+"""Decode through recorded steps (engine/replay.py) against fresh launches, on the
+backends that record: CUDA on the tests' executor (the CPU harness without a GPU: the
+recorded launches run again one by one; on a GPU a CUDA graph captured from them) and
+Vulkan (lavapipe here: the recorded command buffer submitted again).
 
-A replayed step launches the same kernels over the same arrays, reading the token, its
+A replayed step runs the same kernels over the same arrays, reading the token, its
 position and each layer's rows from the step buffer, with the same split of the
 attended rows: its logits must equal the fresh launches' bit for bit, across page-table
 growth, sliding-window rings, SnapKV compaction of the cache it was recorded on,
@@ -14,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import engine
-from _backends import EXECUTOR_IDS, cuda_test_executor
+from _backends import EXECUTOR_IDS, available_backends, cuda_test_executor
 from engine.snapkv import SnapKvConfig
 from tiny_gguf import write_tiny_gguf
 
@@ -22,9 +23,12 @@ PROMPT = list(range(3, 200, 2)) * 3
 EXECUTOR = cuda_test_executor()
 
 
-@pytest.fixture(params=[pytest.param(EXECUTOR, id=EXECUTOR_IDS[EXECUTOR])])
-def executor(request, monkeypatch):
-    monkeypatch.setenv("SHARPI_CUDA_EXECUTOR", request.param)
+@pytest.fixture(params=[pytest.param("cuda", id=f"cuda-{EXECUTOR_IDS[EXECUTOR]}"),
+                        pytest.param("vulkan", id="vulkan", marks=pytest.mark.skipif(
+                            "vulkan" not in available_backends(), reason="no Vulkan device / kp"))])
+def backend(request, monkeypatch):
+    """The backend name; CUDA on the tests' executor."""
+    monkeypatch.setenv("SHARPI_CUDA_EXECUTOR", EXECUTOR)
     return request.param
 
 
@@ -41,10 +45,10 @@ def tiny(tmp_path_factory):
     }
 
 
-def pair(path, **kw):
+def pair(path, backend, **kw):
     """(replayed, fresh): the same model loaded with decode replay on and off."""
-    on = engine.load(path, backend="cuda", snapkv_budget=0, decode_replay="on", **kw)
-    off = engine.load(path, backend="cuda", snapkv_budget=0, decode_replay="off", **kw)
+    on = engine.load(path, backend=backend, snapkv_budget=0, decode_replay="on", **kw)
+    off = engine.load(path, backend=backend, snapkv_budget=0, decode_replay="off", **kw)
     assert on.forward.replay is not None and off.forward.replay is None
     return on, off
 
@@ -73,25 +77,25 @@ def check_same(on, off, ids, n, snapkv=False, kv_dtype=None):
     ("llama-q4_k-gqa4", "q8_0/tq4", 120, 6),  # tq values: the combine always runs
     ("llama-q4_k-gqa4", "rq4_0", 130, 4),     # rotated rows, 3 splits of the attended rows
 ])
-def test_replayed_decode_equals_fresh_launches(executor, tiny, name, kv_dtype, prompt, n):
-    on, off = pair(tiny[name], prefill_chunk=64)
+def test_replayed_decode_equals_fresh_launches(backend, tiny, name, kv_dtype, prompt, n):
+    on, off = pair(tiny[name], backend, prefill_chunk=64)
     check_same(on, off, PROMPT[:prompt], n, kv_dtype=kv_dtype)
     assert on.forward.replay.stats == {"recordings": 1, "replays": n - 1}
 
 
-def test_sliding_window_rings_replay(executor, tiny):
+def test_sliding_window_rings_replay(backend, tiny):
     """Gemma 3's sliding-window layers (window 16) reuse their ring of pages while one
     recording replays; the global layer grows."""
-    on, off = pair(tiny["gemma3-w16"], prefill_chunk=32)
+    on, off = pair(tiny["gemma3-w16"], backend, prefill_chunk=32)
     check_same(on, off, PROMPT[:50], 20)
     assert on.forward.replay.stats == {"recordings": 1, "replays": 19}
 
 
-def test_snapkv_compaction_of_the_recorded_cache_replays(executor, tiny):
+def test_snapkv_compaction_of_the_recorded_cache_replays(backend, tiny):
     """A cache compacted by SnapKV replays fine, and so does the same cache after a
     continued prompt compacts it again (fewer rows, the tables rewritten in place): one
     recording for all."""
-    on, off = pair(tiny["qwen2-q4_1"], prefill_chunk=64)
+    on, off = pair(tiny["qwen2-q4_1"], backend, prefill_chunk=64)
     cfg = SnapKvConfig(budget=64, window=16, min_tokens=32)
     ca = check_same(on, off, PROMPT[:150], 4, snapkv=cfg)
     assert ca.eviction["rows_after"] == 64
@@ -108,8 +112,8 @@ def test_snapkv_compaction_of_the_recorded_cache_replays(executor, tiny):
     assert on.forward.replay.stats["recordings"] == 2    # check_same's cache, then this one
 
 
-def test_a_new_cache_records_again_and_adaptive_budgets_run_fresh(executor, tiny):
-    on, _ = pair(tiny["qwen2-q4_1"], prefill_chunk=64)
+def test_a_new_cache_records_again_and_adaptive_budgets_run_fresh(backend, tiny):
+    on, _ = pair(tiny["qwen2-q4_1"], backend, prefill_chunk=64)
     stats = on.forward.replay.stats
     for _ in range(2):
         on.generate(PROMPT[:40], max_tokens=3, ignore_eos=True)
@@ -121,8 +125,8 @@ def test_a_new_cache_records_again_and_adaptive_budgets_run_fresh(executor, tiny
     assert stats == {"recordings": 2, "replays": 2}
 
 
-def test_bad_token_is_refused_before_any_work(executor, tiny):
-    on, _ = pair(tiny["llama-q8"], prefill_chunk=64)
+def test_bad_token_is_refused_before_any_work(backend, tiny):
+    on, _ = pair(tiny["llama-q8"], backend, prefill_chunk=64)
     cache, logits = on.prefill(PROMPT[:20])
     on.forward.decode(int(np.argmax(logits)), cache)
     length = cache.length
