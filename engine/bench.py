@@ -127,7 +127,9 @@ def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_d
         tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
         if r.returncode < 0:                     # killed by a signal: a crash inside llama.cpp
             import signal
-            tail = f"llama.cpp crashed ({signal.Signals(-r.returncode).name}); {tail}; --no-llama-cpp skips it"
+            tail = (f"llama.cpp crashed ({signal.Signals(-r.returncode).name}); {tail}; on a CPU with AMX, "
+                    f"llama-cpp-python built for it crashes in its AMX kernels: rebuild without them "
+                    f"(docs/benchmarks.md), or --no-llama-cpp skips it")
         raise EngineError(f"llama.cpp benchmark failed: {tail}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -1,15 +1,17 @@
-"""Micro-benchmark of the CPU quantized matmul on the default model's tensors.
+"""Micro-benchmark of the CPU quantized matmul on a model's tensors (default: SmolLM2).
 
-Times the per-token set of mat-vecs (30 layers x q,k,v,o,gate,up,down + the tied
-Q8_0 output head) and the same set as mat-mat for n = 128 / 512 tokens. Weights
+Times the per-token set of mat-vecs (every layer's q,k,v,o,gate,up,down + the output
+head: output.weight, or the tied embedding) and the same set as mat-mat for n = 128 / 512
+tokens. Weights
 of 30 layers exceed the caches, so the mat-vec figure includes streaming them from
 memory, as decode does. Run with NUMBA_NUM_THREADS=1 for a figure that a busy
 machine disturbs less.
 --batched instead times batched decode: for n = 1, 2, 4, 8 rows (one per request),
 one matmul of n rows against n matmuls of one row, and against the dequantize + sgemm
 mat-mat path (what matmul ran for every n > 1 before MULTI_MAX), for the blk.* set and
-the head.
-    python tools/bench_matvec.py [--model PATH] [--repeats 5] [--layers 30] [--batched]
+the head. --by-type: the per-token mat-vecs grouped by weight type (ms and GB/s of
+each), to see which kernel a decode token's time goes to.
+    python tools/bench_matvec.py [--model PATH] [--repeats 5] [--layers 30] [--batched | --by-type]
 """
 from __future__ import annotations
 
@@ -39,10 +41,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batched", action="store_true",
                     help="time n rows in one matmul vs n one-row matmuls (n = 1, 2, 4, 8)")
+    ap.add_argument("--by-type", action="store_true", help="per-token mat-vecs grouped by weight type")
     args = ap.parse_args()
     g = GgufFile(args.model)
     n_layers = args.layers or int(g.arch_key("block_count"))
-    names = [f"blk.{i}.{m}.weight" for i in range(n_layers) for m in MATS] + ["token_embd.weight"]
+    head_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+    names = [f"blk.{i}.{m}.weight" for i in range(n_layers) for m in MATS] + [head_name]
     t0 = time.perf_counter()
     ws = [load_weight(g.tensors[n].raw, g.tensors[n].qtype, g.tensors[n].shape) for n in names]
     t_load = time.perf_counter() - t0
@@ -55,6 +59,9 @@ def main() -> None:
 
     if args.batched:
         _batched(ws[:-1], ws[-1], args.repeats)
+        return
+    if args.by_type:
+        _by_type(g, names, ws, args.repeats)
         return
     rng = np.random.default_rng(0)
     cols_max = max(w.shape[1] for w in ws)
@@ -86,6 +93,28 @@ def main() -> None:
     for n in (128, 512):
         t = run(n)
         print(f"mat-mat  n={n:<4d}: {t:7.3f} s  = {n / t:7.1f} tok/s")
+
+
+def _by_type(g, names: list, ws: list, repeats: int) -> None:
+    """The per-token mat-vecs grouped by weight type: best of `repeats` per group."""
+    groups: dict = {}
+    for n, w in zip(names, ws):
+        groups.setdefault(g.tensors[n].qtype.name, []).append((n, w))
+    rng = np.random.default_rng(0)
+    total = 0.0
+    print(f"{'type':>6} {'matrices':>8} {'MB':>8} {'ms/token':>9} {'GB/s':>6}")
+    for qt, items in sorted(groups.items()):
+        jobs = []
+        for _, w in items:
+            jobs.append((w, rng.standard_normal((1, w.shape[1])).astype(np.float32),
+                         np.empty((1, w.shape[0]), np.float32)))
+        for w, x, o in jobs:                        # warm-up (compile)
+            matmul(w, x, o)
+        best = min(_timeit(lambda: [matmul(w, x, o) for w, x, o in jobs]) for _ in range(repeats))
+        mb = sum(g.tensors[n].raw.nbytes for n, _ in items) / 1e6
+        total += best
+        print(f"{qt:>6} {len(items):8d} {mb:8.1f} {best * 1e3:9.2f} {mb / 1e3 / best:6.2f}")
+    print(f"{'all':>6} {len(ws):8d} {sum(g.tensors[n].raw.nbytes for n in names) / 1e6:8.1f} {total * 1e3:9.2f}")
 
 
 def _batched(blk: list, head, repeats: int) -> None:
