@@ -91,10 +91,10 @@ def test_out_of_memory_fails_the_request_it_hit_and_serving_goes_on(tiny_llama, 
     from backends.cuda import quant
     real_embedding = quant.embedding
 
-    def embedding(ex, table, ids, out):
+    def embedding(ex, table, ids, out, step=None):
         if len(ids) > 1 and ids[0] == MARK:
             raise OutOfMemoryError(96 * 2 ** 20, 700 * 2 ** 20, 0)
-        return real_embedding(ex, table, ids, out)
+        return real_embedding(ex, table, ids, out, step)
 
     with harness_server(tiny_llama, monkeypatch, max_running=2, max_queue=2) as (url, sched, model, gate):
         freed = []
