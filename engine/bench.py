@@ -169,9 +169,9 @@ def run_bench(args, settings) -> int:
     dtypes = dtypes or [model.kv_dtype]
     if use_llama_cpp:
         print(f"llama.cpp: {cache_type} KV cache, flash attention {'on' if flash_attn else 'off'}, {threads} threads")
-    warm = bench_prompt(model.tokenizer, 64)
+    warm = bench_prompt(model.tokenizer, min(64, min(lengths)))     # fits the context the cases need
     for dtype in dtypes:
-        _engine_case(model, warm, 4, kv_dtype=dtype)     # compile / warm caches once (and check the type)
+        _engine_case(model, warm, min(4, args.decode_tokens), kv_dtype=dtype)   # compile / warm once (and check the type)
     rows = []
     evicting = model.snapkv is not None
     print(f"{'prompt':>7} {'KV':>5} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
@@ -211,12 +211,17 @@ def run_bench(args, settings) -> int:
         "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu,
         "llama_cpp_flash_attn": use_llama_cpp and flash_attn,
         "llama_cpp_cache_type": cache_type if use_llama_cpp else None, "cases": rows,
+        # recorded decode steps (engine/replay.py; None where the backend records none, or it is off)
+        "decode_replay": dict(model.forward.replay.stats) if model.forward.replay is not None else None,
     }
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"bench-{model.backend.name}.json")
     with open(out + ".tmp", "w") as f:
         json.dump(report, f, indent=1, default=str)
     os.replace(out + ".tmp", out)
+    if report["decode_replay"] is not None:
+        r = report["decode_replay"]
+        print(f"decode replay: {r['recordings']} steps recorded, {r['replays']} replayed")
     theirs = f", llama.cpp's {llama_rows[-1]['peak_rss_mib']:.0f} MiB" if llama_rows else ""
     print(f"peak RSS {report['peak_rss_mib']:.0f} MiB{theirs}; wrote {out}")
     return 0

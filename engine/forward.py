@@ -358,7 +358,7 @@ class ForwardPass:
         n rows; RoPE, K/V writes and attention per cache. `capture`: a WindowCapture
         fed with the full-attention layers' queries (prefill of one cache). `step`: a
         decode step being recorded (engine/replay.py): the token, its position and each
-        layer's rows go to the ops as StepValue in replay.SLOTS' slots."""
+        layer's rows go to the ops as StepValue (their slots: engine/replay.py)."""
         b, c, w = self.backend, self.cfg, self.weights
         n = len(ids)
         x, h, qkv, attn = s.x[:n], s.h[:n], s.qkv[:n], s.attn[:n]

@@ -88,7 +88,7 @@ class DecodeReplay:
                 fp._head_logits(s, 1, 0)
             self._recording = fp.backend.record_step(values, step, max_position=fp.max_ctx, readback=s.logits[:1])
             self.stats["recordings"] += 1
-            if self._recording is not None:  # None: not recorded whole (the backend says why)
+            if self._recording is not None:  # None: the backend could not record the step whole
                 self._key = key
                 self._owner = weakref.finalize(cache, self.forget)
         return finite(fp.backend.download(s.logits[:1]))[0]

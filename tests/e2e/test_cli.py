@@ -5,6 +5,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+from _backends import available_backends
+
 
 def cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
@@ -51,6 +54,20 @@ def test_bench_writes_json(tiny_llama, tmp_path):
         assert big["engine"]["kv_dtype"] == big["engine_snapkv"]["kv_dtype"] == big["kv_dtype"]
     bf16, tq4 = report["cases"][2:]
     assert tq4["engine"]["kv_bytes"] * 32 == bf16["engine"]["kv_bytes"] * 10   # head_dim 16: rows of 10 bytes, not 32
+    assert report["decode_replay"] is None                  # the CPU backend records no steps
+
+
+def test_bench_reports_decode_replay_on_a_recording_backend(tiny_llama, tmp_path):
+    """On Vulkan (lavapipe) decode replays recorded steps: each case's cache records once
+    (the warm-up's too) and its other tokens replay; the report and the last lines say so."""
+    if "vulkan" not in available_backends():
+        pytest.skip("no Vulkan device / kp")
+    r = cli("bench", str(tiny_llama), "--backend", "vulkan", "--lengths", "40", "--decode-tokens", "5",
+            "--no-llama-cpp", "--kv-budget", "0", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "bench-vulkan.json").read_text())
+    assert report["decode_replay"] == {"recordings": 2, "replays": 3 + 4}   # warm-up 4 tokens, the case 5
+    assert "decode replay: 2 steps recorded, 7 replayed" in r.stdout
 
 
 def test_info_devices_lists_vulkan():
