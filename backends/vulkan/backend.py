@@ -162,8 +162,9 @@ class VulkanBackend:
 
     # -- recorded steps (backends/base.py, engine/replay.py) ---------------------------
     def record_step(self, values: np.ndarray, run, max_position: int, readback=None):
-        """run() as one step whose StepValue arguments the shaders read from a new step
-        buffer (int32, `values`), recorded as a sequence of its own and kept for `replay`:
+        """run() as one step whose StepValue arguments the shaders read from a step buffer
+        (int32, `values`; one per length, reused), recorded as a sequence of its own and
+        kept for `replay`:
         a barrier first where dispatches need them, then (device-local buffers) the step
         buffer's staging copy, so a replay only rewrites the host side (the recorded ops
         hold their algorithms and buffers), and last the copy back of `readback` (the array
