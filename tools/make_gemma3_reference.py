@@ -50,6 +50,29 @@ LONG_PARAGRAPH = ("The history of the lighthouse at Alexandria is told in many s
 N_GREEDY = 16
 
 
+def logits_row(llm) -> np.ndarray:
+    """f32 [vocab]: llama.cpp's logits at the last evaluated position."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),)).copy()
+
+
+def greedy_reference(llm, ids, n_greedy: int) -> tuple[np.ndarray, list[int], list[float]]:
+    """llama.cpp fed `ids` from a fresh context, then n_greedy greedy tokens: (the last
+    prompt position's logits, the greedy ids, each step's top-1 minus top-2 margin).
+    Also tools/make_qwen_reference.py's."""
+    llm.reset()
+    llm.eval(ids)
+    logits = logits_row(llm)
+    greedy, margins = [], []
+    step = logits
+    for _ in range(n_greedy):
+        order = np.argsort(-step)[:2]
+        greedy.append(int(order[0]))
+        margins.append(float(step[order[0]] - step[order[1]]))
+        llm.eval([greedy[-1]])
+        step = logits_row(llm)
+    return logits, greedy, margins
+
+
 def main() -> int:
     from llama_cpp import Llama
 
@@ -69,18 +92,8 @@ def main() -> int:
     prompts = []
     long_ids = tok.encode(LONG_PARAGRAPH * 16)[:700]
     for name, ids in (("short", tok.encode(SHORT)), ("long", long_ids)):
-        llm.reset()
-        llm.eval(ids)
-        logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),)).copy()
+        logits, greedy, margins = greedy_reference(llm, ids, N_GREEDY)
         top = np.argsort(-logits)[:64]
-        greedy, margins = [], []
-        step = logits
-        for _ in range(N_GREEDY):
-            order = np.argsort(-step)[:2]
-            greedy.append(int(order[0]))
-            margins.append(float(step[order[0]] - step[order[1]]))
-            llm.eval([greedy[-1]])
-            step = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),)).copy()
         prompts.append({"name": name, "ids": [int(i) for i in ids], "top64_ids": top.tolist(),
                         "top64_logits": [float(logits[i]) for i in top], "greedy": greedy,
                         "greedy_margins": margins})

@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from engine.gguf import GgufFile                     # noqa: E402
 from engine.model_path import named_model_path       # noqa: E402
 from engine.tokenizer import Tokenizer               # noqa: E402
+from make_gemma3_reference import greedy_reference   # noqa: E402  (tools/, this script's folder)
 
 FIXTURES = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures"))
 MODELS = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
@@ -79,11 +80,6 @@ CODE = ("import math\n\n\ndef quicksort(items):\n    \"\"\"Sort a list with quic
 N_GREEDY = 32
 
 
-def logits_row(llm) -> np.ndarray:
-    """f32 [vocab]: llama.cpp's logits at the last evaluated position."""
-    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),)).copy()
-
-
 def plain_llama(path):
     """llama_cpp.Llama on `path` with use_extra_bufts off (no repacked or AMX weights)."""
     import llama_cpp.llama_cpp as lib
@@ -120,18 +116,8 @@ def reference(name: str, version: str) -> None:
     texts = (("short", SHORT), ("chat", tok.apply_chat_template(CHAT, add_generation_prompt=True)), ("code", CODE))
     for label, text in texts:
         ids = tok.encode(text, add_bos=False, special=True)
-        llm.reset()
-        llm.eval(ids)
-        logits = logits_row(llm)
+        logits, greedy, margins = greedy_reference(llm, ids, N_GREEDY)
         top = np.argsort(-logits)[:64]
-        greedy, margins = [], []
-        step = logits
-        for _ in range(N_GREEDY):
-            order = np.argsort(-step)[:2]
-            greedy.append(int(order[0]))
-            margins.append(float(step[order[0]] - step[order[1]]))
-            llm.eval([greedy[-1]])
-            step = logits_row(llm)
         prompts.append({"name": label, "text": text, "ids": [int(i) for i in ids], "top64_ids": top.tolist(),
                         "top64_logits": [float(logits[i]) for i in top], "greedy": greedy,
                         "greedy_text": tok.decode(greedy), "greedy_margins": margins})
