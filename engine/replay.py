@@ -70,10 +70,11 @@ class DecodeReplay:
             kv.reserve(1)
         key = (id(cache),) + tuple((id(kv.page_table()), id(kv.pool.k_pages), id(kv.pool.v_pages), id(kv.bias()))
                                    for kv in layers)
-        values = np.empty(2 + 2 * len(layers), dtype=np.int32)
+        values = np.empty(row_slot(len(layers)), dtype=np.int32)
         values[TOKEN_SLOT], values[POSITION_SLOT] = token, cache.logical_length
-        values[2::2] = [kv.length for kv in layers]
-        values[3::2] = values[2::2] + 1
+        rows = values[row_slot(0):].reshape(len(layers), 2)   # per layer: write row, rows attended
+        rows[:, 0] = [kv.length for kv in layers]
+        rows[:, 1] = rows[:, 0] + 1
         s = fp._decode_scratch
         if key == self._key:
             fp.backend.replay(self._recording, values)
