@@ -136,16 +136,20 @@ def _exp_f32(x):
     return y
 
 
+def prefetch_line(builder, ptr) -> None:
+    """LLVM IR: prefetch (read, keep in all cache levels) the cache line at i8* ptr
+    (never faults, also past an array's end)."""
+    i32 = ir.IntType(32)
+    fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
+        ir.VoidType(), [ptr.type, i32, i32, i32]))
+    builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+
+
 @intrinsic
 def _prefetch(typingctx, arr, byte_off):
-    """Prefetch (read, keep in all cache levels) the cache line at arr's data + byte_off."""
+    """Prefetch the cache line at arr's data + byte_off."""
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
-        i8p = ir.IntType(8).as_pointer()
-        ptr = builder.gep(builder.bitcast(ary.data, i8p), [args[1]])
-        i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
-            ir.VoidType(), [i8p, i32, i32, i32]))
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        prefetch_line(builder, builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()), [args[1]]))
         return context.get_dummy_value()
     return types.none(arr, types.int64), codegen

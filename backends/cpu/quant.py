@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from . import quant_kernels as K
-from .quant_repack import INT8, NIBBLE, repack
+from .quant_repack import KIND_OF, repack
 
 FLOAT_KIND = {Q.F32: 0, Q.F16: 1, Q.BF16: 2}   # kind code used by mv_float / deq_float
 CHUNK_BYTES = 4 << 20                          # f32 scratch per mat-mat chunk
@@ -65,18 +65,15 @@ def load_weight(raw: np.ndarray, qtype, shape) -> QuantWeight:
             w = np.ascontiguousarray(w)
         return QuantWeight(qtype, (rows, cols), {"w": w}, K.mv_float, (w, kind),
                            K.deq_float, (w, kind))
+    if qtype not in KIND_OF:
+        raise ValueError(f"unsupported weight type {qtype.name}")
     p = repack(raw, qtype, rows, cols)
-    arrays = {k: p[k] for k in ("qs", "d", "m")}
-    parallel = rows * cols >= PARALLEL_MIN_WEIGHTS
-    if qtype in NIBBLE:
-        args = (p["qs"], p["d"], p["m"])
-        mv = K.mv_nibble if parallel else K.mv_nibble_serial
-        return QuantWeight(qtype, (rows, cols), arrays, mv, args, K.deq_nibble, args)
-    if qtype in INT8:
-        args = (p["qs"], p["d"], p["m"], p["has_m"])
-        mv = K.mv_int8 if parallel else K.mv_int8_serial
-        return QuantWeight(qtype, (rows, cols), arrays, mv, args, K.deq_int8, args)
-    raise ValueError(f"unsupported weight type {qtype.name}")
+    arrays = {k: p[k] for k in ("qs", "d", "m", "dsup", "msup")}
+    args = (p["qs"], p["d"], p["m"], p["dsup"], p["msup"])
+    kind, has_m = p["kind"], p["has_m"]
+    mv_args = args + (has_m,) if kind == K.FIVE else args
+    mv = K.MAT_VEC[kind][0 if rows * cols >= PARALLEL_MIN_WEIGHTS else 1]
+    return QuantWeight(qtype, (rows, cols), arrays, mv, mv_args, K.deq, args + (kind, has_m))
 
 
 _scratch = np.empty(0, np.float32)   # shared mat-mat scratch (single-threaded callers)

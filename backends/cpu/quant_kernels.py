@@ -5,8 +5,12 @@ and grouped by 4 so that one 64-byte load holds 4 codes of each of the 16 rows:
     nibble: qs u8 [T, nb, 4, R, 4]  byte (g, r, i) = code 4g+i | code 16+4g+i << 4
             d, m f32 [T, nb, R]     value = d * code + m          (Q4_0, Q4_1, Q4_K)
                  (or uint16 f16 bits where f16 holds every scale exactly: half the bytes)
-    int8:   qs u8 [T, nb, G, R, 4]  byte (g, r, i) = code 4g+i + 128 (L = 4G = 32 or 16)
-            d, m f32 [T, nb, R]     value = d * code (+ m)       (Q8_0, Q5_*, Q6_K)
+    five:   qs u8 [T, nb, 5, R, 4]  the nibble layout + a load of fifth bits (vnni._block_codes)
+            d, m                    value = d * (code - 16) (Q5_0) or d * code + m (Q5_1, Q5_K)
+    six:    qs u8 [T, nb, 3, R, 4]  16 codes + 32 in 6 bits (vnni._block_codes), Q6_K
+    int8:   qs u8 [T, nb, 8, R, 4]  byte (g, r, i) = code 4g+i + 128, Q8_0
+K-quants (Q4_K, Q5_K, Q6_K): d, m are uint8/int8 sub-block scales, times the super-block
+scales dsup, msup [T, nb / (256 / L), R]; other types pass NO_SUPER there.
 Float tensors (F32, F16, BF16) stay in their file layout [rows, cols].
 
 Mat-vec (decode) quantizes the activation per weight block to ACT_PLANES int8 planes
@@ -81,33 +85,21 @@ def _quant_acts(x, L, code_off, c0):
     return xq, xs
 
 
+# Layout kinds (quant_repack.KIND_OF)
+NIBBLE, FIVE, SIX, INT8 = 0, 1, 2, 3
+
 # AVX-512 VNNI or AVX2 where the target has it, else the same sums in portable vector IR
-_tile_nibble = make_tile_dot(True, 4, ACT_PLANES, True, KERNELS)
-_tile_i8_32 = make_tile_dot(False, 8, ACT_PLANES, False, KERNELS)
-_tile_i8_32m = make_tile_dot(False, 8, ACT_PLANES, True, KERNELS)
-_tile_i8_16 = make_tile_dot(False, 4, ACT_PLANES, False, KERNELS)
-_tile_i8_16m = make_tile_dot(False, 4, ACT_PLANES, True, KERNELS)
+_tile_nibble = make_tile_dot("nibble", 4, ACT_PLANES, True, KERNELS)
+_tile_five = make_tile_dot("five", 5, ACT_PLANES, False, KERNELS)
+_tile_five_m = make_tile_dot("five", 5, ACT_PLANES, True, KERNELS)
+_tile_six = make_tile_dot("six", 3, ACT_PLANES, False, KERNELS)
+_tile_int8 = make_tile_dot("int8", 8, ACT_PLANES, False, KERNELS)
 
 
 @njit(inline="always", **_opts)
-def _nibble_tile(qs, d, m, xq, xs, t, out):
-    rows = out.shape[0]
-    _tile_nibble(qs, d, m, xq, xs, t, out, t * R, min(R, rows - t * R))
-
-
-@njit(inline="always", **_opts)
-def _int8_tile(qs, d, m, has_m, xq, xs, t, out):
-    row0, G = t * R, qs.shape[2]
-    n_valid = min(R, out.shape[0] - row0)
-    if G == 8:
-        if has_m:
-            _tile_i8_32m(qs, d, m, xq, xs, t, out, row0, n_valid)
-        else:
-            _tile_i8_32(qs, d, m, xq, xs, t, out, row0, n_valid)
-    elif has_m:
-        _tile_i8_16m(qs, d, m, xq, xs, t, out, row0, n_valid)
-    else:
-        _tile_i8_16(qs, d, m, xq, xs, t, out, row0, n_valid)
+def _n(t, out):
+    """Rows of tile t inside the output row out (16 but in the last tile)."""
+    return min(R, out.shape[0] - t * R)
 
 
 # Mat-vec of n = 1 .. quant.MULTI_MAX activations: decode, one row per request when
@@ -117,53 +109,103 @@ def _int8_tile(qs, d, m, has_m, xq, xs, t, out):
 # call with x[i] alone (separate kernels for n == 1 would not be: under fastmath the
 # backend reassociates the unrolled block sums of _quant_acts by the critical path of
 # the code around them).
-# Parallel and serial twins: QuantWeight picks one by size at load (waking the thread
-# pool costs more than it saves on a matrix of well under a millisecond).
-# x: f32 [n, cols] C-contiguous; out: f32 [n, rows] with unit stride along a row (its
-# row stride free: out may be a column slice of a wider array).
+# One pair of kernels per layout kind (one for all would compile every tile kernel for
+# each weight type: 3x the first load's compile time), each with a parallel and a serial
+# twin: QuantWeight picks one by size at load (waking the thread pool costs more than it
+# saves on a matrix of well under a millisecond).
+# qs, d, m, dsup, msup (, has_m): quant_repack.repack's arrays; x: f32 [n, cols]
+# C-contiguous; out: f32 [n, rows] with unit stride along a row (its row stride free: out
+# may be a column slice of a wider array).
 
-@njit(parallel=True, **_opts)
-def mv_nibble(qs, d, m, x, out):
-    """qs u8 [T, nb, 4, R, 4]; d, m [T, nb, R]; x f32 [n, nb*32]; out f32 [n, rows]."""
+@njit(inline="always", **_opts)
+def _check_out(out):
     if out.strides[1] != 4:
-        raise ValueError("mv_nibble: out rows must have unit stride")
-    xq, xs = _quant_acts(x, 32, 0, 8)
-    for t in prange(qs.shape[0]):
-        for i in range(x.shape[0]):
-            _nibble_tile(qs, d, m, xq[i], xs[i], t, out[i])
-
-
-@njit(**_opts)
-def mv_nibble_serial(qs, d, m, x, out):
-    """As mv_nibble, on the calling thread."""
-    if out.strides[1] != 4:
-        raise ValueError("mv_nibble: out rows must have unit stride")
-    xq, xs = _quant_acts(x, 32, 0, 8)
-    for t in range(qs.shape[0]):
-        for i in range(x.shape[0]):
-            _nibble_tile(qs, d, m, xq[i], xs[i], t, out[i])
+        raise ValueError("quantized mat-vec: out rows must have unit stride")
 
 
 @njit(parallel=True, **_opts)
-def mv_int8(qs, d, m, has_m, x, out):
-    """qs u8 [T, nb, G, R, 4]; d, m [T, nb, R]; x f32 [n, nb*4G]; out f32 [n, rows]."""
-    if out.strides[1] != 4:
-        raise ValueError("mv_int8: out rows must have unit stride")
-    xq, xs = _quant_acts(x, 4 * qs.shape[2], 128, 16 if has_m else 0)
+def mv_nibble(qs, d, m, dsup, msup, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts(x, 32, 0, 8)
     for t in prange(qs.shape[0]):
         for i in range(x.shape[0]):
-            _int8_tile(qs, d, m, has_m, xq[i], xs[i], t, out[i])
+            _tile_nibble(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
 
 
 @njit(**_opts)
-def mv_int8_serial(qs, d, m, has_m, x, out):
-    """As mv_int8, on the calling thread."""
-    if out.strides[1] != 4:
-        raise ValueError("mv_int8: out rows must have unit stride")
-    xq, xs = _quant_acts(x, 4 * qs.shape[2], 128, 16 if has_m else 0)
+def mv_nibble_serial(qs, d, m, dsup, msup, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts(x, 32, 0, 8)
     for t in range(qs.shape[0]):
         for i in range(x.shape[0]):
-            _int8_tile(qs, d, m, has_m, xq[i], xs[i], t, out[i])
+            _tile_nibble(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+
+
+@njit(inline="always", **_opts)
+def _five_tile(qs, d, m, dsup, msup, has_m, xq, xs, t, out):
+    if has_m:
+        _tile_five_m(qs, d, m, dsup, msup, xq, xs, t, out, t * R, _n(t, out))
+    else:
+        _tile_five(qs, d, m, dsup, msup, xq, xs, t, out, t * R, _n(t, out))
+
+
+@njit(parallel=True, **_opts)
+def mv_five(qs, d, m, dsup, msup, has_m, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts(x, 32, 0, 16) if has_m else _quant_acts(x, 32, 16, 0)
+    for t in prange(qs.shape[0]):
+        for i in range(x.shape[0]):
+            _five_tile(qs, d, m, dsup, msup, has_m, xq[i], xs[i], t, out[i])
+
+
+@njit(**_opts)
+def mv_five_serial(qs, d, m, dsup, msup, has_m, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts(x, 32, 0, 16) if has_m else _quant_acts(x, 32, 16, 0)
+    for t in range(qs.shape[0]):
+        for i in range(x.shape[0]):
+            _five_tile(qs, d, m, dsup, msup, has_m, xq[i], xs[i], t, out[i])
+
+
+@njit(parallel=True, **_opts)
+def mv_six(qs, d, m, dsup, msup, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts(x, 16, 32, 0)
+    for t in prange(qs.shape[0]):
+        for i in range(x.shape[0]):
+            _tile_six(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+
+
+@njit(**_opts)
+def mv_six_serial(qs, d, m, dsup, msup, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts(x, 16, 32, 0)
+    for t in range(qs.shape[0]):
+        for i in range(x.shape[0]):
+            _tile_six(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+
+
+@njit(parallel=True, **_opts)
+def mv_int8(qs, d, m, dsup, msup, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts(x, 32, 128, 0)
+    for t in prange(qs.shape[0]):
+        for i in range(x.shape[0]):
+            _tile_int8(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+
+
+@njit(**_opts)
+def mv_int8_serial(qs, d, m, dsup, msup, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts(x, 32, 128, 0)
+    for t in range(qs.shape[0]):
+        for i in range(x.shape[0]):
+            _tile_int8(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+
+
+# kind -> (parallel, serial) mat-vec; the five kind takes has_m after msup
+MAT_VEC = {NIBBLE: (mv_nibble, mv_nibble_serial), FIVE: (mv_five, mv_five_serial),
+           SIX: (mv_six, mv_six_serial), INT8: (mv_int8, mv_int8_serial)}
 
 
 @njit(**_opts)
@@ -216,35 +258,51 @@ def mv_float(w, kind, x, out):
 # Serial on purpose: the mat-mat path runs these between BLAS calls, and waking the
 # numba thread pool there leaves its workers spinning while BLAS wants the cores.
 
+def _block_scale(sc, sup, t, b, r):
+    """Scale of block b, row r of tile t: sc itself, or K-quant sub-block x super-block."""
+
+
+@overload(_block_scale, jit_options=dict(cache=True))
+def _block_scale_impl(sc, sup, t, b, r):
+    if sc.dtype in (types.uint8, types.int8):
+        return lambda sc, sup, t, b, r: _sc(sup[t, b // (sc.shape[1] // sup.shape[1]), r]) * np.float32(sc[t, b, r])
+    return lambda sc, sup, t, b, r: _sc(sc[t, b, r])
+
+
 @njit(**_opts)
-def deq_nibble(qs, d, m, ids, out):
-    """ids int [k] row numbers; out f32 [k, nb*32]."""
+def deq(qs, d, m, dsup, msup, kind, has_m, ids, out):
+    """The rows ids (int [k]) of one layout above, dequantized: out f32 [k, cols]."""
     nb = qs.shape[1]
+    L = out.shape[1] // nb
     for i in range(ids.shape[0]):
         t, r = ids[i] // R, ids[i] % R
         for b in range(nb):
-            db, mb = _sc(d[t, b, r]), _sc(m[t, b, r])
-            for g in range(4):
+            db = _block_scale(d, dsup, t, b, r)
+            mb = _block_scale(m, msup, t, b, r) if has_m else np.float32(0)
+            o = b * L
+            if kind == INT8:
+                for g in range(8):
+                    for j in range(4):
+                        out[i, o + 4 * g + j] = db * np.float32(np.int32(qs[t, b, g, r, j]) - 128) + mb
+            elif kind == SIX:
                 for j in range(4):
-                    q = qs[t, b, g, r, j]
-                    out[i, b * 32 + 4 * g + j] = db * np.float32(q & 15) + mb
-                    out[i, b * 32 + 16 + 4 * g + j] = db * np.float32(q >> 4) + mb
-
-
-@njit(**_opts)
-def deq_int8(qs, d, m, has_m, ids, out):
-    """ids int [k]; out f32 [k, nb*L] (codes stored + 128)."""
-    nb, G = qs.shape[1], qs.shape[2]
-    L = 4 * G
-    for i in range(ids.shape[0]):
-        t, r = ids[i] // R, ids[i] % R
-        for b in range(nb):
-            db = _sc(d[t, b, r])
-            mb = _sc(m[t, b, r]) if has_m else np.float32(0)
-            for g in range(G):
-                for j in range(4):
-                    c = np.float32(np.int32(qs[t, b, g, r, j]) - 128)
-                    out[i, b * L + 4 * g + j] = db * c + mb
+                    l0, l1, h = np.int32(qs[t, b, 0, r, j]), np.int32(qs[t, b, 1, r, j]), np.int32(qs[t, b, 2, r, j])
+                    out[i, o + j] = db * np.float32(((l0 & 15) | ((h & 3) << 4)) - 32)
+                    out[i, o + 4 + j] = db * np.float32(((l1 & 15) | (h & 0x30)) - 32)
+                    out[i, o + 8 + j] = db * np.float32(((l0 >> 4) | ((h << 2) & 0x30)) - 32)
+                    out[i, o + 12 + j] = db * np.float32(((l1 >> 4) | ((h >> 2) & 0x30)) - 32)
+            else:               # nibbles, and for FIVE their fifth bits (bit 2g / 2g+1 of load 4)
+                off = np.int32(16) if kind == FIVE and not has_m else np.int32(0)
+                for g in range(4):
+                    for j in range(4):
+                        q = np.int32(qs[t, b, g, r, j])
+                        lo, hi = q & 15, q >> 4
+                        if kind == FIVE:
+                            h = np.int32(qs[t, b, 4, r, j])
+                            lo |= ((h >> (2 * g)) & 1) << 4
+                            hi |= ((h >> (2 * g + 1)) & 1) << 4
+                        out[i, o + 4 * g + j] = db * np.float32(lo - off) + mb
+                        out[i, o + 16 + 4 * g + j] = db * np.float32(hi - off) + mb
 
 
 @njit(**_opts)

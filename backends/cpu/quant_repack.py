@@ -1,11 +1,16 @@
 """GGUF blocks -> the row-tiled layouts of `quant_kernels` (numpy, once at load).
 
-Every quantized type is reduced to codes + per-block f32 scale d and offset m
-(value = d * code + m; kept as f16 bits when exact), then tiled 16 rows at a time with codes grouped by 4 per
+Every quantized type is reduced to codes + per-block scale d and offset m
+(value = d * code + m), then tiled 16 rows at a time with codes grouped by 4 per
 row (the `vpdpbusd` operand layout; int8-family codes are stored + 128, unsigned):
-    nibble family: Q4_0 (m = -8d), Q4_1, Q4_K (32-element sub-blocks, d = d*sc, m = -dmin*min)
-    int8 family:   Q8_0, Q5_0 (code - 16), Q5_1, Q5_K (sub-blocks of 32), Q6_K (code - 32,
-                   sub-blocks of 16). 5- and 6-bit codes take one byte each.
+    nibble: Q4_0 (m = -8d), Q4_1, Q4_K (32-element sub-blocks)
+    five:   Q5_0 (code - 16), Q5_1, Q5_K (sub-blocks of 32): nibbles + a plane of fifth bits
+    six:    Q6_K (code + 32 in 6 bits: a nibble plane and a 2-bit plane, sub-blocks of 16)
+    int8:   Q8_0
+Scales d, m are f32, or f16 bits where f16 holds them exactly (those read from the file).
+K-quants keep the file's factors: d, m are the 8-bit sub-block scales (Q4_K/Q5_K: d = sc,
+m = min, unsigned 6-bit; Q6_K: d = sc, signed) and dsup, msup the super-block's f16 d and
+-dmin, so value = dsup * d * code + msup * m, as many bytes as the file within 3%.
 Layouts follow ggml-common.h; the formulas mirror gguf/quants.py `dequantize_blocks`.
 """
 from __future__ import annotations
@@ -13,11 +18,13 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from . import quant_kernels as K
 from .quant_kernels import R
 from .vnni import F16_SCALES
 
-NIBBLE = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-INT8 = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
+KIND_OF = {Q.Q4_0: K.NIBBLE, Q.Q4_1: K.NIBBLE, Q.Q4_K: K.NIBBLE, Q.Q5_0: K.FIVE, Q.Q5_1: K.FIVE,
+           Q.Q5_K: K.FIVE, Q.Q6_K: K.SIX, Q.Q8_0: K.INT8}     # the kernels' layout of each type
+NO_SUPER = np.zeros((1, 1, R), np.float32)     # dsup / msup of types without super-blocks
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -56,6 +63,16 @@ def _nibble_pack(codes: np.ndarray) -> np.ndarray:
     return codes[..., :16] | (codes[..., 16:] << 4)
 
 
+def _five_pack(codes: np.ndarray) -> np.ndarray:
+    """5-bit codes uint8 [rows, nb, 32] -> the five layout's loads [rows, nb, 5, 4]: four of
+    nibbles (_nibble_pack) and one of fifth bits, bit 2g / 2g+1 of byte i = code 4g+i / 16+4g+i."""
+    top = (codes >> 4).reshape(codes.shape[:2] + (2, 4, 4))            # [.., half, g, i]
+    shift = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1) + np.arange(2, dtype=np.uint8).reshape(1, 1, 2, 1, 1)
+    bits = np.bitwise_or.reduce((top << shift).reshape(codes.shape[:2] + (8, 4)), axis=2)
+    return np.concatenate([_nibble_pack(codes & 0x0F).reshape(codes.shape[:2] + (4, 4)),
+                           bits[:, :, None, :]], axis=2)
+
+
 def _fivebit(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1 qs uint8 [rows, nb, 16], qh uint8 [rows, nb, 4] -> codes uint8 [rows, nb, 32]."""
     lo = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
@@ -67,7 +84,7 @@ CHUNK_BYTES = 16 << 20        # GGUF bytes repacked at a time (the temporaries a
 
 
 def repack(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict:
-    """raw uint8 [rows, row_bytes] -> dict(kind='nibble'|'int8', qs, d, m, has_m).
+    """raw uint8 [rows, row_bytes] -> dict(kind (KIND_OF), qs, d, m, dsup, msup, has_m).
     Large tensors go CHUNK_BYTES of rows at a time into the final arrays, so loading
     a 262144-row embedding does not hold several full-size temporaries at once."""
     raw = np.asarray(raw, np.uint8).reshape(rows, -1)
@@ -79,9 +96,9 @@ def repack(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict:
         p = _repack(raw[r0:r0 + step], qtype, min(step, rows - r0), cols)
         if out is None:
             tiles = -(-rows // R)
-            out = dict(p, **{k: np.empty((tiles,) + p[k].shape[1:], p[k].dtype) for k in _TILED[p["has_m"]]})
+            out = dict(p, **{k: np.empty((tiles,) + p[k].shape[1:], p[k].dtype) for k in _tiled(p)})
         t0 = r0 // R
-        for k in _TILED[p["has_m"]]:
+        for k in _tiled(p):
             part = p[k]
             if part.dtype != out[k].dtype:              # f16 bits in one chunk, f32 in another: f32
                 out[k] = _f32(out[k])
@@ -90,7 +107,10 @@ def repack(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict:
     return out
 
 
-_TILED = {True: ("qs", "d", "m"), False: ("qs", "d")}
+def _tiled(p: dict) -> tuple:
+    """The arrays of a repack result that are tiled by rows (the others are placeholders)."""
+    return tuple(k for k in ("qs", "d", "m", "dsup", "msup")
+                 if (p["has_m"] or k not in ("m", "msup")) and p[k] is not NO_SUPER)
 
 
 def _f32(scales: np.ndarray) -> np.ndarray:
@@ -106,59 +126,63 @@ def _repack(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict:
         d = _f16(blk[..., 0:2])
         m = -8.0 * d if qtype == Q.Q4_0 else _f16(blk[..., 2:4])
         qs = blk[..., bs - 16:]
-        return _pack("nibble", qs, d, m)
+        return _pack(K.NIBBLE, qs, d, m)
     if qtype in (Q.Q4_K, Q.Q5_K):
         nb = cols // 256
         blk = raw.reshape(rows, nb, -1)
         d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
         sc, mn = _q4k_scale_min(blk[..., 4:16])
-        dsub = (d[..., None] * sc).reshape(rows, -1)
-        msub = (-dmin[..., None] * mn).reshape(rows, -1)
+        sub = (sc.reshape(rows, -1), mn.reshape(rows, -1), d, -dmin)
         if qtype == Q.Q4_K:
             codes = _k_low_nibbles(blk[..., 16:144])
-            return _pack("nibble", _nibble_pack(codes), dsub, msub)
+            return _pack(K.NIBBLE, _nibble_pack(codes), *sub)
         qh = blk[..., 16:48]                               # bit i of qh[j]: sub-block i, elem j
         hb = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
         codes = _k_low_nibbles(blk[..., 48:176]) | (hb.reshape(rows, -1, 32) << 4)
-        return _pack("int8", codes.view(np.int8), dsub, msub)
+        return _pack(K.FIVE, _five_pack(codes), *sub)
     if qtype == Q.Q8_0:
         blk = raw.reshape(rows, cols // 32, 34)
-        return _pack("int8", blk[..., 2:].view(np.int8), _f16(blk[..., 0:2]), None)
+        return _pack(K.INT8, blk[..., 2:].view(np.int8), _f16(blk[..., 0:2]), None)
     if qtype in (Q.Q5_0, Q.Q5_1):
         bs = 22 if qtype == Q.Q5_0 else 24
         blk = raw.reshape(rows, cols // 32, bs)
         d = _f16(blk[..., 0:2])
         off = 2 if qtype == Q.Q5_0 else 4
-        codes = _fivebit(blk[..., off + 4:], blk[..., off:off + 4])
-        if qtype == Q.Q5_0:
-            return _pack("int8", (codes.astype(np.int16) - 16).astype(np.int8), d, None)
-        return _pack("int8", codes.view(np.int8), d, _f16(blk[..., 2:4]))
+        codes = _five_pack(_fivebit(blk[..., off + 4:], blk[..., off:off + 4]))
+        return _pack(K.FIVE, codes, d, None if qtype == Q.Q5_0 else _f16(blk[..., 2:4]))
     if qtype == Q.Q6_K:
         nb = cols // 256
         blk = raw.reshape(rows, nb, 210)
         ql, qh = blk[..., :128], blk[..., 128:192]
-        sc = blk[..., 192:208].view(np.int8).astype(np.float32)
+        sc = blk[..., 192:208].view(np.int8).reshape(rows, -1)
         d = _f16(blk[..., 208:210])
         lo = ql.reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-        lo = (lo & 0x0F).reshape(rows, nb, 8, 32)
+        lo = (lo & 0x0F).reshape(rows, nb * 16, 4, 4)      # [rows, block, quarter, i]: code 4q+i
         hi = qh.reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
-        hi = (hi & 0x03).reshape(rows, nb, 8, 32)
-        codes = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, nb * 16, 16)
-        return _pack("int8", codes, (d[..., None] * sc).reshape(rows, -1), None)
+        hi = (hi & 0x03).reshape(rows, nb * 16, 4, 4)
+        planes = np.stack([lo[:, :, 0] | lo[:, :, 2] << 4, lo[:, :, 1] | lo[:, :, 3] << 4,
+                           hi[:, :, 0] | hi[:, :, 2] << 2 | hi[:, :, 1] << 4 | hi[:, :, 3] << 6], axis=2)
+        return _pack(K.SIX, planes, sc, None, d, None)
     raise ValueError(f"repack: unsupported quantized type {Q(qtype).name}")
 
 
-def _pack(kind: str, qs: np.ndarray, d: np.ndarray, m) -> dict:
-    """qs [rows, nb, L] (nibble: L = 16 packed bytes); d, m f32 [rows, nb] (m None = no
-    offset) -> tiled arrays; codes grouped by 4 per row (quant_kernels layouts)."""
-    rows, nb, L = qs.shape
-    if kind == "int8":
+def _pack(kind: int, qs: np.ndarray, d: np.ndarray, m, dsup=None, msup=None) -> dict:
+    """qs [rows, nb, L] codes (nibble: L = 16 packed bytes), or [rows, nb, G, 4] loads (five, six);
+    d, m f32 [rows, nb] (m None = no offset), or the uint8/int8 sub-block scales of dsup,
+    msup f32 [rows, nb_super] -> tiled arrays; codes grouped by 4 per row (quant_kernels layouts)."""
+    rows, nb = qs.shape[:2]
+    if kind == K.INT8:
         qs = qs.view(np.uint8) ^ np.uint8(0x80)           # signed code + 128
-    q4 = _tile(qs.reshape(rows, nb, L // 4, 4), rows)        # [T, nb, G, 4, R]
+    q4 = _tile(qs.reshape(rows, nb, -1, 4), rows)          # [T, nb, G, 4, R]
     has_m = m is not None
+
+    def scales(a):
+        return a if a.dtype in (np.uint8, np.int8) else _scales(a)
     return dict(kind=kind, qs=np.ascontiguousarray(q4.transpose(0, 1, 2, 4, 3)),
-                d=_tile(_scales(d), rows),
-                m=_tile(_scales(m), rows) if has_m else np.zeros((1, 1, R), np.float32),
+                d=_tile(scales(d), rows),
+                m=_tile(scales(m), rows) if has_m else np.zeros((1, 1, R), np.float32),
+                dsup=NO_SUPER if dsup is None else _tile(_scales(dsup), rows),
+                msup=NO_SUPER if msup is None else _tile(_scales(msup), rows),
                 has_m=has_m)
 
 
@@ -168,5 +192,6 @@ def _scales(a: np.ndarray) -> np.ndarray:
     a = a.astype(np.float32)
     if not F16_SCALES:
         return a
-    h = a.astype(np.float16)
+    with np.errstate(over="ignore"):
+        h = a.astype(np.float16)
     return h.view(np.uint16) if np.array_equal(h.astype(np.float32), a) else a
