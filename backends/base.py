@@ -57,8 +57,9 @@ Recorded decode steps (optional; engine/replay.py uses them where a backend has 
     record_step(values, run, max_position, readback=None) -> recording
         values: int32 [n_slots] (host), copied into a new step buffer; run() then makes
         one decode step's op calls as usual, except that some int arguments are
-        StepValue: the backend passes their ops the step buffer's slot instead of the
-        value, so a replay reads the slot's new value. The ops run (the step happens) and
+        StepValue (and the token ids and positions StepValues): the backend passes their
+        ops the step buffer's slot instead of the value, so a replay reads the slot's new
+        value. The ops run (the step happens) and
         their launches are recorded. max_position: the positions the step buffer may
         hold stay below it (tables a recorded op reads must cover them). readback: the
         array the caller downloads after every step (a backend may record its copy back).
@@ -82,6 +83,28 @@ class StepValue(int):
         self = super().__new__(cls, value)
         self.slot = slot
         return self
+
+
+class StepValues:
+    """int32 [n] arguments of a step being recorded (a step's token ids, their positions):
+    a backend that records reads them from slots slot .. slot + n - 1 at every replay; to
+    anything else (np.asarray) they are the values."""
+    __slots__ = ("values", "slot")
+
+    def __init__(self, values, slot: int):
+        self.values = np.asarray(values, dtype=np.int32).reshape(-1)
+        self.slot = slot
+
+    def __array__(self, dtype=None, copy=None):
+        return self.values if dtype is None else self.values.astype(dtype, copy=False)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def step_slot(value) -> int | None:
+    """The first slot of a StepValue or StepValues argument, else None."""
+    return value.slot if isinstance(value, (StepValue, StepValues)) else None
 
 
 # The complete op list. `check_complete` verifies a backend has every one.

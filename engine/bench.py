@@ -211,17 +211,18 @@ def run_bench(args, settings) -> int:
         "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu,
         "llama_cpp_flash_attn": use_llama_cpp and flash_attn,
         "llama_cpp_cache_type": cache_type if use_llama_cpp else None, "cases": rows,
-        # recorded decode steps (engine/replay.py; None where the backend records none, or it is off)
-        "decode_replay": dict(model.forward.replay.stats) if model.forward.replay is not None else None,
+        # every decode of one sequence above (warm-up included): ForwardPass.decode_stats
+        "decode_steps": model.forward.decode_stats(),
     }
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"bench-{model.backend.name}.json")
     with open(out + ".tmp", "w") as f:
         json.dump(report, f, indent=1, default=str)
     os.replace(out + ".tmp", out)
-    if report["decode_replay"] is not None:
-        r = report["decode_replay"]
-        print(f"decode replay: {r['recordings']} steps recorded, {r['replays']} replayed")
+    d = report["decode_steps"]
+    if d["launches_per_token"] is not None:
+        print(f"decode steps: {d['launches_per_token']:.1f} launches and {d['host_us_per_token']:.0f} us "
+              f"before the logits are awaited, a token; {d['recordings']} recorded, {d['replays']} replayed")
     theirs = f", llama.cpp's {llama_rows[-1]['peak_rss_mib']:.0f} MiB" if llama_rows else ""
     print(f"peak RSS {report['peak_rss_mib']:.0f} MiB{theirs}; wrote {out}")
     return 0

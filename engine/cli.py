@@ -136,6 +136,11 @@ def _print_stats(s: dict) -> None:
         line += (f"; {k['policy']}: {_size(k['bytes_before'])} -> {_size(k['bytes_after'])} "
                  f"({k['ratio']:.2f}x), scoring+compaction {k['seconds'] * 1e3:.1f} ms")
     print(line, file=e)
+    d = s.get("decode_steps")
+    if d and d["tokens"]:
+        launches = "" if d["launches_per_token"] is None else f"{d['launches_per_token']:.1f} launches, "
+        print(f"-- decode steps: {launches}{d['host_us_per_token']:.0f} us before the logits are awaited, "
+              f"a token; {d['recordings']} recorded, {d['replays']} replayed", file=e)
     print(f"-- peak RSS {s['peak_rss_mib']:.0f} MiB", file=e)
 
 

@@ -137,9 +137,9 @@ SETTINGS = (
          "where CUDA kernels run: device = an NVIDIA GPU through cupy; cpu-harness = the same kernel "
          "source on the CPU through our test harness (no GPU needed, ~1000x slower)"),
     Spec("decode_replay", "SHARPI_DECODE_REPLAY", None, _choice("on", "off"), "on",
-         "decode of one sequence on a backend that records steps (CUDA, Vulkan): on = each token replays "
-         "a recorded step (a CUDA graph, a recorded Vulkan command buffer), off = every kernel launched "
-         "from Python each token"),
+         "decode (one sequence, or the server's batch) on a backend that records steps (CUDA, Vulkan): "
+         "on = each step replays a recorded one (a CUDA graph, a recorded Vulkan command buffer), off = "
+         "every kernel launched from Python each token"),
     # read once, when backends/cuda/harness.py is imported (its MEMCHECK switch)
     Spec("cuda_harness_memcheck", "SHARPI_CUDA_HARNESS_MEMCHECK", None, _choice("1", "0"), "1",
          "CUDA CPU harness: 1 = every array argument between guard pages, an out-of-bounds access "

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
-from backends.base import StepValue
 from backends.kvformat import parse_kv_dtype
 from backends.reference import read_rows
 
@@ -24,7 +23,7 @@ from .errors import EngineError
 from .gguf import GgufFile, ModelConfig
 from .kv.merge import merged_rows
 from .kv.paged import KvCache, PagePool, layer_pages
-from .replay import POSITION_SLOT, TOKEN_SLOT, DecodeReplay, row_slot
+from .replay import DecodeReplay, step_ids, step_rows
 from .snapkv import SnapKvConfig, SnapKvSelector
 
 HEAD_ROWS = 16      # prompt rows per output-projection call when every position's logits are
@@ -181,8 +180,10 @@ class ForwardPass:
         self._prefill_scratch: Scratch | None = None
         self._batch_scratch: Scratch | None = None   # decode_batch, grown on demand
         self.window_capture: WindowCapture | None = None   # set by a caller (eval, tools): fed by prefill
-        # decode of one sequence as a recorded step replayed (engine/replay.py), where the backend records
+        # decode steps recorded and replayed (engine/replay.py), where the backend records
         self.replay = DecodeReplay(self) if replay and DecodeReplay.supported(backend) else None
+        # decode and decode_batch since load, cumulative: see decode_stats
+        self.decode_counters = {"tokens": 0, "launches": 0, "host_s": 0.0, "recordings": 0, "replays": 0}
 
     def new_cache(self, kv_dtype: str | None = None, pool: PagePool | None = None) -> KvCache:
         """A cache for max_ctx positions; sliding-window layers get pages for their
@@ -326,11 +327,41 @@ class ForwardPass:
 
     def decode(self, token: int, cache: KvCache) -> np.ndarray:
         """One token at position cache.logical_length -> host f32 logits [vocab]."""
-        if self.replay is not None and self.replay.usable(cache):
-            return self.replay.decode(token, cache)
-        s = self._decode_scratch
-        self._forward(np.array([token], dtype=np.int32), [(cache, 1)], s)
-        return self._head(s, 1)
+        return finite(self.backend.download(self._decode_step([token], [cache], self._decode_scratch)))[0]
+
+    def _decode_step(self, tokens, caches: list, s: Scratch):
+        """The work of a decode step of caches[i] taking tokens[i] (recorded and replayed
+        where the backend can), counted in decode_counters: the backend array of the
+        logits [n, vocab], not yet awaited."""
+        counts = self.decode_counters
+        launches = getattr(self.backend, "launches", None)
+        t0 = time.perf_counter()
+        if self.replay is not None and self.replay.usable(caches):
+            logits = self.replay.step(tokens, caches, s)
+        else:
+            self._forward(np.asarray(tokens, dtype=np.int32), [(cache, 1) for cache in caches], s)
+            logits = self._head_logits(s, len(caches), 0)
+        counts["host_s"] += time.perf_counter() - t0
+        counts["tokens"] += len(caches)
+        if launches is not None:
+            counts["launches"] += self.backend.launches - launches
+        return logits
+
+    def decode_stats(self, since: dict | None = None) -> dict:
+        """The counters of decode and decode_batch since `since` (a copy of decode_counters
+        taken earlier; None: since load): tokens (a batched step's count one each);
+        launches_per_token, the kernel launches (CUDA) or dispatches (Vulkan) the host
+        issued a token (0 for a replayed step, engine/replay.py; None on backends that
+        launch nothing, the CPU); host_us_per_token, the time until a token's
+        work was issued, before its logits are awaited (host work alone where launches are
+        asynchronous, as on a CUDA device; on the CUDA CPU harness and on Vulkan, whose
+        submissions are awaited, the device's work too); recordings and replays."""
+        c = {k: v - (since or {}).get(k, 0) for k, v in self.decode_counters.items()}
+        n = c["tokens"]
+        counts = getattr(self.backend, "launches", None) is not None
+        return {"tokens": n, "launches_per_token": c["launches"] / n if n and counts else None,
+                "host_us_per_token": c["host_s"] * 1e6 / n if n else None,
+                "recordings": c["recordings"], "replays": c["replays"]}
 
     def decode_batch(self, tokens, caches: list[KvCache]) -> np.ndarray:
         """One decode step of several sequences at once: token i at position
@@ -346,9 +377,7 @@ class ForwardPass:
             return self.decode(int(tokens[0]), caches[0])[None]
         if self._batch_scratch is None or self._batch_scratch.n < n:
             self._batch_scratch = Scratch(self.backend, self.cfg, max(n, 8), logits_rows=max(n, 8))
-        s = self._batch_scratch
-        self._forward(np.asarray(tokens, dtype=np.int32), [(c, 1) for c in caches], s)
-        return self._head(s, n, first=0)
+        return finite(self.backend.download(self._decode_step(tokens, caches, self._batch_scratch)))
 
     # -- the layer graph ------------------------------------------------------------
     def _forward(self, ids: np.ndarray, spans: list, s: Scratch, capture=None, step: bool = False) -> None:
@@ -357,8 +386,9 @@ class ForwardPass:
         batched decode step: n caches, one row each). Every weight runs once over the
         n rows; RoPE, K/V writes and attention per cache. `capture`: a WindowCapture
         fed with the full-attention layers' queries (prefill of one cache). `step`: a
-        decode step being recorded (engine/replay.py): the token, its position and each
-        layer's rows go to the ops as StepValue (their slots: engine/replay.py)."""
+        decode step being recorded (engine/replay.py): the tokens, their positions and
+        each layer's rows go to the ops as StepValues / StepValue (their slots:
+        engine/replay.py)."""
         b, c, w = self.backend, self.cfg, self.weights
         n = len(ids)
         x, h, qkv, attn = s.x[:n], s.h[:n], s.qkv[:n], s.attn[:n]
@@ -374,7 +404,7 @@ class ForwardPass:
             for kv in cache.layers:
                 kv.reserve(hi - lo)
         if step:
-            ids, positions = StepValue(ids[0], TOKEN_SLOT), StepValue(positions[0], POSITION_SLOT)
+            ids, positions = step_ids(ids, positions)
         b.embedding(w.token_embd, ids, x)
         if self.embed_scale is not None:
             b.scale(x, self.embed_scale, x)
@@ -390,8 +420,8 @@ class ForwardPass:
                 b.rms_norm(qkv[:, q_end:k_end], lw.attn_k_norm, c.norm_eps, qkv[:, q_end:k_end])
             b.rope(qkv[:, :k_end], positions, c.n_heads + c.n_kv_heads, c.head_dim, c.rot_dim,
                    c.layer_rope_base(li), c.arch.rope_neox, self.rope_factors)
-            for cache, lo, hi in rows:
-                self._attend(cache, li, window, qkv[lo:hi], attn[lo:hi], capture, step)
+            for i, (cache, lo, hi) in enumerate(rows):
+                self._attend(cache, li, window, qkv[lo:hi], attn[lo:hi], capture, (i, n) if step else None)
             b.matmul(lw.attn_output, attn, proj)
             if lw.post_attention_norm is not None:
                 b.rms_norm(proj, lw.post_attention_norm, c.norm_eps, proj)
@@ -419,9 +449,10 @@ class ForwardPass:
             b.add(x, r, x)
             b.rms_norm(x, weight, eps, h)
 
-    def _attend(self, cache: KvCache, li: int, window: int, qkv, attn, capture, step: bool = False) -> None:
+    def _attend(self, cache: KvCache, li: int, window: int, qkv, attn, capture, step: tuple | None = None) -> None:
         """One cache's rows of layer li: write their K/V, attend (queries see the
-        cache's earlier rows and their own), advance the layer. `step`: as in _forward."""
+        cache's earlier rows and their own), advance the layer. `step`: (i, n), the cache
+        is sequence i of a recorded step of n (_forward's step)."""
         b, c = self.backend, self.cfg
         q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
         n = qkv.shape[0]
@@ -435,8 +466,8 @@ class ForwardPass:
             return
         start_row = kv.length
         n_rows = start_row + 1
-        if step:                             # read from the step buffer when replayed
-            start_row, n_rows = StepValue(start_row, row_slot(li)), StepValue(n_rows, row_slot(li) + 1)
+        if step is not None:                 # read from the step buffer when replayed
+            start_row, n_rows = step_rows(start_row, li, *step)
         table = kv.page_table()
         pages = kv.pool                      # the layer's segment of the pool
         b.kv_write(pages.k_pages, pages.v_pages, table, qkv[:, q_end:k_end],

@@ -264,8 +264,10 @@ class Model:
         prefill_s = time.perf_counter() - t0
         stats.update(prompt_tokens=len(ids), prefill_s=prefill_s,
                      prefill_tok_s=len(ids) / prefill_s if prefill_s > 0 else 0.0, snapkv=cache.eviction)
+        since = dict(self.forward.decode_counters)
         yield from generate_stream(self, params, cache, logits, stats)
-        stats.update(kv_bytes=cache.bytes, kv_rows=cache.length, kv_dtype=cache.kv_dtype,
+        stats.update(decode_steps=self.forward.decode_stats(since),
+                     kv_bytes=cache.bytes, kv_rows=cache.length, kv_dtype=cache.kv_dtype,
                      logical_length=cache.logical_length, peak_rss_mib=peak_rss_mib(),
                      backend=self.backend.name)
 

@@ -1,30 +1,33 @@
-"""Decode of one sequence as a recorded step, replayed token after token.
+"""Decode steps recorded once and replayed token after token.
 
 On a GPU a small model's decode token costs more host time than device time: a
 launch per op and layer from Python (SmolLM2: 334 a token). DecodeReplay runs the
-first token of a cache as usual while the backend records its launches
-(backends/base.py: record_step), with every value that changes from token to token
-read by the kernels from a small step buffer instead of passed as an argument:
+first step of a cache (or of a batch of caches: ForwardPass.decode_batch) as usual
+while the backend records its launches (backends/base.py: record_step), with every
+value that changes from token to token read by the kernels from a small step buffer
+instead of passed as an argument. For a step of n sequences (n = 1: decode):
 
-    slot 0            the token id                 (TOKEN_SLOT)
-    slot 1            its position                 (POSITION_SLOT)
-    slot 2 + 2 l      layer l's row the K/V go to  (row_slot(l))
-    slot 3 + 2 l      layer l's rows attended      (row_slot(l) + 1)
+    slots 0 .. n-1                 their token ids                (TOKEN_SLOT on)
+    slots n .. 2n-1                their positions                (position_slot)
+    slot 2n + 2 (l n + i)          layer l's row sequence i's K/V go to   (row_slot)
+    the slot after it              the rows sequence i attends in layer l
 
-Every later token does the cache's page bookkeeping on the host (pages reserved,
+Every later step does the caches' page bookkeeping on the host (pages reserved,
 tables updated in place, lengths advanced), writes the step buffer and replays the
 recording (backend.replay: CUDA on a GPU, one graph launch, on the CPU harness the
-launches one by one; Vulkan, the recorded command buffer submitted again), then
-downloads the logits. A recording is valid while every
-array it bound is the one the step would bind: the cache's page tables, pools and
-merged-row biases (compared by identity; the recording holds them, so an identity
-cannot be reused while it lives) and the ForwardPass's scratch and weights (fixed);
-tables change in place and row counts are values, so page growth, sliding-window
-rings and a SnapKV compaction replay the same recording. Another cache, a cache
-whose arrays changed, or one whose KV heads hold their own rows (adaptive budgets:
-not replayed) records or runs afresh. A backend may decline to keep a recording
-(record_step returns None: the step was not recorded whole); the next token records
-again. `stats` counts recordings (kept or not) and replays.
+launches one by one; Vulkan, the recorded command buffer submitted again); the
+ForwardPass downloads the logits. A recording is valid while every array it bound is
+the one the step would bind: each cache's page tables, pools and merged-row biases,
+in the batch's order, and the scratch (compared by identity; the recording holds
+them, so an identity cannot be reused while it lives) and the ForwardPass's weights
+(fixed); tables change in place and row counts are values, so page growth,
+sliding-window rings and a SnapKV compaction replay the same recording. One
+recording is kept per batch size (a server alternates between a few); other caches,
+another batch membership or order, or arrays that changed record afresh, as do caches
+whose KV heads hold their own rows (adaptive budgets: never replayed). A backend may
+decline to keep a recording (record_step returns None: the step was not recorded
+whole); the next step records again. The ForwardPass's decode_counters count
+recordings (kept or not) and replays.
 """
 from __future__ import annotations
 
@@ -32,70 +35,101 @@ import weakref
 
 import numpy as np
 
-TOKEN_SLOT, POSITION_SLOT = 0, 1
+from backends.base import StepValue, StepValues
 
 
-def row_slot(layer: int) -> int:
-    """Slot of layer's write row; the next slot holds the rows it attends."""
-    return 2 + 2 * layer
+TOKEN_SLOT = 0      # the first of a step's token ids (one a sequence, in batch order)
+
+
+def position_slot(n: int = 1) -> int:
+    """First slot of a step of n sequences' positions."""
+    return n
+
+
+def row_slot(layer: int, seq: int = 0, n: int = 1) -> int:
+    """Slot of the row sequence `seq` (of n) writes in `layer`; the next slot holds the
+    rows it attends there."""
+    return 2 * n + 2 * (layer * n + seq)
+
+
+def step_ids(ids: np.ndarray, positions: np.ndarray) -> tuple[StepValues, StepValues]:
+    """A recorded step's token ids and positions as the ops take them."""
+    n = len(ids)
+    return StepValues(ids, TOKEN_SLOT), StepValues(positions, position_slot(n))
+
+
+def step_rows(start_row: int, layer: int, seq: int, n: int) -> tuple[StepValue, StepValue]:
+    """A recorded step's write row and rows attended of one sequence in one layer."""
+    slot = row_slot(layer, seq, n)
+    return StepValue(start_row, slot), StepValue(start_row + 1, slot + 1)
 
 
 class DecodeReplay:
-    """ForwardPass.decode through recorded steps (the module docstring)."""
+    """ForwardPass.decode and decode_batch through recorded steps (the module docstring)."""
 
     def __init__(self, forward):
         self.forward = forward
-        self._key: tuple | None = None
-        self._recording = None
-        self._owner = None                   # weakref.finalize dropping the recording with its cache
-        self.stats = {"recordings": 0, "replays": 0}
+        self._kept: dict[int, tuple] = {}   # batch size -> (key, recording, scratch, cache finalizers)
+
+    @property
+    def stats(self) -> dict:
+        c = self.forward.decode_counters
+        return {"recordings": c["recordings"], "replays": c["replays"]}
 
     @staticmethod
     def supported(backend) -> bool:
         return hasattr(backend, "record_step") and hasattr(backend, "replay")
 
     @staticmethod
-    def usable(cache) -> bool:
-        return not any(kv.ragged for kv in cache.layers)
+    def usable(caches) -> bool:
+        return not any(kv.ragged for cache in caches for kv in cache.layers)
 
-    def decode(self, token: int, cache) -> np.ndarray:
-        """ForwardPass.decode: one token at position cache.logical_length -> host f32 logits."""
-        from .forward import finite
+    def step(self, tokens, caches: list, s):
+        """The work of one decode step of caches[i] taking tokens[i] at its logical length,
+        in the scratch s: the backend array of their logits [n, vocab]."""
         fp = self.forward
-        token = int(token)
-        if not 0 <= token < fp.cfg.vocab_size:
-            raise ValueError(f"token id {token} outside the vocabulary [0, {fp.cfg.vocab_size})")
-        layers = cache.layers
-        for kv in layers:                    # pages first: a full cache fails before any write
-            kv.reserve(1)
-        key = (id(cache),) + tuple((id(kv.page_table()), id(kv.pool.k_pages), id(kv.pool.v_pages), id(kv.bias()))
-                                   for kv in layers)
-        values = np.empty(row_slot(len(layers)), dtype=np.int32)
-        values[TOKEN_SLOT], values[POSITION_SLOT] = token, cache.logical_length
-        rows = values[row_slot(0):].reshape(len(layers), 2)   # per layer: write row, rows attended
-        rows[:, 0] = [kv.length for kv in layers]
-        rows[:, 1] = rows[:, 0] + 1
-        s = fp._decode_scratch
-        if key == self._key:
-            fp.backend.replay(self._recording, values)
-            for kv in layers:
-                kv.advance(1)
-            self.stats["replays"] += 1
+        counters = fp.decode_counters
+        tokens = [int(t) for t in tokens]
+        n = len(caches)
+        for t in tokens:
+            if not 0 <= t < fp.cfg.vocab_size:
+                raise ValueError(f"token id {t} outside the vocabulary [0, {fp.cfg.vocab_size})")
+        for cache in caches:                 # pages first: a full cache fails before any write
+            for kv in cache.layers:
+                kv.reserve(1)
+        key = (id(s),) + tuple((id(cache),) + tuple((id(kv.page_table()), id(kv.pool.k_pages), id(kv.pool.v_pages),
+                                                     id(kv.bias())) for kv in cache.layers) for cache in caches)
+        n_layers = len(caches[0].layers)
+        values = np.empty(row_slot(n_layers, 0, n), dtype=np.int32)
+        values[TOKEN_SLOT:TOKEN_SLOT + n] = tokens
+        values[position_slot(n):position_slot(n) + n] = [c.logical_length for c in caches]
+        rows = values[row_slot(0, 0, n):].reshape(n_layers, n, 2)   # per layer and sequence: write row, rows attended
+        rows[:, :, 0] = [[cache.layers[li].length for cache in caches] for li in range(n_layers)]
+        rows[:, :, 1] = rows[:, :, 0] + 1
+        kept = self._kept.get(n)
+        if kept is not None and kept[0] == key:
+            fp.backend.replay(kept[1], values)
+            for cache in caches:
+                for kv in cache.layers:
+                    kv.advance(1)
+            counters["replays"] += 1
         else:
-            self.forget()
+            self.forget(n)
 
-            def step():
-                fp._forward(np.array([token], dtype=np.int32), [(cache, 1)], s, step=True)
-                fp._head_logits(s, 1, 0)
-            self._recording = fp.backend.record_step(values, step, max_position=fp.max_ctx, readback=s.logits[:1])
-            self.stats["recordings"] += 1
-            if self._recording is not None:  # None: the backend could not record the step whole
-                self._key = key
-                self._owner = weakref.finalize(cache, self.forget)
-        return finite(fp.backend.download(s.logits[:1]))[0]
+            def run():
+                fp._forward(np.array(tokens, dtype=np.int32), [(c, 1) for c in caches], s, step=True)
+                fp._head_logits(s, n, 0)
+            recording = fp.backend.record_step(values, run, max_position=fp.max_ctx, readback=s.logits[:n])
+            counters["recordings"] += 1
+            if recording is not None:        # None: the backend could not record the step whole
+                owners = [weakref.finalize(c, self.forget, n) for c in caches]
+                self._kept[n] = (key, recording, s, owners)
+        return s.logits[:n]
 
-    def forget(self) -> None:
-        """Drop the recording (and the arrays it holds)."""
-        if self._owner is not None:
-            self._owner.detach()
-        self._key = self._recording = self._owner = None
+    def forget(self, n: int | None = None) -> None:
+        """Drop the recording of batch size n (None: every one) and the arrays it holds."""
+        for size in list(self._kept) if n is None else [n]:
+            kept = self._kept.pop(size, None)
+            if kept is not None:
+                for owner in kept[3]:
+                    owner.detach()

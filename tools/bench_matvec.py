@@ -9,8 +9,9 @@ machine disturbs less.
 --batched instead times batched decode: for n = 1, 2, 4, 8 rows (one per request),
 one matmul of n rows against n matmuls of one row, and against the dequantize + sgemm
 mat-mat path (what matmul ran for every n > 1 before MULTI_MAX), for the blk.* set and
-the head. --by-type: the per-token mat-vecs grouped by weight type (ms and GB/s of
-each), to see which kernel a decode token's time goes to.
+the head. --by-type: per weight type, a decode token's mat-vecs (ms and GB/s of each)
+and a prefill token's share of 256-token mat-mats of the blk.* matrices (dequantization
+and sgemm apart), to see where a token's time goes.
     python tools/bench_matvec.py [--model PATH] [--repeats 5] [--layers 30] [--batched | --by-type]
 """
 from __future__ import annotations
@@ -95,26 +96,49 @@ def main() -> None:
         print(f"mat-mat  n={n:<4d}: {t:7.3f} s  = {n / t:7.1f} tok/s")
 
 
-def _by_type(g, names: list, ws: list, repeats: int) -> None:
-    """The per-token mat-vecs grouped by weight type: best of `repeats` per group."""
+def _by_type(g, names: list, ws: list, repeats: int, chunk: int = 256) -> None:
+    """The per-token mat-vecs (decode) and mat-mats of a prefill chunk (dequantize + sgemm;
+    blk.* only: prefill runs the head for one row) grouped by weight type: best of
+    `repeats` per group, all per token."""
     groups: dict = {}
     for n, w in zip(names, ws):
         groups.setdefault(g.tensors[n].qtype.name, []).append((n, w))
+    head = names[-1]                                # prefill runs the head for its last row only
     rng = np.random.default_rng(0)
-    total = 0.0
-    print(f"{'type':>6} {'matrices':>8} {'MB':>8} {'ms/token':>9} {'GB/s':>6}")
+    total = np.zeros(3)
+    print(f"{'':>24} {'decode (mat-vec)':>16} | prefill, {chunk}-token chunks (mat-mat), ms/token")
+    print(f"{'type':>6} {'matrices':>8} {'MB':>8} {'ms/token':>9} {'GB/s':>6} | "
+          f"{'all':>6} {'dequantize':>10} {'sgemm':>6}")
     for qt, items in sorted(groups.items()):
-        jobs = []
-        for _, w in items:
+        jobs, mats = [], []
+        for name, w in items:
             jobs.append((w, rng.standard_normal((1, w.shape[1])).astype(np.float32),
                          np.empty((1, w.shape[0]), np.float32)))
-        for w, x, o in jobs:                        # warm-up (compile)
+            if name != head:
+                mats.append((w, rng.standard_normal((chunk, w.shape[1])).astype(np.float32),
+                             np.empty((chunk, w.shape[0]), np.float32)))
+        for w, x, o in jobs + mats:                 # warm-up (compile)
             matmul(w, x, o)
         best = min(_timeit(lambda: [matmul(w, x, o) for w, x, o in jobs]) for _ in range(repeats))
+        mm = min(_timeit(lambda: [matmul(w, x, o) for w, x, o in mats]) for _ in range(repeats)) / chunk
+        deq = min(_timeit(lambda: [_dequantize_all(w) for w, _, _ in mats]) for _ in range(repeats)) / chunk
         mb = sum(g.tensors[n].raw.nbytes for n, _ in items) / 1e6
-        total += best
-        print(f"{qt:>6} {len(items):8d} {mb:8.1f} {best * 1e3:9.2f} {mb / 1e3 / best:6.2f}")
-    print(f"{'all':>6} {len(ws):8d} {sum(g.tensors[n].raw.nbytes for n in names) / 1e6:8.1f} {total * 1e3:9.2f}")
+        total += (best, mm, deq)
+        print(f"{qt:>6} {len(items):8d} {mb:8.1f} {best * 1e3:9.2f} {mb / 1e3 / best:6.2f} | "
+              f"{mm * 1e3:6.2f} {deq * 1e3:10.2f} {(mm - deq) * 1e3:6.2f}")
+    print(f"{'all':>6} {len(ws):8d} {sum(g.tensors[n].raw.nbytes for n in names) / 1e6:8.1f} "
+          f"{total[0] * 1e3:9.2f} {'':>6} | {total[1] * 1e3:6.2f} {total[2] * 1e3:10.2f} "
+          f"{(total[1] - total[2]) * 1e3:6.2f}")
+
+
+def _dequantize_all(w) -> None:
+    """What _matmat does but the sgemm: every row chunk dequantized into the scratch."""
+    rows, cols = w.shape
+    ch = min(w._chunk, rows)
+    tile = np.empty((ch, cols), np.float32)
+    for r0 in range(0, rows, ch):
+        r1 = min(rows, r0 + ch)
+        w._deq(*w._deq_args, w._rowids[r0:r1], tile[:r1 - r0])
 
 
 def _batched(blk: list, head, repeats: int) -> None:

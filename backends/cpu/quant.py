@@ -69,11 +69,10 @@ def load_weight(raw: np.ndarray, qtype, shape) -> QuantWeight:
         raise ValueError(f"unsupported weight type {qtype.name}")
     p = repack(raw, qtype, rows, cols)
     arrays = {k: p[k] for k in ("qs", "d", "m", "dsup", "msup")}
-    args = (p["qs"], p["d"], p["m"], p["dsup"], p["msup"])
-    kind, has_m = p["kind"], p["has_m"]
-    mv_args = args + (has_m,) if kind == K.FIVE else args
+    kind = p["kind"]
+    args = (p["qs"], p["d"], p["m"], p["dsup"], p["msup"]) + ((p["has_m"],) if kind == K.FIVE else ())
     mv = K.MAT_VEC[kind][0 if rows * cols >= PARALLEL_MIN_WEIGHTS else 1]
-    return QuantWeight(qtype, (rows, cols), arrays, mv, mv_args, K.deq, args + (kind, has_m))
+    return QuantWeight(qtype, (rows, cols), arrays, mv, args, K.DEQUANTIZE[kind], args)
 
 
 _scratch = np.empty(0, np.float32)   # shared mat-mat scratch (single-threaded callers)

@@ -258,51 +258,104 @@ def mv_float(w, kind, x, out):
 # Serial on purpose: the mat-mat path runs these between BLAS calls, and waking the
 # numba thread pool there leaves its workers spinning while BLAS wants the cores.
 
-def _block_scale(sc, sup, t, b, r):
-    """Scale of block b, row r of tile t: sc itself, or K-quant sub-block x super-block."""
+def _row_scales(sc, sup, t, r, out):
+    """out f32 [nb] = the block scales of row r of tile t: sc's, or K-quant sub-block x
+    super-block scales."""
 
 
-@overload(_block_scale, jit_options=dict(cache=True))
-def _block_scale_impl(sc, sup, t, b, r):
+@overload(_row_scales, jit_options=dict(cache=True))
+def _row_scales_impl(sc, sup, t, r, out):
     if sc.dtype in (types.uint8, types.int8):
-        return lambda sc, sup, t, b, r: _sc(sup[t, b // (sc.shape[1] // sup.shape[1]), r]) * np.float32(sc[t, b, r])
-    return lambda sc, sup, t, b, r: _sc(sc[t, b, r])
+        def sub(sc, sup, t, r, out):
+            ksub = sc.shape[1] // sup.shape[1]
+            for s in range(sup.shape[1]):
+                base = _sc(sup[t, s, r])
+                for k in range(s * ksub, (s + 1) * ksub):
+                    out[k] = base * np.float32(sc[t, k, r])
+        return sub
+
+    def plain(sc, sup, t, r, out):
+        for b in range(sc.shape[1]):
+            out[b] = _sc(sc[t, b, r])
+    return plain
+
+
+# Dequantize selected rows (prefill's mat-mat tiles, embedding): ids int [k] row numbers;
+# out f32 [k, cols]; the other arguments as the kind's mat-vec takes them.
+
+@njit(**_opts)
+def deq_nibble(qs, d, m, dsup, msup, ids, out):
+    nb = qs.shape[1]
+    ds, ms = np.empty(nb, np.float32), np.empty(nb, np.float32)
+    for i in range(ids.shape[0]):
+        t, r = ids[i] // R, ids[i] % R
+        _row_scales(d, dsup, t, r, ds)
+        _row_scales(m, msup, t, r, ms)
+        for b in range(nb):
+            db, mb = ds[b], ms[b]
+            for g in range(4):
+                for j in range(4):
+                    q = qs[t, b, g, r, j]
+                    out[i, b * 32 + 4 * g + j] = db * np.float32(q & 15) + mb
+                    out[i, b * 32 + 16 + 4 * g + j] = db * np.float32(q >> 4) + mb
 
 
 @njit(**_opts)
-def deq(qs, d, m, dsup, msup, kind, has_m, ids, out):
-    """The rows ids (int [k]) of one layout above, dequantized: out f32 [k, cols]."""
+def deq_five(qs, d, m, dsup, msup, has_m, ids, out):
+    """Codes of 5 bits: the nibbles and, in load 4, bit 2g / 2g+1 of byte j for the
+    low / high nibble of load g's byte j; Q5_0 (no m) codes are stored + 16."""
     nb = qs.shape[1]
-    L = out.shape[1] // nb
+    ds, ms = np.empty(nb, np.float32), np.zeros(nb, np.float32)
+    off = np.float32(0) if has_m else np.float32(16)
     for i in range(ids.shape[0]):
         t, r = ids[i] // R, ids[i] % R
+        _row_scales(d, dsup, t, r, ds)
+        if has_m:
+            _row_scales(m, msup, t, r, ms)
         for b in range(nb):
-            db = _block_scale(d, dsup, t, b, r)
-            mb = _block_scale(m, msup, t, b, r) if has_m else np.float32(0)
-            o = b * L
-            if kind == INT8:
-                for g in range(8):
-                    for j in range(4):
-                        out[i, o + 4 * g + j] = db * np.float32(np.int32(qs[t, b, g, r, j]) - 128) + mb
-            elif kind == SIX:
+            db, mb = ds[b], ms[b] - ds[b] * off
+            for g in range(4):
                 for j in range(4):
-                    l0, l1, h = np.int32(qs[t, b, 0, r, j]), np.int32(qs[t, b, 1, r, j]), np.int32(qs[t, b, 2, r, j])
-                    out[i, o + j] = db * np.float32(((l0 & 15) | ((h & 3) << 4)) - 32)
-                    out[i, o + 4 + j] = db * np.float32(((l1 & 15) | (h & 0x30)) - 32)
-                    out[i, o + 8 + j] = db * np.float32(((l0 >> 4) | ((h << 2) & 0x30)) - 32)
-                    out[i, o + 12 + j] = db * np.float32(((l1 >> 4) | ((h >> 2) & 0x30)) - 32)
-            else:               # nibbles, and for FIVE their fifth bits (bit 2g / 2g+1 of load 4)
-                off = np.int32(16) if kind == FIVE and not has_m else np.int32(0)
-                for g in range(4):
-                    for j in range(4):
-                        q = np.int32(qs[t, b, g, r, j])
-                        lo, hi = q & 15, q >> 4
-                        if kind == FIVE:
-                            h = np.int32(qs[t, b, 4, r, j])
-                            lo |= ((h >> (2 * g)) & 1) << 4
-                            hi |= ((h >> (2 * g + 1)) & 1) << 4
-                        out[i, o + 4 * g + j] = db * np.float32(lo - off) + mb
-                        out[i, o + 16 + 4 * g + j] = db * np.float32(hi - off) + mb
+                    q, h = np.int32(qs[t, b, g, r, j]), np.int32(qs[t, b, 4, r, j]) >> (2 * g)
+                    out[i, b * 32 + 4 * g + j] = db * np.float32((q & 15) | ((h & 1) << 4)) + mb
+                    out[i, b * 32 + 16 + 4 * g + j] = db * np.float32((q >> 4) | ((h & 2) << 3)) + mb
+
+
+@njit(**_opts)
+def deq_six(qs, d, m, dsup, msup, ids, out):
+    """16 codes + 32 of 6 bits from 3 loads (vnni._block_codes)."""
+    nb = qs.shape[1]
+    ds = np.empty(nb, np.float32)
+    for i in range(ids.shape[0]):
+        t, r = ids[i] // R, ids[i] % R
+        _row_scales(d, dsup, t, r, ds)
+        for b in range(nb):
+            db, o = ds[b], b * 16
+            for j in range(4):
+                l0, l1, h = np.int32(qs[t, b, 0, r, j]), np.int32(qs[t, b, 1, r, j]), np.int32(qs[t, b, 2, r, j])
+                out[i, o + j] = db * np.float32(((l0 & 15) | ((h & 3) << 4)) - 32)
+                out[i, o + 4 + j] = db * np.float32(((l1 & 15) | (h & 0x30)) - 32)
+                out[i, o + 8 + j] = db * np.float32(((l0 >> 4) | ((h << 2) & 0x30)) - 32)
+                out[i, o + 12 + j] = db * np.float32(((l1 >> 4) | ((h >> 2) & 0x30)) - 32)
+
+
+@njit(**_opts)
+def deq_int8(qs, d, m, dsup, msup, ids, out):
+    """Codes stored + 128, no offset (Q8_0)."""
+    nb = qs.shape[1]
+    ds = np.empty(nb, np.float32)
+    for i in range(ids.shape[0]):
+        t, r = ids[i] // R, ids[i] % R
+        _row_scales(d, dsup, t, r, ds)
+        for b in range(nb):
+            db = ds[b]
+            for g in range(8):
+                for j in range(4):
+                    out[i, b * 32 + 4 * g + j] = db * np.float32(np.int32(qs[t, b, g, r, j]) - 128)
+
+
+# kind -> dequantizer (the same arguments as the kind's mat-vec)
+DEQUANTIZE = {NIBBLE: deq_nibble, FIVE: deq_five, SIX: deq_six, INT8: deq_int8}
 
 
 @njit(**_opts)

@@ -6,15 +6,15 @@ One call computes the 16 outputs of one weight tile over all its blocks:
                                        + corr[b])  +  m[t,b,r] * sx[b]     for r < n_valid
 with unsigned 8-bit codes (so `vpdpbusd` takes them as its u8 operand) and the
 activation quantized to `planes` signed int8 planes (x ~ sum_p dx[p,b] * xq[p]);
-`corr` (built by the caller) undoes the +128 of int8-family codes and recentres
+`corr` (built by the caller) undoes the offset codes are stored with and recentres
 the codes so that the activation's rounding error meets codes of mean ~0.
-Layouts (see quant_repack):
-    nibble: qs u8 [T, nb, 4, R, 4]  byte (g, r, i) = code 4g+i | code 16+4g+i << 4
-    int8:   qs u8 [T, nb, G, R, 4]  byte (g, r, i) = code 4g+i + 128, L = 4G codes
-    d, m:   f32 [T, nb, R], or uint16 f16 bits [T, nb, R] where f16 holds them exactly
+Layouts (quant_kernels' docstring, built by quant_repack): qs u8 [T, nb, loads, R, 4],
+unpacked by _block_codes into vectors of 4 codes of each of the 16 rows (nibble,
+five, six bits, or a byte each); d, m the block scales [T, nb, R] (f32, f16 bits, or
+K-quant 8-bit sub-block scales times the super-block's dsup, msup);
     xq:     i8 [planes, nb*L]; xs f32 [planes + 2, nb]: dx per plane, corr, sx (the
             exact block sums of the activation).
-Each 64-byte load holds 4 codes of each of the 16 rows, so one `vpdpbusd` against
+Each such vector holds 4 codes of each of the 16 rows, so one `vpdpbusd` against
 4 broadcast activation bytes is 64 multiply-adds with no horizontal sum; per block
 the i32 sums are scaled into a <16 x float> accumulator that stays in a register.
 Every kernel computes the same exact integer sums (the float adds after them may be

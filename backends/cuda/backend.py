@@ -20,7 +20,7 @@ import numpy as np
 from engine.config import env_setting
 from engine.errors import EngineError
 
-from ..base import StepValue, check_kv_dtypes
+from ..base import check_kv_dtypes, step_slot
 from ..kvformat import KV_DTYPES, KvFormat
 from . import attention, elementwise, kvrows, quant
 from .errors import translate_device_errors
@@ -41,6 +41,11 @@ class CudaBackend:
         self.bytes_to_host = 0
         self._step = None                                  # the step buffer of the recording under way
         self._max_position = 0                             # ... and the positions it may hold
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches the ops have made (a replayed step makes none: engine/replay.py)."""
+        return self.ex.launches
 
     # -- recorded steps (backends/base.py, engine/replay.py) ---------------------------
     def record_step(self, values: np.ndarray, run, max_position: int, readback=None):
@@ -64,10 +69,9 @@ class CudaBackend:
         self.ex.replay(recorded)
 
     def _slot(self, value) -> tuple | None:
-        """(step buffer, slot) of a StepValue argument while a step is recorded, else None."""
-        if self._step is None or not isinstance(value, StepValue):
-            return None
-        return self._step, value.slot
+        """(step buffer, first slot) of a StepValue(s) argument while a step is recorded, else None."""
+        slot = step_slot(value)
+        return None if self._step is None or slot is None else (self._step, slot)
 
     # -- memory -----------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):
@@ -130,7 +134,7 @@ class CudaBackend:
 
     # -- ops --------------------------------------------------------------------------
     def embedding(self, table, ids, out) -> None:
-        step = self._slot(ids)                             # a recorded step's token (one StepValue)
+        step = self._slot(ids)                             # a recorded step's tokens (StepValues)
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         quant.embedding(self.ex, table, ids, out, step)
         if ids.size > 1:                                   # one id travels as a kernel argument
@@ -150,7 +154,7 @@ class CudaBackend:
 
     def rope(self, x, positions, n_heads: int, head_dim: int, rot_dim: int, freq_base: float,
              neox: bool, freq_factors=None) -> None:
-        step = self._slot(positions)                       # a recorded step's position (one StepValue)
+        step = self._slot(positions)                       # a recorded step's positions (StepValues)
         self.bytes_to_device += elementwise.rope(self.ex, x, positions, n_heads, head_dim, rot_dim,
                                                  freq_base, neox, freq_factors, step, self._max_position)
 

@@ -176,22 +176,20 @@ def _rope_table(ex, base: float, rot_dim: int, max_pos: int, factors):
 def rope(ex, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int, freq_base: float,
          neox: bool, freq_factors=None, step: tuple | None = None, max_position: int = 0) -> int:
     """Returns the bytes uploaded (a grown table, or non-contiguous positions). step: None,
-    or (step buffer, slot) holding the position of a one-row x (a recorded step; the
-    table then covers positions below max_position, so replays never outgrow it)."""
+    or (step buffer, slot) whose slots slot .. slot+n-1 hold the rows' positions (a recorded
+    step; the table then covers positions below max_position, so replays never outgrow it)."""
     positions = np.asarray(positions, dtype=np.int32).reshape(-1)
     n = x.shape[0]
     if n == 0:
         return 0
     if x.shape[1] < n_heads * head_dim or rot_dim > head_dim or rot_dim % 2 or rot_dim > 512:
         raise ValueError(f"cuda rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
-    if step is not None and n != 1:
-        raise ValueError(f"cuda rope: a position from the step buffer serves one row, got {n}")
     table, uploaded = _rope_table(ex, freq_base, rot_dim, max(int(positions.max()), max_position - 1),
                                   freq_factors)
     pos0 = int(positions[0])
     if step is not None:
         buf, slot = step
-        pos_dev, use = buf[slot:slot + 1], 1
+        pos_dev, use = buf[slot:slot + n], 1
     elif np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
         pos_dev, use = table, 0                          # any valid pointer; not read
     else:

@@ -96,7 +96,8 @@ def _dequant_rows(ex, w: CudaWeight, n: int, ids, first_row: int, out) -> None:
 
 def embedding(ex, w: CudaWeight, ids: np.ndarray, out, step: tuple | None = None) -> None:
     """ids: int32 [n] (host); out: f32 [n, cols]. One id travels as a kernel argument, or,
-    with step (step buffer, slot), is read from the step buffer (a recorded step)."""
+    with step (step buffer, slot), the ids are read from its slots slot .. slot+n-1 (a
+    recorded step)."""
     ids = np.asarray(ids, dtype=np.int32).reshape(-1)
     rows, cols = w.shape
     n = ids.size
@@ -108,7 +109,7 @@ def embedding(ex, w: CudaWeight, ids: np.ndarray, out, step: tuple | None = None
         raise ValueError(f"cuda embedding: token ids must lie in [0, {rows}), got {ids.min()}..{ids.max()}")
     if step is not None:
         buf, slot = step
-        _dequant_rows(ex, w, 1, buf[slot:slot + 1], 0, out)
+        _dequant_rows(ex, w, n, buf[slot:slot + n], 0, out)
     elif n == 1:
         _dequant_rows(ex, w, 1, None, int(ids[0]), out)
     else:

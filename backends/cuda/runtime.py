@@ -88,8 +88,10 @@ class _FunctionCache:
 
     _functions: dict
     _log: list | None = None            # the launches of the recording under way
+    launches = 0                        # functions handed out to launch (one launch each): ops' launches
 
     def function(self, file: str, name: str, defines: tuple[str, ...] = ()):
+        self.launches += 1
         key = (file, name, tuple(defines))
         fn = self._functions.get(key)
         if fn is None:

@@ -12,7 +12,8 @@ the forward pass reuses its scratch buffers and the KV cache updates its page ta
 place (`update`), so after the first token every dispatch hits the cache. kp, patched
 (tools/kp-0.9.0.patch), compiles one pipeline per shader variant and shares it among
 the algorithms that bind different buffers, so a new cache or a new prompt compiles
-nothing. Counters: `submissions`, `algorithms_created`, `pipelines_compiled`,
+nothing. Counters: `submissions`, `launches` (dispatches recorded by the ops; a
+replayed step records none), `algorithms_created`, `pipelines_compiled`,
 `bytes_to_device`, `bytes_to_host` (tests/backends/test_vulkan_model.py).
 
 On GPUs consecutive dispatches are separated by a global compute/transfer
@@ -45,7 +46,7 @@ import numpy as np
 from engine.errors import BackendUnavailable
 
 from . import shaders
-from ..base import StepValue, check_kv_dtypes, rope_inv_freq
+from ..base import check_kv_dtypes, rope_inv_freq, step_slot
 from ..kvformat import KV_DTYPES, KvFormat, is_rotated, rotation_kind
 from .arrays import PER_WORD, Buffer, DeviceArray, to_words
 from .device import (check_buffer, check_device, check_grid, list_devices, manager, max_buffer_bytes,
@@ -126,6 +127,7 @@ class VulkanBackend:
         self._sync = sync_mode(info["type"], device_local, OpGlobalBarrier is not None)
         self._barrier = OpGlobalBarrier() if self._sync == "barrier" else None
         self.submissions = 0                               # queue submissions (sequence evals)
+        self.launches = 0                                  # dispatches recorded by the ops
         self.algorithms_created = 0                        # kp.Algorithm objects made (cache misses)
         self._algos: OrderedDict = OrderedDict()           # key -> kp.Algorithm
         self._by_serial: dict[int, set] = {}               # buffer serial -> cache keys using it
@@ -214,9 +216,8 @@ class VulkanBackend:
     def _slot(self, value) -> int:
         """A StepValue argument's slot + 1 while a step is recorded (what the shaders take:
         STEP[x - 1]), else 0."""
-        if self._step is None or not isinstance(value, StepValue):
-            return 0
-        return value.slot + 1
+        slot = step_slot(value)
+        return 0 if self._step is None or slot is None else slot + 1
 
     @property
     def _step_buffer(self) -> Buffer:
@@ -402,6 +403,7 @@ class VulkanBackend:
         else:
             self._algos.move_to_end(key)
         self._record(kp.OpAlgoDispatch(algo, push))
+        self.launches += 1
         self._pending_serials.update(key[2])
         if self._sync == "submit":
             self.flush()
@@ -471,7 +473,7 @@ class VulkanBackend:
 
     # -- ops --------------------------------------------------------------------------
     def embedding(self, table: VulkanWeight, ids, out) -> None:
-        at = self._slot(ids)                               # a recorded step's token (one StepValue)
+        at = self._slot(ids)                               # a recorded step's tokens (StepValues)
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         out = self._f32(out, "embedding")
         n, cols = len(ids), table.shape[1]
@@ -549,15 +551,13 @@ class VulkanBackend:
     def rope(self, x, positions, n_heads: int, head_dim: int, rot_dim: int,
              freq_base: float, neox: bool, freq_factors=None) -> None:
         x = self._f32(x, "rope")
-        at = self._slot(positions)                         # a recorded step's position (one StepValue)
+        at = self._slot(positions)                         # a recorded step's positions (StepValues)
         positions = np.asarray(positions, dtype=np.int32).reshape(-1)
         n = x.shape[0]
         if n == 0:
             return
         if x.shape[1] < n_heads * head_dim or rot_dim > head_dim or rot_dim % 2:
             raise ValueError(f"vulkan rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
-        if at and n != 1:
-            raise ValueError("vulkan rope: a position from the step buffer serves one row")
         table = self._rope_table(freq_base, rot_dim, max(int(positions.max()), self._max_position - 1),
                                  freq_factors)
         pos0 = int(positions[0])

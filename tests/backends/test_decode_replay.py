@@ -7,7 +7,8 @@ A replayed step runs the same kernels over the same arrays, reading the token, i
 position and each layer's rows from the step buffer, with the same split of the
 attended rows: its logits must equal the fresh launches' bit for bit, across page-table
 growth, sliding-window rings, SnapKV compaction of the cache it was recorded on,
-quantized KV formats, and a new cache (recorded again, counted)."""
+quantized KV formats, and a new cache (recorded again, counted). Batched steps
+(decode_batch) replay one recording per batch size while their membership holds."""
 from __future__ import annotations
 
 import numpy as np
@@ -114,15 +115,14 @@ def test_snapkv_compaction_of_the_recorded_cache_replays(backend, tiny):
 
 def test_a_new_cache_records_again_and_adaptive_budgets_run_fresh(backend, tiny):
     on, _ = pair(tiny["qwen2-q4_1"], backend, prefill_chunk=64)
-    stats = on.forward.replay.stats
     for _ in range(2):
         on.generate(PROMPT[:40], max_tokens=3, ignore_eos=True)
-    assert stats == {"recordings": 2, "replays": 2}
+    assert on.forward.replay.stats == {"recordings": 2, "replays": 2}
     cfg = SnapKvConfig(budget=64, window=16, min_tokens=32, allocation="adaptive")
     cache, logits = on.prefill(PROMPT[:150], snapkv=cfg)
     assert any(kv.ragged for kv in cache.layers)
     decode_logits(on, cache, logits, 2)                   # heads with their own rows: not replayed
-    assert stats == {"recordings": 2, "replays": 2}
+    assert on.forward.replay.stats == {"recordings": 2, "replays": 2}
 
 
 def test_bad_token_is_refused_before_any_work(backend, tiny):
@@ -133,3 +133,61 @@ def test_bad_token_is_refused_before_any_work(backend, tiny):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         on.forward.decode(on.config.vocab_size, cache)
     assert cache.length == length
+
+
+def batch_steps(model, caches, tokens, steps):
+    """`steps` batched greedy steps from tokens (one per cache): the logits of each."""
+    out = []
+    for _ in range(steps):
+        logits = model.forward.decode_batch(tokens, caches)
+        out.append(logits)
+        tokens = [int(t) for t in np.argmax(logits, axis=1)]
+    return out, tokens
+
+
+def test_batched_steps_replay_and_membership_changes_record_again(backend, tiny):
+    """decode_batch replays one recording per batch size, bit for bit the fresh launches'
+    logits, across caches of different lengths and row formats (one crossing a page); a
+    sequence leaving or joining (another membership), the batch's order, or a batch size
+    seen before with other caches records again; single-sequence decode keeps its own."""
+    on, off = pair(tiny["llama-q4_k-gqa4"], backend, prefill_chunk=64)
+    prompts = [PROMPT[:60], PROMPT[5:40], PROMPT[9:100]]
+    dtypes = ["bf16", "q8_0/tq4", "rq4_0"]
+    runs = []
+    for m in (on, off):
+        caches, tokens = [], []
+        for ids, dt in zip(prompts, dtypes):
+            cache, logits = m.prefill(ids, kv_dtype=dt)
+            caches.append(cache)
+            tokens.append(int(np.argmax(logits)))
+        a, tokens = batch_steps(m, caches, tokens, 6)                    # 3 sequences; one crosses row 64
+        b, tokens2 = batch_steps(m, caches[:2], tokens[:2], 3)           # the third leaves
+        c, _ = batch_steps(m, caches[::-1], tokens[::-1], 2)             # all three, another order
+        d = decode_logits(m, caches[2], c[-1][0], 3)                     # one sequence alone
+        e, _ = batch_steps(m, caches[1:], [tokens2[1], 5], 2)            # 2 again, other caches
+        runs.append(a + b + c + [x[None] for x in d] + e)
+    for i, (x, y) in enumerate(zip(*runs)):
+        np.testing.assert_array_equal(x, y, err_msg=f"step {i}")
+    # recorded: 3 (a), 2 (b), 3 reordered (c), 1 (d), 2 with other caches (e)
+    assert on.forward.replay.stats == {"recordings": 5, "replays": 5 + 2 + 1 + 2 + 1}
+    d = on.forward.decode_stats()
+    assert d["tokens"] == 18 + 6 + 6 + 3 + 4 and d["recordings"] == 5
+
+
+def test_replayed_steps_launch_nothing(backend, tiny):
+    """decode_stats: a recorded step's launches, then none while it replays."""
+    on, off = pair(tiny["llama-q8"], backend, prefill_chunk=64)
+    for m in (on, off):
+        cache, logits = m.prefill(PROMPT[:30])
+        since = dict(m.forward.decode_counters)
+        decode_logits(m, cache, logits, 1)
+        first = m.forward.decode_stats(since)
+        since = dict(m.forward.decode_counters)
+        decode_logits(m, cache, logits, 4)
+        later = m.forward.decode_stats(since)
+        assert first["tokens"] == 1 and later["tokens"] == 4 and first["launches_per_token"] > 10
+        assert later["host_us_per_token"] > 0
+        if m is on:
+            assert later["launches_per_token"] == 0 and (later["recordings"], later["replays"]) == (0, 4)
+        else:
+            assert later["launches_per_token"] == first["launches_per_token"] and later["replays"] == 0

@@ -54,20 +54,27 @@ def test_bench_writes_json(tiny_llama, tmp_path):
         assert big["engine"]["kv_dtype"] == big["engine_snapkv"]["kv_dtype"] == big["kv_dtype"]
     bf16, tq4 = report["cases"][2:]
     assert tq4["engine"]["kv_bytes"] * 32 == bf16["engine"]["kv_bytes"] * 10   # head_dim 16: rows of 10 bytes, not 32
-    assert report["decode_replay"] is None                  # the CPU backend records no steps
+    d = report["decode_steps"]                               # the CPU backend launches and records nothing
+    assert d["launches_per_token"] is None and d["recordings"] == d["replays"] == 0
+    assert d["tokens"] == 2 * 3 + 4 * 2 * 3 and d["host_us_per_token"] > 0   # a warm-up per KV type, then
+                                                                            # each case with and without SnapKV
+    assert "decode steps:" not in r.stdout
 
 
 def test_bench_reports_decode_replay_on_a_recording_backend(tiny_llama, tmp_path):
     """On Vulkan (lavapipe) decode replays recorded steps: each case's cache records once
-    (the warm-up's too) and its other tokens replay; the report and the last lines say so."""
+    (the warm-up's too) and its other tokens replay, launching nothing; the report and the
+    last lines say so."""
     if "vulkan" not in available_backends():
         pytest.skip("no Vulkan device / kp")
     r = cli("bench", str(tiny_llama), "--backend", "vulkan", "--lengths", "40", "--decode-tokens", "5",
             "--no-llama-cpp", "--kv-budget", "0", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-vulkan.json").read_text())
-    assert report["decode_replay"] == {"recordings": 2, "replays": 3 + 4}   # warm-up 4 tokens, the case 5
-    assert "decode replay: 2 steps recorded, 7 replayed" in r.stdout
+    d = report["decode_steps"]
+    assert (d["tokens"], d["recordings"], d["replays"]) == (9, 2, 3 + 4)   # warm-up 4 tokens, the case 5
+    assert 0 < d["launches_per_token"] < 1e9 and d["host_us_per_token"] > 0
+    assert "; 2 recorded, 7 replayed" in r.stdout
 
 
 def test_info_devices_lists_vulkan():
