@@ -2,7 +2,7 @@
 
 Every quantized type is reduced to codes + per-block scale d and offset m
 (value = d * code + m), then tiled 16 rows at a time with codes grouped by 4 per
-row (the `vpdpbusd` operand layout; int8-family codes are stored + 128, unsigned):
+row (the `vpdpbusd` operand layout; codes unsigned: Q8_0's stored + 128):
     nibble: Q4_0 (m = -8d), Q4_1, Q4_K (32-element sub-blocks)
     five:   Q5_0 (code - 16), Q5_1, Q5_K (sub-blocks of 32): nibbles + a plane of fifth bits
     six:    Q6_K (code + 32 in 6 bits: a nibble plane and a 2-bit plane, sub-blocks of 16)
@@ -67,7 +67,8 @@ def _five_pack(codes: np.ndarray) -> np.ndarray:
     """5-bit codes uint8 [rows, nb, 32] -> the five layout's loads [rows, nb, 5, 4]: four of
     nibbles (_nibble_pack) and one of fifth bits, bit 2g / 2g+1 of byte i = code 4g+i / 16+4g+i."""
     top = (codes >> 4).reshape(codes.shape[:2] + (2, 4, 4))            # [.., half, g, i]
-    shift = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1) + np.arange(2, dtype=np.uint8).reshape(1, 1, 2, 1, 1)
+    shift = (2 * np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4, 1)          # bit 2g + half
+             + np.arange(2, dtype=np.uint8).reshape(1, 1, 2, 1, 1))
     bits = np.bitwise_or.reduce((top << shift).reshape(codes.shape[:2] + (8, 4)), axis=2)
     return np.concatenate([_nibble_pack(codes & 0x0F).reshape(codes.shape[:2] + (4, 4)),
                            bits[:, :, None, :]], axis=2)

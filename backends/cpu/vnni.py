@@ -184,7 +184,7 @@ def _block_codes(builder, qbase, layout: str, groups: int):
             out = [(builder.or_(v, builder.and_(builder.shl(h, c(4 - b)) if b < 4 else builder.lshr(h, c(b - 4)),
                                                 c(0x10))), k) for b, (v, k) in enumerate(out)]
         return out
-    (lo0, hi0), (lo1, hi1) = _nibbles(builder, _load64(builder, qbase, 0)), _nibbles(builder, _load64(builder, qbase, 1))
+    (lo0, hi0), (lo1, hi1) = (_nibbles(builder, _load64(builder, qbase, g)) for g in (0, 1))
     h = _load64(builder, qbase, 2)
     top = c(0x30)
     return [(builder.or_(lo0, builder.shl(builder.and_(h, c(3)), c(4))), 0),
