@@ -10,7 +10,8 @@ and grouped by 4 so that one 64-byte load holds 4 codes of each of the 16 rows:
     six:    qs u8 [T, nb, 3, R, 4]  16 codes + 32 in 6 bits (vnni._block_codes), Q6_K
     int8:   qs u8 [T, nb, 8, R, 4]  byte (g, r, i) = code 4g+i + 128, Q8_0
 K-quants (Q4_K, Q5_K, Q6_K): d, m are uint8/int8 sub-block scales, times the super-block
-scales dsup, msup [T, nb / (256 / L), R]; other types pass NO_SUPER there.
+scales dsup, msup [T, nb / (256 / L), R]; other types pass quant_repack.ABSENT there
+(as for m without offsets).
 Float tensors (F32, F16, BF16) stay in their file layout [rows, cols].
 
 Mat-vec (decode) quantizes the activation per weight block to ACT_PLANES int8 planes
@@ -152,7 +153,7 @@ def _five_tile(qs, d, m, dsup, msup, has_m, xq, xs, t, out):
 @njit(parallel=True, **_opts)
 def mv_five(qs, d, m, dsup, msup, has_m, x, out):
     _check_out(out)
-    xq, xs = _quant_acts(x, 32, 0, 16) if has_m else _quant_acts(x, 32, 16, 0)
+    xq, xs = _quant_acts(x, 32, 0 if has_m else 16, 16 if has_m else 0)
     for t in prange(qs.shape[0]):
         for i in range(x.shape[0]):
             _five_tile(qs, d, m, dsup, msup, has_m, xq[i], xs[i], t, out[i])
@@ -161,7 +162,7 @@ def mv_five(qs, d, m, dsup, msup, has_m, x, out):
 @njit(**_opts)
 def mv_five_serial(qs, d, m, dsup, msup, has_m, x, out):
     _check_out(out)
-    xq, xs = _quant_acts(x, 32, 0, 16) if has_m else _quant_acts(x, 32, 16, 0)
+    xq, xs = _quant_acts(x, 32, 0 if has_m else 16, 16 if has_m else 0)
     for t in range(qs.shape[0]):
         for i in range(x.shape[0]):
             _five_tile(qs, d, m, dsup, msup, has_m, xq[i], xs[i], t, out[i])

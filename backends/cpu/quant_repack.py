@@ -24,7 +24,7 @@ from .vnni import F16_SCALES
 
 KIND_OF = {Q.Q4_0: K.NIBBLE, Q.Q4_1: K.NIBBLE, Q.Q4_K: K.NIBBLE, Q.Q5_0: K.FIVE, Q.Q5_1: K.FIVE,
            Q.Q5_K: K.FIVE, Q.Q6_K: K.SIX, Q.Q8_0: K.INT8}     # the kernels' layout of each type
-NO_SUPER = np.zeros((1, 1, R), np.float32)     # dsup / msup of types without super-blocks
+ABSENT = np.zeros((1, 1, R), np.float32)   # m, dsup, msup of a type without offsets or super-blocks
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -109,9 +109,8 @@ def repack(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict:
 
 
 def _tiled(p: dict) -> tuple:
-    """The arrays of a repack result that are tiled by rows (the others are placeholders)."""
-    return tuple(k for k in ("qs", "d", "m", "dsup", "msup")
-                 if (p["has_m"] or k not in ("m", "msup")) and p[k] is not NO_SUPER)
+    """The arrays of a repack result that are tiled by rows (the others are ABSENT)."""
+    return tuple(k for k in ("qs", "d", "m", "dsup", "msup") if p[k] is not ABSENT)
 
 
 def _f32(scales: np.ndarray) -> np.ndarray:
@@ -181,9 +180,9 @@ def _pack(kind: int, qs: np.ndarray, d: np.ndarray, m, dsup=None, msup=None) -> 
         return a if a.dtype in (np.uint8, np.int8) else _scales(a)
     return dict(kind=kind, qs=np.ascontiguousarray(q4.transpose(0, 1, 2, 4, 3)),
                 d=_tile(scales(d), rows),
-                m=_tile(scales(m), rows) if has_m else np.zeros((1, 1, R), np.float32),
-                dsup=NO_SUPER if dsup is None else _tile(_scales(dsup), rows),
-                msup=NO_SUPER if msup is None else _tile(_scales(msup), rows),
+                m=_tile(scales(m), rows) if has_m else ABSENT,
+                dsup=ABSENT if dsup is None else _tile(_scales(dsup), rows),
+                msup=ABSENT if msup is None else _tile(_scales(msup), rows),
                 has_m=has_m)
 
 

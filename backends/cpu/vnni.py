@@ -254,8 +254,8 @@ def make_tile_dot(layout: str, groups: int, planes: int, has_m: bool, kernels: s
             xq_p = builder.bitcast(a_xq.data, _I8.as_pointer())
             xs_p = builder.bitcast(a_xs.data, _F32.as_pointer())
             blk0 = builder.mul(t_, nb)
-            ksub = ir.Constant(_I64, 256 // L)
-            sup0 = builder.mul(t_, builder.udiv(nb, ksub))
+            ksub = ir.Constant(_I64, 256 // L)                     # sub-blocks a super-block
+            sup0 = builder.mul(t_, builder.udiv(nb, ksub)) if sub_scales else None   # tile t's first super-block
 
             def scales(a_sc, a_sup, sc_ty, sup_ty, b, blk):
                 """The 16 rows' scales of block b: per block, or sub-block x super-block."""

@@ -214,8 +214,8 @@ class VulkanBackend:
         self._read_back = back                             # (serial, host tensor) the sequence copied back
 
     def _slot(self, value) -> int:
-        """A StepValue argument's slot + 1 while a step is recorded (what the shaders take:
-        STEP[x - 1]), else 0."""
+        """A StepValue(s) argument's (first) slot + 1 while a step is recorded (what the
+        shaders take: STEP[x - 1 + t]), else 0."""
         slot = step_slot(value)
         return 0 if self._step is None or slot is None else slot + 1
 
