@@ -10,6 +10,13 @@ from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType as Q, RopeScali
 from gguf.quants import quantize
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Logits of one prompt computed in other steps (whole prefill, chunks, token by token,
+# decode after prefill) on the CPU: steps of more than quant.MULTI_MAX tokens quantize
+# activations to 2 int8 planes (~15 bits), shorter ones to 3 (~22); either can flip
+# the bf16 rounding of a cached K/V element (2^-9 relative), which a tiny random model
+# turns into up to ~1e-2 on logits of ~10 (real models: test_*_reference).
+STEPS_AGREE = dict(rtol=1e-3, atol=1e-2)
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

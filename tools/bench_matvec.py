@@ -10,8 +10,9 @@ machine disturbs less.
 one matmul of n rows against n matmuls of one row, and against the dequantize + sgemm
 mat-mat path (what matmul ran for every n > 1 before MULTI_MAX), for the blk.* set and
 the head. --by-type: per weight type, a decode token's mat-vecs (ms and GB/s of each)
-and a prefill token's share of 256-token mat-mats of the blk.* matrices (dequantization
-and sgemm apart), to see where a token's time goes.
+and a prefill token's share of 256-token mat-mats of the blk.* matrices (the int8 mat-mat
+prefill runs, and beside it dequantization + sgemm, the float path, with dequantization
+apart), to see where a token's time goes.
     python tools/bench_matvec.py [--model PATH] [--repeats 5] [--layers 30] [--batched | --by-type]
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from backends.cpu.quant import MULTI_MAX, _matmat, load_weight, matmul  # noqa: E402
-from backends.cpu.quant_kernels import ACT_PLANES  # noqa: E402
+from backends.cpu.quant_kernels import ACT_PLANES, MM_PLANES  # noqa: E402
 from backends.cpu.vnni import describe_kernels  # noqa: E402
 from engine.gguf import GgufFile  # noqa: E402
 
@@ -54,7 +55,7 @@ def main() -> None:
     file_bytes = sum(g.tensors[n].raw.nbytes for n in names)
     packed_bytes = sum(w.nbytes for w in ws)
     print(f"mat-vec kernel: {describe_kernels()}, "
-          f"{ACT_PLANES} int8 activation planes, {numba.get_num_threads()} threads")
+          f"{ACT_PLANES} int8 activation planes ({MM_PLANES} in mat-mats), {numba.get_num_threads()} threads")
     print(f"{len(ws)} matrices, {file_bytes / 1e6:.1f} MB in file, {packed_bytes / 1e6:.1f} MB "
           f"repacked, load+repack {t_load:.2f} s")
 
@@ -97,18 +98,18 @@ def main() -> None:
 
 
 def _by_type(g, names: list, ws: list, repeats: int, chunk: int = 256) -> None:
-    """The per-token mat-vecs (decode) and mat-mats of a prefill chunk (dequantize + sgemm;
-    blk.* only: prefill runs the head for one row) grouped by weight type: best of
+    """The per-token mat-vecs (decode) and mat-mats of a prefill chunk (int8, and dequantize
+    + sgemm; blk.* only: prefill runs the head for one row) grouped by weight type: best of
     `repeats` per group, all per token."""
     groups: dict = {}
     for n, w in zip(names, ws):
         groups.setdefault(g.tensors[n].qtype.name, []).append((n, w))
     head = names[-1]                                # prefill runs the head for its last row only
     rng = np.random.default_rng(0)
-    total = np.zeros(3)
+    total = np.zeros(4)
     print(f"{'':>24} {'decode (mat-vec)':>16} | prefill, {chunk}-token chunks (mat-mat), ms/token")
     print(f"{'type':>6} {'matrices':>8} {'MB':>8} {'ms/token':>9} {'GB/s':>6} | "
-          f"{'all':>6} {'dequantize':>10} {'sgemm':>6}")
+          f"{'int8':>6} | {'dequantize + sgemm':>18} {'dequantize':>10}")
     for qt, items in sorted(groups.items()):
         jobs, mats = [], []
         for name, w in items:
@@ -121,14 +122,15 @@ def _by_type(g, names: list, ws: list, repeats: int, chunk: int = 256) -> None:
             matmul(w, x, o)
         best = min(_timeit(lambda: [matmul(w, x, o) for w, x, o in jobs]) for _ in range(repeats))
         mm = min(_timeit(lambda: [matmul(w, x, o) for w, x, o in mats]) for _ in range(repeats)) / chunk
+        f32 = min(_timeit(lambda: [_matmat(w, x, o) for w, x, o in mats]) for _ in range(repeats)) / chunk
         deq = min(_timeit(lambda: [_dequantize_all(w) for w, _, _ in mats]) for _ in range(repeats)) / chunk
         mb = sum(g.tensors[n].raw.nbytes for n, _ in items) / 1e6
-        total += (best, mm, deq)
+        total += (best, mm, f32, deq)
         print(f"{qt:>6} {len(items):8d} {mb:8.1f} {best * 1e3:9.2f} {mb / 1e3 / best:6.2f} | "
-              f"{mm * 1e3:6.2f} {deq * 1e3:10.2f} {(mm - deq) * 1e3:6.2f}")
+              f"{mm * 1e3:6.2f} | {f32 * 1e3:18.2f} {deq * 1e3:10.2f}")
     print(f"{'all':>6} {len(ws):8d} {sum(g.tensors[n].raw.nbytes for n in names) / 1e6:8.1f} "
-          f"{total[0] * 1e3:9.2f} {'':>6} | {total[1] * 1e3:6.2f} {total[2] * 1e3:10.2f} "
-          f"{(total[1] - total[2]) * 1e3:6.2f}")
+          f"{total[0] * 1e3:9.2f} {'':>6} | {total[1] * 1e3:6.2f} | {total[2] * 1e3:18.2f} "
+          f"{total[3] * 1e3:10.2f}")
 
 
 def _dequantize_all(w) -> None:

@@ -14,9 +14,12 @@ load, so `matmul` for a decode step is one dict-free call into numba.
             plain-numba twin elsewhere). Each tile is dotted with all n activations while
             in L1, so the weight streams once per call, and every row runs the same code:
             row i is bit-identical to matmul of x[i:i+1] alone.
-    n > MULTI_MAX  mat-mat: dequantize a chunk of rows (~1 MB of f32) into a scratch
-            buffer, then one BLAS sgemm of all n tokens against it; the chunk is
-            reused by every token, so dequantization is paid once per call.
+    n > MULTI_MAX  mat-mat (prefill): the activations quantized to MM_PLANES = 2 int8 planes
+            (~15 bits: error ~2e-5 of each block's largest value), then the same integer
+            dot products with each tile's blocks unpacked once for MM_TOKENS activations
+            (quant_kernels.MAT_MAT); ~2x a BLAS sgemm over dequantized rows, which
+            F32/F16/BF16 weights still take: a chunk of rows (~4 MB of f32) dequantized
+            into a scratch buffer, then one sgemm of all n tokens against it.
 """
 from __future__ import annotations
 
@@ -35,14 +38,16 @@ MULTI_MAX = 8                                  # n up to this: batched mat-vec; 
 class QuantWeight:
     """What CpuBackend.load_weight returns. shape = (rows, cols); out = x @ W.T."""
 
-    __slots__ = ("qtype", "shape", "arrays", "_mv", "_mv_args", "_deq", "_deq_args",
+    __slots__ = ("qtype", "shape", "arrays", "_mv", "_mv_args", "_mm", "_deq", "_deq_args",
                  "_rowids", "_chunk")
 
-    def __init__(self, qtype, shape, arrays: dict, mv, mv_args: tuple, deq, deq_args: tuple):
+    def __init__(self, qtype, shape, arrays: dict, mv, mv_args: tuple, deq, deq_args: tuple,
+                 mm=None):
         self.qtype = int(qtype)
         self.shape = (int(shape[0]), int(shape[1]))
         self.arrays = arrays                  # the (tiled) quantized arrays, by name
         self._mv, self._mv_args = mv, mv_args
+        self._mm = mm                         # quantized mat-mat (same arguments), or None
         self._deq, self._deq_args = deq, deq_args
         rows, cols = self.shape
         self._rowids = np.arange(rows, dtype=np.int64)                     # [rows]
@@ -72,7 +77,7 @@ def load_weight(raw: np.ndarray, qtype, shape) -> QuantWeight:
     kind = p["kind"]
     args = (p["qs"], p["d"], p["m"], p["dsup"], p["msup"]) + ((p["has_m"],) if kind == K.FIVE else ())
     mv = K.MAT_VEC[kind][0 if rows * cols >= PARALLEL_MIN_WEIGHTS else 1]
-    return QuantWeight(qtype, (rows, cols), arrays, mv, args, K.DEQUANTIZE[kind], args)
+    return QuantWeight(qtype, (rows, cols), arrays, mv, args, K.DEQUANTIZE[kind], args, K.MAT_MAT[kind])
 
 
 _scratch = np.empty(0, np.float32)   # shared mat-mat scratch (single-threaded callers)
@@ -84,6 +89,8 @@ def matmul(w: QuantWeight, x: np.ndarray, out: np.ndarray, bias=None) -> None:
     n = x.shape[0]
     if n <= MULTI_MAX:
         w._mv(*w._mv_args, np.ascontiguousarray(x), out)
+    elif w._mm is not None:
+        w._mm(*w._mv_args, x if x.strides[1] == 4 else np.ascontiguousarray(x), out)
     else:
         _matmat(w, x, out)
     if bias is not None:

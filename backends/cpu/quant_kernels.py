@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .vnni import AUTO_KERNELS, KERNELS, R, make_tile_dot
+from .vnni import AUTO_KERNELS, KERNELS, R, make_quant_row, make_tile_dot
 
 # numba's cache keys on the target CPU, not on which tile kernel got inlined: with the portable
 # kernels forced, a cached VNNI or AVX2 build would be loaded, so compile afresh instead.
@@ -39,68 +39,69 @@ _opts = dict(cache=KERNELS == AUTO_KERNELS, fastmath=True, nogil=True)
 _PLANE_STEP = 254.0   # residual |r| <= 0.5 step of plane p -> codes <= 127 in plane p + 1
 ACT_PLANES = 3     # int8 planes per activation block: 3 ~ fp32 activations (2 moves the tiny-model
                    # decode-vs-prefill logits ~1e-2, 1 = llama.cpp Q8 activations ~1 logit off HF)
+MM_PLANES = 2      # mat-mat (prefill): ~15-bit activations (error ~2e-5 of a block's largest value)
+MM_TOKENS = 8      # activations a mat-mat tile kernel dots each unpacked block with
+MM_ACT_BYTES = 1 << 20   # quantized activations a mat-mat pass keeps in L2 (tokens per pass)
+
+
+# Activation quantizers (vnni.make_quant_row) by block length: 32 codes, or 16 (Q6_K);
+# mat-vecs take one activation at a time, mat-mats groups of MM_TOKENS
+_quant32, _quant16 = (make_quant_row(L, ACT_PLANES, _PLANE_STEP) for L in (32, 16))
+_quant32_mm, _quant16_mm = (make_quant_row(L, MM_PLANES, _PLANE_STEP, MM_TOKENS) for L in (32, 16))
 
 
 @njit(inline="always", **_opts)
 def _quant_acts(x, L, code_off, c0):
-    """x f32 [n, nb*L] -> xq i8 [n, ACT_PLANES, nb*L], xs f32 [n, ACT_PLANES + 2, nb]: per
-    activation and block the scale of each plane, corr, and the exact block sum sx.
-    Plane p + 1 codes the rounding residual of plane p in steps _PLANE_STEP times finer.
-    With codes stored as c + code_off (c ~ c0 on average), d * (dot_q + corr) + m * sx
-    is the dot of d * c + m with x up to d * sum (c - c0) * (x - xhat): the rounding
-    error of the activation only meets centred codes."""
+    """x f32 [n, nb*L] (rows of unit stride) -> xq, xs for the mat-vec tiles
+    (vnni.act_sizes with ACT_PLANES planes, groups of 1), on the calling thread."""
     n, cols = x.shape
-    nb = cols // L
-    xq = np.empty((n, ACT_PLANES, cols), np.int8)
-    xs = np.empty((n, ACT_PLANES + 2, nb), np.float32)
-    res = np.empty(L, np.float32)
-    step = np.float32(_PLANE_STEP)
+    xq = np.empty(n * ACT_PLANES * cols, np.int8)
+    xs = np.empty(n * (ACT_PLANES + 2) * (cols // L), np.float32)
     for i in range(n):
-        for b in range(nb):
-            o = b * L
-            sx = np.float32(0)
-            amax = np.float32(0)
-            for j in range(L):
-                v = x[i, o + j]
-                sx += v
-                amax = max(amax, abs(v))
-            dx = amax / np.float32(127)
-            inv = np.float32(1) / dx if dx > 0 else np.float32(0)
-            for j in range(L):
-                res[j] = x[i, o + j] * inv       # in units of dx, |res| <= 127
-            qsum = np.float32(0)                 # sum of the dequantized codes, in units of dx
-            unit = np.float32(1)
-            for p in range(ACT_PLANES):
-                psum = np.int32(0)
-                for j in range(L):
-                    q = np.rint(res[j])
-                    xq[i, p, o + j] = np.int8(q)
-                    psum += np.int32(q)
-                    res[j] = (res[j] - q) * step     # |res| <= step / 2 = 127
-                xs[i, p, b] = dx * unit
-                qsum += np.float32(psum) * unit
-                unit /= step
-            sx_hat = qsum * dx
-            xs[i, ACT_PLANES, b] = -np.float32(code_off) * sx_hat + np.float32(c0) * (sx - sx_hat)
-            xs[i, ACT_PLANES + 1, b] = sx
+        if L == 16:
+            _quant16(x, i, code_off, c0, xq, xs)
+        else:
+            _quant32(x, i, code_off, c0, xq, xs)
+    return xq, xs
+
+
+@njit(inline="always", **_opts)
+def _quant_acts_mm(x, L, code_off, c0):
+    """_quant_acts for mat-mat: MM_PLANES planes in groups of MM_TOKENS activations, the
+    rows in parallel; a last group's missing rows are zeros (read, never stored)."""
+    n, cols = x.shape
+    groups = (n + MM_TOKENS - 1) // MM_TOKENS
+    xq = np.zeros(groups * MM_TOKENS * MM_PLANES * cols, np.int8)
+    xs = np.zeros(groups * MM_TOKENS * (MM_PLANES + 2) * (cols // L), np.float32)
+    for i in prange(n):
+        if L == 16:
+            _quant16_mm(x, i, code_off, c0, xq, xs)
+        else:
+            _quant32_mm(x, i, code_off, c0, xq, xs)
     return xq, xs
 
 
 # Layout kinds (quant_repack.KIND_OF)
 NIBBLE, FIVE, SIX, INT8 = 0, 1, 2, 3
 
-# AVX-512 VNNI or AVX2 where the target has it, else the same sums in portable vector IR
+# AVX-512 VNNI or AVX2 where the target has it, else the same sums in portable vector IR;
+# mat-vec tiles take one activation, mat-mat tiles MM_TOKENS of them
 _tile_nibble = make_tile_dot("nibble", 4, ACT_PLANES, True, KERNELS)
 _tile_five = make_tile_dot("five", 5, ACT_PLANES, False, KERNELS)
 _tile_five_m = make_tile_dot("five", 5, ACT_PLANES, True, KERNELS)
 _tile_six = make_tile_dot("six", 3, ACT_PLANES, False, KERNELS)
 _tile_int8 = make_tile_dot("int8", 8, ACT_PLANES, False, KERNELS)
+_mm_nibble = make_tile_dot("nibble", 4, MM_PLANES, True, KERNELS, MM_TOKENS)
+_mm_five = make_tile_dot("five", 5, MM_PLANES, False, KERNELS, MM_TOKENS)
+_mm_five_m = make_tile_dot("five", 5, MM_PLANES, True, KERNELS, MM_TOKENS)
+_mm_six = make_tile_dot("six", 3, MM_PLANES, False, KERNELS, MM_TOKENS)
+_mm_int8 = make_tile_dot("int8", 8, MM_PLANES, False, KERNELS, MM_TOKENS)
 
 
 @njit(inline="always", **_opts)
 def _n(t, out):
-    """Rows of tile t inside the output row out (16 but in the last tile)."""
-    return min(R, out.shape[0] - t * R)
+    """Rows of tile t inside an output row of out (16 but in the last tile)."""
+    return min(R, out.shape[1] - t * R)
 
 
 # Mat-vec of n = 1 .. quant.MULTI_MAX activations: decode, one row per request when
@@ -130,7 +131,7 @@ def mv_nibble(qs, d, m, dsup, msup, x, out):
     xq, xs = _quant_acts(x, 32, 0, 8)
     for t in prange(qs.shape[0]):
         for i in range(x.shape[0]):
-            _tile_nibble(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+            _tile_nibble(qs, d, m, dsup, msup, xq, xs, i, i + 1, t, out, t * R, _n(t, out))
 
 
 @njit(**_opts)
@@ -139,15 +140,15 @@ def mv_nibble_serial(qs, d, m, dsup, msup, x, out):
     xq, xs = _quant_acts(x, 32, 0, 8)
     for t in range(qs.shape[0]):
         for i in range(x.shape[0]):
-            _tile_nibble(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+            _tile_nibble(qs, d, m, dsup, msup, xq, xs, i, i + 1, t, out, t * R, _n(t, out))
 
 
 @njit(inline="always", **_opts)
-def _five_tile(qs, d, m, dsup, msup, has_m, xq, xs, t, out):
+def _five_tile(qs, d, m, dsup, msup, has_m, xq, xs, i, t, out):
     if has_m:
-        _tile_five_m(qs, d, m, dsup, msup, xq, xs, t, out, t * R, _n(t, out))
+        _tile_five_m(qs, d, m, dsup, msup, xq, xs, i, i + 1, t, out, t * R, _n(t, out))
     else:
-        _tile_five(qs, d, m, dsup, msup, xq, xs, t, out, t * R, _n(t, out))
+        _tile_five(qs, d, m, dsup, msup, xq, xs, i, i + 1, t, out, t * R, _n(t, out))
 
 
 @njit(parallel=True, **_opts)
@@ -156,7 +157,7 @@ def mv_five(qs, d, m, dsup, msup, has_m, x, out):
     xq, xs = _quant_acts(x, 32, 0 if has_m else 16, 16 if has_m else 0)
     for t in prange(qs.shape[0]):
         for i in range(x.shape[0]):
-            _five_tile(qs, d, m, dsup, msup, has_m, xq[i], xs[i], t, out[i])
+            _five_tile(qs, d, m, dsup, msup, has_m, xq, xs, i, t, out)
 
 
 @njit(**_opts)
@@ -165,7 +166,7 @@ def mv_five_serial(qs, d, m, dsup, msup, has_m, x, out):
     xq, xs = _quant_acts(x, 32, 0 if has_m else 16, 16 if has_m else 0)
     for t in range(qs.shape[0]):
         for i in range(x.shape[0]):
-            _five_tile(qs, d, m, dsup, msup, has_m, xq[i], xs[i], t, out[i])
+            _five_tile(qs, d, m, dsup, msup, has_m, xq, xs, i, t, out)
 
 
 @njit(parallel=True, **_opts)
@@ -174,7 +175,7 @@ def mv_six(qs, d, m, dsup, msup, x, out):
     xq, xs = _quant_acts(x, 16, 32, 0)
     for t in prange(qs.shape[0]):
         for i in range(x.shape[0]):
-            _tile_six(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+            _tile_six(qs, d, m, dsup, msup, xq, xs, i, i + 1, t, out, t * R, _n(t, out))
 
 
 @njit(**_opts)
@@ -183,7 +184,7 @@ def mv_six_serial(qs, d, m, dsup, msup, x, out):
     xq, xs = _quant_acts(x, 16, 32, 0)
     for t in range(qs.shape[0]):
         for i in range(x.shape[0]):
-            _tile_six(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+            _tile_six(qs, d, m, dsup, msup, xq, xs, i, i + 1, t, out, t * R, _n(t, out))
 
 
 @njit(parallel=True, **_opts)
@@ -192,7 +193,7 @@ def mv_int8(qs, d, m, dsup, msup, x, out):
     xq, xs = _quant_acts(x, 32, 128, 0)
     for t in prange(qs.shape[0]):
         for i in range(x.shape[0]):
-            _tile_int8(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+            _tile_int8(qs, d, m, dsup, msup, xq, xs, i, i + 1, t, out, t * R, _n(t, out))
 
 
 @njit(**_opts)
@@ -201,12 +202,75 @@ def mv_int8_serial(qs, d, m, dsup, msup, x, out):
     xq, xs = _quant_acts(x, 32, 128, 0)
     for t in range(qs.shape[0]):
         for i in range(x.shape[0]):
-            _tile_int8(qs, d, m, dsup, msup, xq[i], xs[i], t, out[i], t * R, _n(t, out[i]))
+            _tile_int8(qs, d, m, dsup, msup, xq, xs, i, i + 1, t, out, t * R, _n(t, out))
 
 
 # kind -> (parallel, serial) mat-vec; the five kind takes has_m after msup
 MAT_VEC = {NIBBLE: (mv_nibble, mv_nibble_serial), FIVE: (mv_five, mv_five_serial),
            SIX: (mv_six, mv_six_serial), INT8: (mv_int8, mv_int8_serial)}
+
+
+# Mat-mat (prefill, n > quant.MULTI_MAX): the activations quantized to MM_PLANES int8
+# planes, then each tile's blocks unpacked once for MM_TOKENS activations at a time
+# (the int8 dot products replace dequantizing to f32 and a BLAS sgemm). Tokens go in
+# passes whose quantized activations (~MM_ACT_BYTES) stay in L2 while every tile, in
+# parallel, is dotted with them. Arguments as the kind's mat-vec; x may be strided.
+
+@njit(inline="always", **_opts)
+def _mm_pass(x):
+    """Tokens per mat-mat pass, a multiple of MM_TOKENS."""
+    return max(MM_TOKENS, MM_ACT_BYTES // (MM_PLANES * x.shape[1]) // MM_TOKENS * MM_TOKENS)
+
+
+@njit(parallel=True, **_opts)
+def mm_nibble(qs, d, m, dsup, msup, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts_mm(x, 32, 0, 8)
+    n, step = x.shape[0], _mm_pass(x)
+    for c0 in range(0, n, step):
+        for t in prange(qs.shape[0]):
+            for j in range(c0, min(n, c0 + step), MM_TOKENS):
+                _mm_nibble(qs, d, m, dsup, msup, xq, xs, j, n, t, out, t * R, _n(t, out))
+
+
+@njit(parallel=True, **_opts)
+def mm_five(qs, d, m, dsup, msup, has_m, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts_mm(x, 32, 0 if has_m else 16, 16 if has_m else 0)
+    n, step = x.shape[0], _mm_pass(x)
+    for c0 in range(0, n, step):
+        for t in prange(qs.shape[0]):
+            for j in range(c0, min(n, c0 + step), MM_TOKENS):
+                if has_m:
+                    _mm_five_m(qs, d, m, dsup, msup, xq, xs, j, n, t, out, t * R, _n(t, out))
+                else:
+                    _mm_five(qs, d, m, dsup, msup, xq, xs, j, n, t, out, t * R, _n(t, out))
+
+
+@njit(parallel=True, **_opts)
+def mm_six(qs, d, m, dsup, msup, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts_mm(x, 16, 32, 0)
+    n, step = x.shape[0], _mm_pass(x)
+    for c0 in range(0, n, step):
+        for t in prange(qs.shape[0]):
+            for j in range(c0, min(n, c0 + step), MM_TOKENS):
+                _mm_six(qs, d, m, dsup, msup, xq, xs, j, n, t, out, t * R, _n(t, out))
+
+
+@njit(parallel=True, **_opts)
+def mm_int8(qs, d, m, dsup, msup, x, out):
+    _check_out(out)
+    xq, xs = _quant_acts_mm(x, 32, 128, 0)
+    n, step = x.shape[0], _mm_pass(x)
+    for c0 in range(0, n, step):
+        for t in prange(qs.shape[0]):
+            for j in range(c0, min(n, c0 + step), MM_TOKENS):
+                _mm_int8(qs, d, m, dsup, msup, xq, xs, j, n, t, out, t * R, _n(t, out))
+
+
+# kind -> mat-mat
+MAT_MAT = {NIBBLE: mm_nibble, FIVE: mm_five, SIX: mm_six, INT8: mm_int8}
 
 
 @njit(**_opts)

@@ -1,6 +1,7 @@
 """CPU quantized kernels against the independent `gguf` package dequantizer.
 
-Tolerances (float activations, fp32 accumulation):
+Tolerances (activations quantized to 3 int8 planes in mat-vecs, 2 in mat-mats, i.e.
+~22 and ~15 bits; integer dot products, fp32 accumulation):
     embedding: |ours - gguf.dequantize| <= 1e-6 * max|w| (fp32 rounding of d*q+m)
     matmul:    per output, |ours - ref64| <= 2e-5 * ||x_t|| * ||w_row|| + 1e-6
                (ref64 = float64 dequantize(raw) @ x.T), and NMSE <= 1e-9.
@@ -83,6 +84,24 @@ def test_batched_decode_rows_match_single(qtype, parallel, monkeypatch):
     check_matmul(w, ref_dequant(raw, qtype, rows, cols), xbig[:MULTI_MAX + 1, 1:1 + cols], bias)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_prefill_matmat_over_several_passes(qtype):
+    """Prefill's int8 mat-mat quantizes the tokens in groups of MM_TOKENS and dots them in
+    passes of about MM_ACT_BYTES: more tokens than one pass, a last group of 5 (padded
+    with zero rows that must not be stored), x a strided view, out a column view; every
+    row within the reference tolerance."""
+    from backends.cpu import quant_kernels as K
+    rows, cols = 40, 512
+    per_pass = K.MM_ACT_BYTES // (K.MM_PLANES * cols) // K.MM_TOKENS * K.MM_TOKENS
+    n = per_pass + K.MM_TOKENS + 5
+    raw = make_raw(qtype, rows, cols, seed=5)
+    w = load_weight(raw, qtype, (rows, cols))
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((n, cols + 2)).astype(np.float32)[:, 1:1 + cols]
+    x[::3] *= 1e-3                                            # rows of other scales
+    check_matmul(w, ref_dequant(raw, qtype, rows, cols), x)
+
+
 @pytest.mark.parametrize("qtype", [q for q in ALL if q not in (Q.F32, Q.F16, Q.BF16)], ids=lambda q: q.name)
 def test_extreme_codes_and_activations(qtype):
     """Every code at its largest or smallest value against activations of one magnitude
@@ -103,8 +122,8 @@ def test_extreme_codes_and_activations(qtype):
     x[1] = -1
     x[2, ::2] = -1
     x[3] *= 1e-3
-    for n in (1, 4):
-        check_matmul(w, W, x[:n])
+    for n in (1, 4, 12):                              # mat-vec, batched, mat-mat
+        check_matmul(w, W, np.tile(x, (3, 1))[:n])
 
 
 @pytest.mark.parametrize("qtype,bound", [(Q.Q4_1, 1.01), (Q.Q8_0, 1.01), (Q.Q4_K, 1.03), (Q.Q6_K, 1.01)],

@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType as Q
 import engine
 from engine.snapkv import SnapKvConfig, SnapKvSelector
 from _backends import nmse
-from tiny_gguf import write_tiny_gguf
+from tiny_gguf import STEPS_AGREE, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +45,8 @@ def test_prefill_chunking_and_token_by_token_agree(models, backend):
     chunked = engine.load(models["qwen2-q4_1"], backend=backend, prefill_chunk=16).logits(ids)
     m = engine.load(models["qwen2-q4_1"], backend=backend, prefill_chunk=1)
     one_by_one = m.logits(ids)
-    # Chunking changes f32 summation order (BLAS mat-mat vs mat-vec); a last-bit change
-    # can flip a bf16 rounding of a cached K/V element (2^-9 relative), hence 1e-3.
-    np.testing.assert_allclose(chunked, whole, rtol=1e-3, atol=1e-3)
-    np.testing.assert_allclose(one_by_one, whole, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(chunked, whole, **STEPS_AGREE)
+    np.testing.assert_allclose(one_by_one, whole, **STEPS_AGREE)
 
 
 def test_generation_continues_a_cache(models):
@@ -57,7 +55,7 @@ def test_generation_continues_a_cache(models):
     token = int(np.argmax(logits))
     step = m.forward.decode(token, cache)
     full = m.logits(PROMPT[:40] + [token])
-    np.testing.assert_allclose(step, full, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(step, full, **STEPS_AGREE)
     assert (cache.length, cache.logical_length) == (41, 41)
 
 
@@ -216,7 +214,7 @@ def test_a_short_continuation_is_evicted_with_the_kept_window_queries(models, na
         assert a.length == b.length
         if b.last_keep is not None:
             np.testing.assert_array_equal(a.last_keep, b.last_keep)
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(got, want, **STEPS_AGREE)
     m.forward.prefill(more, bare, snapkv=cfg, compact_continued=True)
     assert bare.eviction is None and bare.layers[-1].length == 160
 

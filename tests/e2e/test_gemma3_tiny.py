@@ -18,7 +18,7 @@ from engine.gguf import GgufFile
 from engine.kv.paged import layer_pages
 from engine.snapkv import SnapKvConfig
 from _backends import available_backends, nmse
-from tiny_gguf import GEMMA3_SLIDING_WINDOW as WINDOW, write_tiny_gguf
+from tiny_gguf import GEMMA3_SLIDING_WINDOW as WINDOW, STEPS_AGREE, write_tiny_gguf
 
 GLOBAL = 5                                      # (il + 1) % 6 == 0
 PROMPT = list(range(3, 200, 2)) * 3             # 297 token ids
@@ -126,8 +126,8 @@ def test_prefill_chunking_and_token_by_token_agree(models, backend):
     whole = engine.load(models["q8"], backend=backend, prefill_chunk=256).logits(ids)
     chunked = engine.load(models["q8"], backend=backend, prefill_chunk=7).logits(ids)
     one_by_one = engine.load(models["q8"], backend=backend, prefill_chunk=1).logits(ids)
-    np.testing.assert_allclose(chunked, whole, rtol=1e-3, atol=1e-3)
-    np.testing.assert_allclose(one_by_one, whole, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(chunked, whole, **STEPS_AGREE)
+    np.testing.assert_allclose(one_by_one, whole, **STEPS_AGREE)
 
 
 def test_decode_continues_a_cache(models):
@@ -135,7 +135,7 @@ def test_decode_continues_a_cache(models):
     cache, logits = m.prefill(PROMPT[:40])
     token = int(np.argmax(logits))
     step = m.forward.decode(token, cache)
-    np.testing.assert_allclose(step, m.logits(PROMPT[:40] + [token]), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(step, m.logits(PROMPT[:40] + [token]), **STEPS_AGREE)
 
 
 # -- SnapKV -------------------------------------------------------------------------------

@@ -318,7 +318,9 @@ def test_logprobs(served, reference):
     assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == r.usage.completion_tokens
     first = int(np.argmax(z))
     assert lp.tokens[0] == model.tokenizer.token_bytes(first).decode()
-    assert abs(lp.token_logprobs[0] - log_softmax[first]) < 1e-4
+    # 3e-4: a server step may hold other tokens than a lone prefill does, and steps of more
+    # than 8 tokens quantize activations to 2 int8 planes instead of 3 (~1e-5 relative)
+    assert abs(lp.token_logprobs[0] - log_softmax[first]) < 3e-4
     for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3 and value <= 0 and max(top.values()) == value and top[tok] == value
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
@@ -341,7 +343,9 @@ def test_logprobs(served, reference):
     stream = c.chat.completions.create(logprobs=True, stream=True, **ckw)
     entries = [e for ch in stream if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert [e.token for e in entries] == [e.token for e in content]       # (its prompt partly from the cache)
-    assert np.allclose([e.logprob for e in entries], [e.logprob for e in content], atol=1e-2)
+    # the cached prompt prefix came from a step of other tokens (2 or 3 activation planes, bf16
+    # K/V roundings): whole vs token-by-token prefill of SmolLM2 differ by up to ~0.02 in logprob
+    assert np.allclose([e.logprob for e in entries], [e.logprob for e in content], atol=3e-2)
     assert all(e.top_logprobs == [] for e in entries)
     assert c.chat.completions.create(**ckw).choices[0].logprobs is None
 
