@@ -71,8 +71,11 @@ def _quant_acts_mm(x, L, code_off, c0):
     rows in parallel; a last group's missing rows are zeros (read, never stored)."""
     n, cols = x.shape
     groups = (n + MM_TOKENS - 1) // MM_TOKENS
-    xq = np.zeros(groups * MM_TOKENS * MM_PLANES * cols, np.int8)
-    xs = np.zeros(groups * MM_TOKENS * (MM_PLANES + 2) * (cols // L), np.float32)
+    q_group, s_group = MM_TOKENS * MM_PLANES * cols, MM_TOKENS * (MM_PLANES + 2) * (cols // L)
+    xq = np.empty(groups * q_group, np.int8)
+    xs = np.empty(groups * s_group, np.float32)
+    xq[(groups - 1) * q_group:] = 0         # the last group, whose rows past n stay zero
+    xs[(groups - 1) * s_group:] = 0
     for i in prange(n):
         if L == 16:
             _quant16_mm(x, i, code_off, c0, xq, xs)

@@ -77,7 +77,6 @@ _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatT
 _V8, _V32, _VF = ir.VectorType(_I8, 64), ir.VectorType(_I32, R), ir.VectorType(_F32, R)
 _VH = ir.VectorType(ir.IntType(16), R)
 _FAST = ("fast",)
-_f32 = np.float32
 
 
 def _splat(builder, scalar, vty):
@@ -263,8 +262,8 @@ def make_tile_dot(layout: str, groups: int, planes: int, has_m: bool, kernels: s
                 return builder.gep(builder.bitcast(a.data, _I8.as_pointer()),
                                    [builder.mul(builder.add(j0_, ir.Constant(_I64, j)), stride)])
             qs_p = builder.bitcast(a_qs.data, _I8.as_pointer())
-            # the group of activations j0 .. j0 + tokens - 1 (act_layout): one base pointer,
-            # every byte of a block at a constant offset from it
+            # the group of activations j0 .. j0 + tokens - 1 (make_quant_row's layout): one base
+            # pointer, every byte of a block at a constant offset from it
             xq_g = builder.gep(builder.bitcast(a_xq.data, _I8.as_pointer()),
                                [builder.mul(j0_, builder.mul(nb, ir.Constant(_I64, planes * L)))])
             xs_g = builder.gep(builder.bitcast(a_xs.data, _F32.as_pointer()),
@@ -377,7 +376,7 @@ def make_quant_row(L: int, planes: int, step: float, tokens: int = 1):
     units, u = [], 1.0
     for _ in range(planes):                  # each plane's step, in units of dx (f32 as numpy)
         units.append(u)
-        u = float(_f32(u) / _f32(step))
+        u = float(np.float32(u) / np.float32(step))
 
     @intrinsic
     def quant_row(typingctx, x, i, code_off, c0, xq, xs):
