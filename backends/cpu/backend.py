@@ -8,10 +8,16 @@ import numpy as np
 # numba's OpenMP workers spin-wait between parallel regions by default. A decode step
 # runs ~150 short regions; on a busy machine a spinning worker eats the time slice the
 # other thread needs, and each region's barrier then waits a scheduler tick: 2-thread
-# decode of the default model measured 20-30 tok/s spinning vs ~140 tok/s sleeping
-# (load average ~6 on 2 cores). Must be set before libgomp loads (first parallel
-# kernel); a value already in the environment wins.
+# decode of SmolLM2 measured 20-30 tok/s spinning vs ~140 tok/s sleeping (load average
+# ~6 on 2 cores). Sleeping at once costs a wake-up per region instead (67 us on this
+# 2-core VM against 1.6 us), so libgomp spins briefly first: 10,000 spins (~50-100 us,
+# covering the host work between a decode step's regions): Qwen2.5-Coder-0.5B decode at
+# 4K 30 -> 36 tok/s, prefill unchanged (100,000 spins: decode 37, prefill at 4K 25%
+# slower, the workers then contending with BLAS threads); beside two busy processes as
+# fast as sleeping at once. Must be set before libgomp loads (first parallel kernel);
+# values already in the environment win.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from backends.base import check_kv_dtypes  # noqa: E402
 from backends.kvformat import KV_DTYPES, KvFormat  # noqa: E402

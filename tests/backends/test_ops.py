@@ -403,20 +403,21 @@ def test_attention_prefill(backend, kv, n_q, n_kv, head_dim, page_size, start_ro
 
 
 @pytest.mark.parametrize("start_row,n", [(5, 40), (300, 64), (0, 100)])
-def test_cpu_prefill_attention_in_query_blocks(monkeypatch, start_row, n):
-    """The CPU's BLAS path without a window splits a chunk into query blocks when its
-    scores would pass SCORES_BYTES (a 512-query chunk at 32K rows): forced down to
-    blocks of 16 queries, each seeing only the rows up to its last query, it equals
-    the reference."""
+def test_cpu_prefill_attention_in_flash_tiles(monkeypatch, start_row, n):
+    """The CPU's BLAS path without a window runs blocks of queries over tiles of rows
+    with a running softmax: forced down to blocks of 16 queries and tiles of 48 rows
+    (tiles wholly after some of a block's queries, a last tile of a few rows), it
+    equals the reference."""
     from backends.cpu import attention_blas
-    monkeypatch.setattr(attention_blas, "SCORES_BYTES", 1)
+    monkeypatch.setattr(attention_blas, "FLASH_VECTORS", 1)
+    monkeypatch.setattr(attention_blas, "FLASH_ROWS", 48)
     rng = np.random.default_rng(start_row + n)
     k_pages, v_pages, page_table = filled_pool(rng, start_row + n, 3, 16, 64, kscale=2.0)
     q = rng.standard_normal((n, 9 * 64)).astype(np.float32)
     want, got = np.empty_like(q), np.empty_like(q)
     REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, 9, 0.125, want)
     attention_blas.attention_prefill(q, k_pages, v_pages, page_table, start_row, 9, 0.125, got)
-    assert attention_blas.FULL_BLOCK_MIN < n and nmse(got, want) < TOL_ATTN
+    assert attention_blas.FLASH_MIN_QUERIES < n and nmse(got, want) < TOL_ATTN
 
 
 def test_attention_prefill_first_query_sees_only_row_zero():
