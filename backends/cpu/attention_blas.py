@@ -1,31 +1,36 @@
-"""Prefill attention through BLAS: per KV head the scores of the group's queries
-against the visible rows are an sgemm, the masked softmax runs in numba (its passes
-as 16-wide vector code, vrow), and the weighted sum of V is a second sgemm.
+"""Prefill attention through BLAS, flash-attention's loop: per KV head the chunk's
+queries go in blocks of about FLASH_VECTORS query vectors (the head's group of query
+heads times the block's queries), each block over its visible rows in tiles
+(tile_rows): the tile's scores are one sgemm (with its K and V rows in L2), the masked softmax folds
+them into a running (max, sum, acc) per query vector (online softmax; its passes are
+16-wide vector code, vrow) and the weighted sum of V is a second sgemm.
 
 Same contract as ops.attention_prefill; used for chunks of at least
 BLAS_MIN_QUERIES queries, where sgemm (tens of GFLOP/s per core) beats the
 tiled numba kernel.
 
-Causal (no window), bf16 rows: the rows are gathered to f32 once per chunk, then
-flash-attention's loop: blocks of about FLASH_VECTORS query vectors (a KV head's
-group of queries), each against tiles of FLASH_ROWS rows, the tile's scores (1 MiB)
-staying in L2 and a running (max, sum, acc) per query vector (online softmax). At
-16K rows that is 1.5x faster than one block's scores for all rows, whose 100+ MiB
-went to memory five times. Transient memory: the f32 rows of the chunk's K and V.
+The (KV head, block) items run on numba's thread count of Python threads, each
+calling single-threaded sgemms (the GIL is released in them and in the nogil numba
+steps) rather than the BLAS's threads and numba's parallel regions in turn, which
+contended for the cores (the OpenMP workers spin between regions, see backend.py).
+Measured on 256-query chunks of Qwen2.5-Coder-0.5B (2 cores): 1.5-1.7x the sgemms
+over all rows at once at 512-32K rows, whose 100+ MiB of scores at 16K went to memory
+five times.
 
-Sliding window (window > 0): the chunk's queries go in blocks (window_block);
-a block's sgemms cover only the rows its queries can see (block + window - 1 of
-them), so a long chunk costs O(n * window), not O(n^2), and rows below the
-first query's window are never gathered.
+bf16 rows are gathered to f32 once per chunk (transient memory: the K and V rows the
+chunk sees, f32). Quantized rows (any k_dtype / v_dtype but bf16/bf16) never expand
+into a full-precision copy of the cache: each item dequantizes its tiles into f32
+scratch (kvquant.dequant_rows; tq in its rotated basis, with the queries rotated into
+it and the outputs back).
 
-Quantized KV rows (any k_dtype / v_dtype but bf16/bf16) never expand into a
-full-precision copy of the cache: per KV head the visible rows go in tiles of
-QUANT_TILE_ROWS, each dequantized into an f32 scratch tile (kvquant.dequant_rows;
-tq in its rotated basis, with the queries rotated once per chunk and the outputs
-rotated back once), for all the block's queries at once, with the same online
-softmax. Transient memory: two tiles plus group*n x QUANT_TILE_ROWS scores.
+Sliding window (window > 0): a block's tiles cover only the rows its queries can see
+(block + window - 1 of them), so a long chunk costs O(n * window), not O(n^2), and
+rows below the first query's window are never read.
 """
 from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 from numba import njit, prange
@@ -36,11 +41,10 @@ from .kvquant import RowFormat
 from .vrow import exp_sum_row, scaled_max
 
 BLAS_MIN_QUERIES = 32
-WINDOW_BLOCK_MIN = 128     # with a window: at least this many queries per sgemm block
-FLASH_VECTORS = 256        # causal bf16: query vectors (queries x group) per block, at least
+FLASH_VECTORS = 256        # query vectors (queries x group) per block, at least
 FLASH_MIN_QUERIES = 16     # ... this many queries (fewer make the sgemms too thin)
-FLASH_ROWS = 1024          # ... rows per tile: 256 x 1024 f32 scores = 1 MiB, in L2
-QUANT_TILE_ROWS = 512      # rows per dequantized tile (quantized KV)
+FLASH_TILE_BYTES = 3 << 19  # rows per tile: a tile's scores, K and V rows (f32) in 1.5 MiB
+                            # of L2 (1024 rows for 256 vectors of head_dim 64)
 
 
 @njit(parallel=True, **_JIT)
@@ -56,31 +60,6 @@ def _gather_f32(pages, page_table, row_lo, row_hi, out):
             src = pages[page, h, off]
             for i in range(head_dim):
                 out[h, j, i] = _bf16_to_f32(src[i])
-
-
-@njit(parallel=True, **_JIT)
-def _masked_softmax(s, n, last0, window, scale, inv):
-    """s f32 [group*n, cols] raw scores of query vectors a = g*n + t; query t sees columns
-    first .. last0 + t, first = max(0, last0 + t - window + 1) (0 when window is 0)
-    -> s = exp(scale * s - max) on visible columns, 0 elsewhere; inv[a] = 1 / their sum
-    (the caller scales the weighted sum of V: one pass over the scores fewer)."""
-    for a in prange(s.shape[0]):
-        last = last0 + a % n
-        first = max(0, last - window + 1) if window > 0 else 0
-        row = s[a]
-        row[:first] = 0.0
-        row[last + 1:] = 0.0
-        m = scaled_max(row, first, last + 1, scale)
-        inv[a] = np.float32(1.0) / exp_sum_row(row, first, last + 1, scale, m)
-
-
-def window_block(window: int) -> int:
-    """Queries per sgemm block with a sliding window: window/4 (each query then scores
-    1.25 * window rows, a quarter of them masked) but at least WINDOW_BLOCK_MIN, below
-    which the sgemms get too thin. Measured (2 shared cores, noisy) on 1024-query
-    chunks at row 8192, windows 512 and 1024, GQA 4/1x256, 9/3x64, 32/8x128: 1.0-1.7x
-    faster than block = window, and mostly faster than the tiled numba kernel."""
-    return max(window // 4, WINDOW_BLOCK_MIN)
 
 
 def _add_bias(scores, row_bias, h, row0, scale):
@@ -99,41 +78,54 @@ def attention_prefill(q, k_pages, v_pages, page_table, start_row, n_q_heads, sca
     or with window > 0 rows max(0, start_row+i-window+1) .. start_row+i. row_bias: None
     or f32 [n_kv_heads, n_bias], added to the scaled scores of rows 0 .. n_bias-1."""
     window = int(window)
-    if k_dtype != "bf16" or v_dtype != "bf16":
-        head_dim = q.shape[1] // n_q_heads
-        _prefill_tiled(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
-                       RowFormat.get(k_dtype, head_dim), RowFormat.get(v_dtype, head_dim), row_bias)
-        return
     n = q.shape[0]
-    n_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[3]
+    n_kv_heads = k_pages.shape[1]
+    head_dim = q.shape[1] // n_q_heads
     group = n_q_heads // n_kv_heads
     n_rows = start_row + n
     row_lo = max(0, start_row - window + 1) if window > 0 else 0    # first row any query sees
-    k = np.empty((n_kv_heads, n_rows - row_lo, head_dim), dtype=np.float32)   # [kv, rows, d]
-    v = np.empty_like(k)
-    _gather_f32(k_pages, page_table, row_lo, n_rows, k)
-    _gather_f32(v_pages, page_table, row_lo, n_rows, v)
+    qmap = omap = None
+    if k_dtype == "bf16" and v_dtype == "bf16":
+        k = np.empty((n_kv_heads, n_rows - row_lo, head_dim), dtype=np.float32)   # [kv, rows, d]
+        v = np.empty_like(k)
+        _gather_f32(k_pages, page_table, row_lo, n_rows, k)
+        _gather_f32(v_pages, page_table, row_lo, n_rows, v)
+
+        def tile(h, t0, tn):
+            return k[h, t0 - row_lo:t0 - row_lo + tn], v[h, t0 - row_lo:t0 - row_lo + tn]
+    else:
+        kf, vf = RowFormat.get(k_dtype, head_dim), RowFormat.get(v_dtype, head_dim)
+        qmap = kf.rot.T if kf.rotated else None                        # into the keys' basis
+        omap = vf.rot if vf.rotated else None                          # back from the values'
+        scratch = threading.local()
+
+        def tile(h, t0, tn):
+            if not hasattr(scratch, "k") or scratch.k.shape[0] < tn:
+                scratch.k = np.empty((tn, head_dim), dtype=np.float32)
+                scratch.v = np.empty((tn, head_dim), dtype=np.float32)
+            _dequant_tile(k_pages, page_table, h, t0, tn, kf.tag, kf.codebook, scratch.k)
+            _dequant_tile(v_pages, page_table, h, t0, tn, vf.tag, vf.codebook, scratch.v)
+            return scratch.k[:tn], scratch.v[:tn]
+
+    block = _even(n, max(FLASH_MIN_QUERIES, FLASH_VECTORS // group))
+    items = [(h, b0) for b0 in range(0, n, block) for h in range(n_kv_heads)]
+    items.reverse()                      # the blocks that see the most rows first
     scale = np.float32(scale)
-    if window <= 0:
-        block = max(FLASH_MIN_QUERIES, FLASH_VECTORS // group)
-        _flash_blocks(q, lambda h, r0, rn: (k[h, r0:r0 + rn], v[h, r0:r0 + rn]), n_kv_heads, group,
-                      head_dim, start_row, block, FLASH_ROWS, 0, scale, out, row_bias)
-        return
-    block = window_block(window)
-    inv = np.empty(group * block, dtype=np.float32)
-    for b0 in range(0, n, block):
+
+    def run(item):
+        h, b0 = item
         nb = min(block, n - b0)
-        r0 = max(0, start_row + b0 - window + 1) - row_lo              # block's rows in k, v
-        r1 = start_row + b0 + nb - row_lo
-        scores = np.empty((group * nb, r1 - r0), dtype=np.float32)     # [group*nb, rows]
-        for h in range(n_kv_heads):
-            cols = slice(h * group * head_dim, (h + 1) * group * head_dim)
-            np.matmul(_group_queries(q, b0, nb, cols, group, head_dim), k[h, r0:r1].T, out=scores)
-            _add_bias(scores, row_bias, h, row_lo + r0, scale)
-            _masked_softmax(scores, nb, start_row + b0 - row_lo - r0, window, scale, inv)
-            og = scores @ v[h, r0:r1]                                    # [group*nb, d]
-            og *= inv[:group * nb, None]
-            _scatter_queries(out, og, b0, nb, cols, group, head_dim)
+        cols = slice(h * group * head_dim, (h + 1) * group * head_dim)
+        qg = _group_queries(q, b0, nb, cols, group, head_dim)
+        if qmap is not None:
+            qg = qg @ qmap
+        og = _flash_block(np.ascontiguousarray(qg, dtype=np.float32), tile, h, nb,
+                          start_row + b0, window, scale, row_bias)
+        if omap is not None:
+            og = og @ omap
+        _scatter_queries(out, og, b0, nb, cols, group, head_dim)
+
+    _run_items(run, items)
 
 
 def _group_queries(q, b0, nb, cols, group, head_dim):
@@ -147,24 +139,62 @@ def _scatter_queries(out, og, b0, nb, cols, group, head_dim):
     out[b0:b0 + nb, cols] = og.reshape(group, nb, head_dim).transpose(1, 0, 2).reshape(nb, group * head_dim)
 
 
-# -- online softmax over row tiles (causal bf16, quantized KV) -------------------------
-@njit(parallel=True, **_JIT)
-def _online_softmax_tile(s, n, last0, c0, window, scale, m, l, alpha):
+def _even(total: int, most: int) -> int:
+    """The size of the fewest equal parts of `total` of at most `most` each (the last
+    part may be smaller): no thin last part."""
+    parts = -(-total // most)
+    return -(-total // parts)
+
+
+def tile_rows(nv: int, head_dim: int) -> int:
+    """Rows per tile for nv query vectors: FLASH_TILE_BYTES over a row's f32 scores, K
+    and V, a multiple of 64."""
+    return max(64, FLASH_TILE_BYTES // (4 * (nv + 2 * head_dim)) // 64 * 64)
+
+
+def _flash_block(qg, tile, h, nb, first_q, window, scale, row_bias):
+    """Attention of one block's query vectors qg [group*nb, d] (a = g*nb + t is query
+    t of group member g, at row first_q + t) over their visible rows, in tiles from
+    tile(h, r0, rn) -> (K, V) f32 [rn, d] of rows r0 .. r0+rn-1 -> f32 [group*nb, d]."""
+    nv, head_dim = qg.shape
+    r0 = max(0, first_q - window + 1) if window > 0 else 0                # rows r0 .. r1-1
+    r1 = first_q + nb
+    m = np.full(nv, -np.inf, dtype=np.float32)
+    l = np.zeros(nv, dtype=np.float32)
+    alpha = np.empty(nv, dtype=np.float32)
+    acc = np.zeros((nv, head_dim), dtype=np.float32)
+    pv = np.empty((nv, head_dim), dtype=np.float32)
+    rows = _even(r1 - r0, tile_rows(nv, head_dim))
+    scores = np.empty(nv * rows, dtype=np.float32)
+    for t0 in range(r0, r1, rows):
+        tn = min(rows, r1 - t0)
+        kt, vt = tile(h, t0, tn)
+        s = scores[:nv * tn].reshape(nv, tn)                             # contiguous
+        np.matmul(qg, kt.T, out=s)
+        _add_bias(s, row_bias, h, t0, scale)
+        _online_softmax_tile(s, nb, first_q - t0, window, scale, m, l, alpha)
+        np.matmul(s, vt, out=pv)
+        acc *= alpha[:, None]
+        acc += pv
+    acc /= l[:, None]
+    return acc
+
+
+@njit(nogil=True, **_JIT)
+def _online_softmax_tile(s, n, last0, window, scale, m, l, alpha):
     """s f32 [group*n, tn]: raw scores of query vectors a = g*n + t against the tile's
-    columns c0 .. c0+tn-1 (columns counted from the block's first row); query t sees
-    columns max(0, last0+t-window+1) (0 without a window) .. last0+t. In place:
-    s -> exp(scale*s - m_new) on visible columns, 0 elsewhere; m, l [group*n] move to
-    the new running max and sum; alpha [group*n] = exp(m_old - m_new), the factor for acc."""
+    columns; query t sees columns max(0, last0+t-window+1) (0 without a window) ..
+    last0+t (which may lie outside the tile). In place: s -> exp(scale*s - m_new) on
+    visible columns, 0 elsewhere; m, l [group*n] move to the new running max and sum;
+    alpha [group*n] = exp(m_old - m_new), the factor for acc."""
     tn = s.shape[1]
-    for a in prange(s.shape[0]):
+    for a in range(s.shape[0]):
         last = last0 + a % n
-        first = max(0, last - window + 1) if window > 0 else 0
-        j0 = max(first - c0, 0)
-        j1 = min(last - c0 + 1, tn)
+        j0 = max(last - window + 1, 0) if window > 0 else 0
+        j1 = min(last + 1, tn)
         row = s[a]
         if j1 <= j0:                           # nothing visible in this tile
-            for j in range(tn):
-                row[j] = 0.0
+            row[:] = 0.0
             alpha[a] = 1.0
             continue
         m_new = max(m[a], scaled_max(row, j0, j1, scale))
@@ -176,78 +206,71 @@ def _online_softmax_tile(s, n, last0, c0, window, scale, m, l, alpha):
         m[a] = m_new
 
 
-def _flash_blocks(q, tile, n_kv_heads, group, head_dim, start_row, block, tile_rows, window,
-                  scale, out, row_bias, qmap=None, omap=None):
-    """Online-softmax attention of the chunk's queries in blocks of `block`, each over
-    its visible rows in tiles of tile_rows: tile(h, r0, rn) -> (K, V) f32 [rn, head_dim]
-    of KV head h, rows r0 .. r0+rn-1. qmap / omap: None, or a matrix taking the group's
-    query vectors into the keys' basis / the outputs back from the values'."""
-    n = q.shape[0]
-    nv_max = group * min(block, n)
-    m = np.empty(nv_max, dtype=np.float32)
-    l = np.empty(nv_max, dtype=np.float32)
-    alpha = np.empty(nv_max, dtype=np.float32)
-    acc = np.empty((nv_max, head_dim), dtype=np.float32)
-    pv = np.empty((nv_max, head_dim), dtype=np.float32)
-    scores = np.empty(nv_max * tile_rows, dtype=np.float32)
-    for b0 in range(0, n, block):
-        nb = min(block, n - b0)
-        nv = group * nb
-        r0 = max(0, start_row + b0 - window + 1) if window > 0 else 0     # rows r0 .. r1-1
-        r1 = start_row + b0 + nb
-        mb, lb, ab, accb, pvb = m[:nv], l[:nv], alpha[:nv], acc[:nv], pv[:nv]
-        for h in range(n_kv_heads):
-            cols = slice(h * group * head_dim, (h + 1) * group * head_dim)
-            qg = _group_queries(q, b0, nb, cols, group, head_dim)
-            if qmap is not None:
-                qg = qg @ qmap
-            qg = np.ascontiguousarray(qg, dtype=np.float32)
-            mb.fill(-np.inf)
-            lb.fill(0.0)
-            accb.fill(0.0)
-            for t0 in range(r0, r1, tile_rows):
-                tn = min(tile_rows, r1 - t0)
-                kt, vt = tile(h, t0, tn)
-                s = scores[:nv * tn].reshape(nv, tn)                     # contiguous
-                np.matmul(qg, kt.T, out=s)
-                _add_bias(s, row_bias, h, t0, scale)
-                _online_softmax_tile(s, nb, start_row + b0 - r0, t0 - r0, window, scale, mb, lb, ab)
-                np.matmul(s, vt, out=pvb)
-                accb *= ab[:, None]
-                accb += pvb
-            og = accb / lb[:, None]                                      # [group*nb, d]
-            if omap is not None:
-                og = og @ omap
-            _scatter_queries(out, og, b0, nb, cols, group, head_dim)
-
-
-# -- quantized KV: dequantized tiles ---------------------------------------------------
-@njit(parallel=True, **_JIT)
+@njit(nogil=True, **_JIT)
 def _dequant_tile(pages, page_table, kv, row_lo, n, tag, cb, out):
     """Rows row_lo .. row_lo+n-1 of kv head `kv` -> out f32 [>= n, head_dim] (tq rows in
-    their rotated basis, storage order), a page's run of rows per task."""
+    their rotated basis, storage order), a page's run of rows at a time."""
     page_size = pages.shape[2]
     head_dim = out.shape[1]
-    p0 = row_lo // page_size
-    for p in prange(p0, (row_lo + n - 1) // page_size + 1):
+    for p in range(row_lo // page_size, (row_lo + n - 1) // page_size + 1):
         lo = max(row_lo, p * page_size)
         hi = min(row_lo + n, (p + 1) * page_size)
         kvquant.dequant_rows(pages[page_table[p], kv], lo - p * page_size, hi - lo, tag, cb,
                              head_dim, out[lo - row_lo:hi - row_lo])
 
 
-def _prefill_tiled(q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
-                   kf: RowFormat, vf: RowFormat, row_bias=None):
-    n_kv_heads, head_dim = k_pages.shape[1], kf.head_dim
-    k_tile = np.empty((QUANT_TILE_ROWS, head_dim), dtype=np.float32)
-    v_tile = np.empty((QUANT_TILE_ROWS, head_dim), dtype=np.float32)
+# -- the items on threads -------------------------------------------------------------
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_BLAS = None                             # threadpoolctl's controllers of the loaded BLAS
 
-    def tile(h, t0, tn):                 # each tile dequantized once for all the block's queries
-        _dequant_tile(k_pages, page_table, h, t0, tn, kf.tag, kf.codebook, k_tile)
-        _dequant_tile(v_pages, page_table, h, t0, tn, vf.tag, vf.codebook, v_tile)
-        return k_tile[:tn], v_tile[:tn]
 
-    block = q.shape[0] if window <= 0 else window_block(window)
-    _flash_blocks(q, tile, n_kv_heads, n_q_heads // n_kv_heads, head_dim, start_row, block,
-                  QUANT_TILE_ROWS, window, np.float32(scale), out, row_bias,
-                  kf.rot.T if kf.rotated else None, vf.rot if vf.rotated else None)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < workers:
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attention")
+        return _POOL
+
+
+def _blas_libs():
+    global _BLAS
+    if _BLAS is None:
+        from threadpoolctl import ThreadpoolController
+        _BLAS = ThreadpoolController().select(user_api="blas").lib_controllers
+    return _BLAS
+
+
+def _run_items(run, items) -> None:
+    """run(item) for every item, on numba's thread count (of the calling thread) of
+    threads, each taking the next item when it is done; the BLAS single-threaded
+    meanwhile. An exception in any item is raised here after all have stopped."""
+    import numba
+    workers = min(numba.get_num_threads(), len(items))
+    if workers <= 1:
+        for item in items:
+            run(item)
+        return
+    pending = iter(items)
+    lock = threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                item = next(pending, None)
+            if item is None:
+                return
+            run(item)
+
+    libs = _blas_libs()
+    saved = [lib.get_num_threads() for lib in libs]
+    for lib in libs:
+        lib.set_num_threads(1)
+    try:
+        futures = [_pool(workers).submit(worker) for _ in range(workers)]
+        wait(futures)
+        for f in futures:
+            f.result()
+    finally:
+        for lib, n in zip(libs, saved):
+            lib.set_num_threads(n)

@@ -402,22 +402,35 @@ def test_attention_prefill(backend, kv, n_q, n_kv, head_dim, page_size, start_ro
     assert nmse(got, want) < TOL_ATTN
 
 
+@pytest.mark.parametrize("kv_pair", [("bf16", "bf16"), ("q8_0", "tq4")])
+@pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("start_row,n", [(5, 40), (300, 64), (0, 100)])
-def test_cpu_prefill_attention_in_flash_tiles(monkeypatch, start_row, n):
-    """The CPU's BLAS path without a window runs blocks of queries over tiles of rows
-    with a running softmax: forced down to blocks of 16 queries and tiles of 48 rows
-    (tiles wholly after some of a block's queries, a last tile of a few rows), it
-    equals the reference."""
+def test_cpu_prefill_attention_in_flash_tiles(monkeypatch, kv_pair, window, start_row, n):
+    """The CPU's BLAS path runs blocks of queries over tiles of rows with a running
+    softmax, blocks on threads: forced down to blocks of 16 queries and tiles of 48 rows
+    (tiles wholly after or, with a window, wholly before some of a block's queries, a
+    last tile of a few rows), it equals the reference, with 1 and 2 threads."""
+    import numba
+
     from backends.cpu import attention_blas
     monkeypatch.setattr(attention_blas, "FLASH_VECTORS", 1)
-    monkeypatch.setattr(attention_blas, "FLASH_ROWS", 48)
+    monkeypatch.setattr(attention_blas, "tile_rows", lambda nv, head_dim: 48)
     rng = np.random.default_rng(start_row + n)
-    k_pages, v_pages, page_table = filled_pool(rng, start_row + n, 3, 16, 64, kscale=2.0)
+    k_pages, v_pages, page_table = filled_pool(rng, start_row + n, 3, 16, 64, kscale=2.0, kv=kv_pair)
     q = rng.standard_normal((n, 9 * 64)).astype(np.float32)
-    want, got = np.empty_like(q), np.empty_like(q)
-    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, 9, 0.125, want)
-    attention_blas.attention_prefill(q, k_pages, v_pages, page_table, start_row, 9, 0.125, got)
-    assert attention_blas.FLASH_MIN_QUERIES < n and nmse(got, want) < TOL_ATTN
+    want = np.empty_like(q)
+    REF.attention_prefill(q, k_pages, v_pages, page_table, start_row, 9, 0.125, want, window, *kv_pair)
+    saved = numba.get_num_threads()
+    try:
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            got = np.full_like(q, np.nan)
+            attention_blas.attention_prefill(q, k_pages, v_pages, page_table, start_row, 9, 0.125, got,
+                                             window, *kv_pair)
+            assert nmse(got, want) < TOL_ATTN, threads
+    finally:
+        numba.set_num_threads(saved)
+    assert attention_blas.FLASH_MIN_QUERIES < n
 
 
 def test_attention_prefill_first_query_sees_only_row_zero():
