@@ -22,16 +22,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .jit import _JIT, _exp_f32
+from .vnni import _splat
 
 W = 16
 _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VF, _VI = ir.VectorType(_F32, W), ir.VectorType(_I32, W)
 _FAST = ("fast",)
-
-
-def _splat(builder, value, vty=_VF):
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, W), None))
 
 
 def _fn(builder, name, ret, *argt):
@@ -119,7 +115,7 @@ def exp_sum(typingctx, x, lo, hi, scale, m):
     sig = types.Tuple((types.float32, types.int64))(x, lo, hi, types.float32, types.float32)
 
     def codegen(ctx, builder, signature, args):
-        s_v, m_v = _splat(builder, args[3]), _splat(builder, args[4])
+        s_v, m_v = _splat(builder, args[3], _VF), _splat(builder, args[4], _VF)
 
         def body(b, ptr, acc):
             e = _vexp(b, b.fsub(b.fmul(b.load(ptr, align=4), s_v), m_v))
