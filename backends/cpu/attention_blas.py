@@ -1,9 +1,10 @@
 """Prefill attention through BLAS, flash-attention's loop: per KV head the chunk's
 queries go in blocks of about FLASH_VECTORS query vectors (the head's group of query
 heads times the block's queries), each block over its visible rows in tiles
-(tile_rows): the tile's scores are one sgemm (with its K and V rows in L2), the masked softmax folds
-them into a running (max, sum, acc) per query vector (online softmax; its passes are
-16-wide vector code, vrow) and the weighted sum of V is a second sgemm.
+(tile_rows): a tile's scores are one sgemm, kept in L2 with its K and V rows; the
+masked softmax folds them into a running (max, sum, acc) per query vector (online
+softmax; its passes are 16-wide vector code, vrow) and the weighted sum of V is a
+second sgemm.
 
 Same contract as ops.attention_prefill; used for chunks of at least
 BLAS_MIN_QUERIES queries, where sgemm (tens of GFLOP/s per core) beats the
@@ -13,9 +14,9 @@ The (KV head, block) items run on numba's thread count of Python threads, each
 calling single-threaded sgemms (the GIL is released in them and in the nogil numba
 steps) rather than the BLAS's threads and numba's parallel regions in turn, which
 contended for the cores (the OpenMP workers spin between regions, see backend.py).
-Measured on 256-query chunks of Qwen2.5-Coder-0.5B (2 cores): 1.5-1.7x the sgemms
-over all rows at once at 512-32K rows, whose 100+ MiB of scores at 16K went to memory
-five times.
+Measured with `engine bench` on 2 cores against one sgemm pair over all of a block's
+rows (whose 100+ MiB of scores at 16K went to memory five times): Qwen2.5-Coder-0.5B
+prefill at 8K 1.8x, Gemma 3 at 4K 1.35x.
 
 bf16 rows are gathered to f32 once per chunk (transient memory: the K and V rows the
 chunk sees, f32). Quantized rows (any k_dtype / v_dtype but bf16/bf16) never expand
