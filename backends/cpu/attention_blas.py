@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -42,8 +43,8 @@ from .kvquant import RowFormat
 from .vrow import exp_sum_row, scaled_max
 
 BLAS_MIN_QUERIES = 32
-FLASH_VECTORS = 256        # query vectors (queries x group) per block, at least
-FLASH_MIN_QUERIES = 16     # ... this many queries (fewer make the sgemms too thin)
+FLASH_VECTORS = 256        # query vectors (queries x group) per block, at most, but
+FLASH_MIN_QUERIES = 16     # ... at least this many queries (fewer make the sgemms too thin)
 FLASH_TILE_BYTES = 3 << 19  # rows per tile: a tile's scores, K and V rows (f32) in 1.5 MiB
                             # of L2 (1024 rows for 256 vectors of head_dim 64)
 
@@ -221,17 +222,10 @@ def _dequant_tile(pages, page_table, kv, row_lo, n, tag, cb, out):
 
 
 # -- the items on threads -------------------------------------------------------------
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+# numba's thread count never exceeds NUMBA_NUM_THREADS; the pool starts a thread only
+# when a submitted item finds none idle, so a process that never prefills starts none.
+_POOL = ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS, thread_name_prefix="attention")
 _BLAS = None                             # threadpoolctl's controllers of the loaded BLAS
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < workers:
-            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attention")
-        return _POOL
 
 
 def _blas_libs():
@@ -246,7 +240,6 @@ def _run_items(run, items) -> None:
     """run(item) for every item, on numba's thread count (of the calling thread) of
     threads, each taking the next item when it is done; the BLAS single-threaded
     meanwhile. An exception in any item is raised here after all have stopped."""
-    import numba
     workers = min(numba.get_num_threads(), len(items))
     if workers <= 1:
         for item in items:
@@ -268,7 +261,7 @@ def _run_items(run, items) -> None:
     for lib in libs:
         lib.set_num_threads(1)
     try:
-        futures = [_pool(workers).submit(worker) for _ in range(workers)]
+        futures = [_POOL.submit(worker) for _ in range(workers)]
         wait(futures)
         for f in futures:
             f.result()
