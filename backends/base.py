@@ -52,6 +52,16 @@ head per page ([n_pages * n_kv_heads, 1, page_size, row_width]) and a table per 
 A residual add and the norm after it in one call (where each op costs a dispatch;
 the engine otherwise calls add then rms_norm):
     add_rms_norm(x, r, weight, eps, out)   x += r, then out = rms_norm(x) * weight.
+The feed-forward's gate and down projection in one call (the engine otherwise calls
+silu_gate or gelu_gate into `scratch`, then matmul):
+    gated_matmul(w, gate_up, out, act, scratch)   out = (act(gate) * up) @ w.T, where
+        gate_up f32 [n, 2 * cols] holds each row's gate then up, act is "silu" or
+        "gelu_tanh", and scratch, f32 [n, cols], is the backend's to write (where it runs
+        the gate apart, as for long prompts).
+Greedy decoding's token on the device (the engine otherwise downloads the logits and takes
+their argmax on the host):
+    argmax_rows(x, out)   out int32 [n] (alloc) = the index of each row's largest value in
+        x (f32 [n, d]), the first of equal ones; -1 for a row holding a NaN or an infinity.
 
 Recorded decode steps (optional; engine/replay.py uses them where a backend has both):
     record_step(values, run, max_position, readback=None) -> recording
@@ -126,7 +136,7 @@ OPS = (
 )
 
 # Ops a backend may have (see the module docstring): the engine calls them when present.
-OPTIONAL_OPS = ("kv_write_heads", "attention_decode_heads", "add_rms_norm")
+OPTIONAL_OPS = ("kv_write_heads", "attention_decode_heads", "add_rms_norm", "gated_matmul", "argmax_rows")
 
 
 class Weight(Protocol):

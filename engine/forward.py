@@ -121,6 +121,7 @@ class Scratch:
         self.gate_up = a((n, 2 * cfg.ffn_dim))
         self.act = a((n, cfg.ffn_dim))        # act(gate) * up
         self.logits = a((logits_rows, cfg.vocab_size))
+        self.ids = a((logits_rows,), np.int32)   # greedy tokens (argmax_rows of the logits)
 
 
 class WindowCapture:
@@ -329,23 +330,42 @@ class ForwardPass:
         """One token at position cache.logical_length -> host f32 logits [vocab]."""
         return finite(self.backend.download(self._decode_step([token], [cache], self._decode_scratch)))[0]
 
-    def _decode_step(self, tokens, caches: list, s: Scratch):
+    def decode_argmax(self, token: int, cache: KvCache) -> int:
+        """decode, then the logits' argmax (the first of equal maxima): greedy decoding.
+        Where the backend has argmax_rows it runs on the device and only the id comes back
+        (a GPU backend downloads 4 bytes instead of the vocabulary's logits)."""
+        if not hasattr(self.backend, "argmax_rows"):
+            return int(np.argmax(self.decode(token, cache)))
+        best = int(self.backend.download(self._decode_step([token], [cache], self._decode_scratch, True))[0])
+        if best < 0:
+            raise EngineError(NON_FINITE)
+        return best
+
+    def _decode_step(self, tokens, caches: list, s: Scratch, argmax: bool = False):
         """The work of a decode step of caches[i] taking tokens[i] (recorded and replayed
         where the backend can), counted in decode_counters: the backend array of the
-        logits [n, vocab], not yet awaited."""
+        logits [n, vocab], or with `argmax` of their argmax_rows [n], not yet awaited."""
         counts = self.decode_counters
         launches = getattr(self.backend, "launches", None)
         t0 = time.perf_counter()
         if self.replay is not None and self.replay.usable(caches):
-            logits = self.replay.step(tokens, caches, s)
+            out = self.replay.step(tokens, caches, s, argmax)
         else:
             self._forward(np.asarray(tokens, dtype=np.int32), [(cache, 1) for cache in caches], s)
-            logits = self._head_logits(s, len(caches), 0)
+            out = self._step_output(s, len(caches), argmax)
         counts["host_s"] += time.perf_counter() - t0
         counts["tokens"] += len(caches)
         if launches is not None:
             counts["launches"] += self.backend.launches - launches
-        return logits
+        return out
+
+    def _step_output(self, s: Scratch, n: int, argmax: bool):
+        """A decode step's head: the logits [n, vocab] of its n rows, or their argmax_rows [n]."""
+        logits = self._head_logits(s, n, 0)
+        if not argmax:
+            return logits
+        self.backend.argmax_rows(logits, s.ids[:n])
+        return s.ids[:n]
 
     def decode_stats(self, since: dict | None = None) -> dict:
         """The counters of decode and decode_batch since `since` (a copy of decode_counters
@@ -429,8 +449,11 @@ class ForwardPass:
             self._add_norm(x, proj, lw.ffn_norm, h)
             for wt, lo, hi in lw.gate_up:
                 b.matmul(wt, h, gate_up[:, lo:hi])
-            self.gate_act(gate_up[:, :c.ffn_dim], gate_up[:, c.ffn_dim:], act)
-            b.matmul(lw.ffn_down, act, proj)
+            if hasattr(b, "gated_matmul"):  # the gate inside the down projection: a launch less
+                b.gated_matmul(lw.ffn_down, gate_up, proj, c.arch.ffn_act, act)
+            else:
+                self.gate_act(gate_up[:, :c.ffn_dim], gate_up[:, c.ffn_dim:], act)
+                b.matmul(lw.ffn_down, act, proj)
             if lw.post_ffw_norm is not None:
                 b.rms_norm(proj, lw.post_ffw_norm, c.norm_eps, proj)
             residual = proj
@@ -538,10 +561,13 @@ def check_rescorable(cache: KvCache) -> None:
                           "(its layers or KV heads hold different row counts)")
 
 
+NON_FINITE = ("the model produced non-finite logits (NaN or Inf): its weights hold non-finite or "
+              "out-of-range values (corrupt or mislabelled tensors)")
+
+
 def finite(logits: np.ndarray) -> np.ndarray:
     """Logits as they are, or an EngineError when any is NaN or infinite: weights that
     hold non-finite values (a corrupt file) would otherwise decode to silent garbage."""
     if not np.isfinite(logits).all():
-        raise EngineError("the model produced non-finite logits (NaN or Inf): its weights hold "
-                          "non-finite or out-of-range values (corrupt or mislabelled tensors)")
+        raise EngineError(NON_FINITE)
     return logits

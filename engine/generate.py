@@ -67,6 +67,13 @@ class Sampler:
         self._bias = (np.array([t for t, _ in params.logit_bias], dtype=np.int64),
                       np.array([b for _, b in params.logit_bias], dtype=np.float32))
 
+    @property
+    def greedy(self) -> bool:
+        """The token is the logits' argmax, whatever was generated before (no temperature,
+        bias or penalty): ForwardPass.decode_argmax can find it on the device."""
+        p = self.p
+        return p.temperature == 0 and not p.logit_bias and not p.presence_penalty and not p.frequency_penalty
+
     def __call__(self, logits: np.ndarray) -> int:
         """logits: f32 [vocab] -> token id."""
         token = self._sample(self._adjusted(logits))
@@ -157,12 +164,12 @@ def generate_stream(model, params: SamplingParams, cache, first_logits,
     stopper = StopMatcher(params.stop)
     tokens: list[int] = []
     stats.update(tokens=tokens, finish_reason="length")
-    logits = first_logits
+    logits, best = first_logits, None     # best: the next token, decoded greedily on the device
     t0 = time.perf_counter()
     n_decoded = 0
     stopped_by_string = False
     for i in range(params.max_tokens):
-        token = sampler(logits)
+        token = sampler(logits) if best is None else best
         if not params.ignore_eos and token in tok.eot_ids:
             stats["finish_reason"] = "stop"
             break
@@ -179,7 +186,10 @@ def generate_stream(model, params: SamplingParams, cache, first_logits,
         if cache.logical_length >= cache.max_rows:
             stats["finish_reason"] = "context"
             break
-        logits = model.forward.decode(token, cache)
+        if sampler.greedy:
+            best = model.forward.decode_argmax(token, cache)
+        else:
+            logits = model.forward.decode(token, cache)
         n_decoded += 1
     if not stopped_by_string:
         rest = stopper.feed(decoder.flush())[0] + stopper.flush()

@@ -22,7 +22,8 @@ in the batch's order, and the scratch (compared by identity; the recording holds
 them, so an identity cannot be reused while it lives) and the ForwardPass's weights
 (fixed); tables change in place and row counts are values, so page growth,
 sliding-window rings and a SnapKV compaction replay the same recording. One
-recording is kept per batch size (a server alternates between a few); other caches,
+recording is kept per batch size (a server alternates between a few) and output (the
+logits, or for greedy decoding their argmax: ForwardPass.decode_argmax); other caches,
 another batch membership or order, or arrays that changed record afresh, as do caches
 whose KV heads hold their own rows (adaptive budgets: never replayed). A backend may
 decline to keep a recording (record_step returns None: the step was not recorded
@@ -69,7 +70,8 @@ class DecodeReplay:
 
     def __init__(self, forward):
         self.forward = forward
-        self._kept: dict[int, tuple] = {}   # batch size -> (key, recording, scratch, cache finalizers)
+        # (batch size, argmax) -> (key, recording, scratch, cache finalizers)
+        self._kept: dict[tuple[int, bool], tuple] = {}
 
     @property
     def stats(self) -> dict:
@@ -84,9 +86,10 @@ class DecodeReplay:
     def usable(caches) -> bool:
         return not any(kv.ragged for cache in caches for kv in cache.layers)
 
-    def step(self, tokens, caches: list, s):
+    def step(self, tokens, caches: list, s, argmax: bool = False):
         """The work of one decode step of caches[i] taking tokens[i] at its logical length,
-        in the scratch s: the backend array of their logits [n, vocab]."""
+        in the scratch s: the backend array of their logits [n, vocab], or with `argmax` of
+        the logits' argmax_rows [n] (a recording of its own)."""
         fp = self.forward
         counters = fp.decode_counters
         tokens = [int(t) for t in tokens]
@@ -106,7 +109,7 @@ class DecodeReplay:
         rows = values[row_slot(0, 0, n):].reshape(n_layers, n, 2)   # per layer and sequence: write row, rows attended
         rows[:, :, 0] = [[cache.layers[li].length for cache in caches] for li in range(n_layers)]
         rows[:, :, 1] = rows[:, :, 0] + 1
-        kept = self._kept.get(n)
+        kept = self._kept.get((n, argmax))
         if kept is not None and kept[0] == key:
             fp.backend.replay(kept[1], values)
             for cache in caches:
@@ -114,22 +117,24 @@ class DecodeReplay:
                     kv.advance(1)
             counters["replays"] += 1
         else:
-            self.forget(n)
+            self.forget(n, argmax)
 
             def run():
                 fp._forward(np.array(tokens, dtype=np.int32), [(c, 1) for c in caches], s, step=True)
-                fp._head_logits(s, n, 0)
-            recording = fp.backend.record_step(values, run, max_position=fp.max_ctx, readback=s.logits[:n])
+                fp._step_output(s, n, argmax)
+            out = s.ids[:n] if argmax else s.logits[:n]
+            recording = fp.backend.record_step(values, run, max_position=fp.max_ctx, readback=out)
             counters["recordings"] += 1
             if recording is not None:        # None: the backend could not record the step whole
                 owners = [weakref.finalize(c, self.forget, n) for c in caches]
-                self._kept[n] = (key, recording, s, owners)
-        return s.logits[:n]
+                self._kept[(n, argmax)] = (key, recording, s, owners)
+        return s.ids[:n] if argmax else s.logits[:n]
 
-    def forget(self, n: int | None = None) -> None:
-        """Drop the recording of batch size n (None: every one) and the arrays it holds."""
-        for size in list(self._kept) if n is None else [n]:
-            kept = self._kept.pop(size, None)
+    def forget(self, n: int | None = None, argmax: bool | None = None) -> None:
+        """Drop the recordings of batch size n (None: every size), with or without argmax
+        (None: both), and the arrays they hold."""
+        for size_argmax in [k for k in self._kept if n in (None, k[0]) and argmax in (None, k[1])]:
+            kept = self._kept.pop(size_argmax, None)
             if kept is not None:
                 for owner in kept[3]:
                     owner.detach()

@@ -29,4 +29,14 @@ float f16_to_f32(uint h) {
     }
     return uintBitsToFloat(sign | (e == 31u ? 0x7F800000u | (m << 13) : ((e + 112u) << 23) | (m << 13)));
 }
+
+// The feed-forward gates (eltwise.comp, and matmul.comp's gated variants: the same values).
+// gelu_tanh(a) = 0.5 a (1 + tanh(u)) == a / (1 + exp(-2u)), u = sqrt(2/pi) (a + 0.044715 a^3):
+// no tanh, which some drivers compute as a quotient of exps (inf / inf = NaN for large |u|),
+// and the exponent clamped so exp never overflows (a / (1 + e^80) < 1e-34 * |a|).
+float silu(float a) { return a / (1.0 + exp(-a)); }
+float gelu_tanh(float a) {
+    float u = 0.7978845608028654 * a * (1.0 + 0.044715 * a * a);
+    return a / (1.0 + exp(min(-2.0 * u, 80.0)));
+}
 #endif

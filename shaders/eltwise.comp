@@ -2,9 +2,11 @@
 // Elementwise ops on [n, d] f32 views, one variant each:
 //   OP_ADD        a + b
 //   OP_SILU_GATE  silu(a) * b
-//   OP_GELU_GATE  gelu_tanh(a) * b
+//   OP_GELU_GATE  gelu_tanh(a) * b   (silu, gelu_tanh: common.glsl)
 //   OP_SCALE      a * s       (B is not read; s travels as its bits)
 // `out` may alias `a`. Grid: (ceil(d / 64), n, 1).
+#extension GL_GOOGLE_include_directive : require
+#include "common.glsl"      // silu, gelu_tanh
 layout(local_size_x = 64) in;
 layout(set = 0, binding = 0) readonly buffer AB { float A[]; };
 layout(set = 0, binding = 1) readonly buffer BB { float B[]; };
@@ -25,13 +27,9 @@ void main() {
 #if defined(OP_ADD)
     O[o] = a + b;
 #elif defined(OP_SILU_GATE)
-    O[o] = a / (1.0 + exp(-a)) * b;
+    O[o] = silu(a) * b;
 #elif defined(OP_GELU_GATE)
-    // 0.5 * (1 + tanh(u)) == 1 / (1 + exp(-2u)), u = sqrt(2/pi) * (a + 0.044715 a^3): no
-    // tanh, which some drivers compute as a quotient of exps (inf / inf = NaN for large |u|),
-    // and the exponent clamped so exp never overflows (a / (1 + e^80) < 1e-34 * |a|).
-    float u = 0.7978845608028654 * a * (1.0 + 0.044715 * a * a);
-    O[o] = a / (1.0 + exp(min(-2.0 * u, 80.0))) * b;
+    O[o] = gelu_tanh(a) * b;
 #else
 #error "define OP_ADD, OP_SILU_GATE, OP_GELU_GATE or OP_SCALE"
 #endif

@@ -18,6 +18,11 @@
 // TR (specialization constant 0) is chosen per matrix (shaders.matmul_geometry). With
 // BLOCK_MAJOR (quant.glsl) the weights are stored block-major per group of 256 rows, so
 // the blocks a workgroup reads at one step are one or two contiguous runs.
+//
+// GATE_SILU / GATE_GELU (the FFN's down projection, one dispatch instead of two): each
+// token's x row holds [gate | up] (2 * cols values) and column c's value is act(gate[c]) *
+// up[c] (common.glsl), computed as it is loaded; every workgroup computes it for the
+// columns its rows need, which beside their weights is little.
 #extension GL_GOOGLE_include_directive : require
 #if defined(PADDED_BLOCKS)
 #extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
@@ -51,6 +56,16 @@ layout(push_constant) uniform P {
 } pc;
 #include "quant.glsl"
 
+#if defined(GATE_SILU)
+#define GATED
+#define X_AT(o) (silu(X[o]) * X[(o) + pc.cols])
+#elif defined(GATE_GELU)
+#define GATED
+#define X_AT(o) (gelu_tanh(X[o]) * X[(o) + pc.cols])
+#else
+#define X_AT(o) X[o]
+#endif
+
 #if defined(ROW_PER_LANE)
 void main() {
     uint row0 = gl_WorkGroupID.x * (LX * TR) + gl_LocalInvocationID.x;   // rows row0 + LX*r
@@ -66,7 +81,7 @@ void main() {
         uint c0 = sub * 32u;
         for (uint t = 0u; t < TN; t++) {
             uint xo = pc.x_off + (tok0 + min(t, ntok - 1u)) * pc.x_stride + c0;
-#if defined(PADDED_BLOCKS)
+#if defined(PADDED_BLOCKS) && !defined(GATED)
             if ((xo & 1u) == 0u) {                   // the same for every lane: 64-bit loads
                 for (uint i = 0u; i < 16u; i++) {
                     uint64_t v = X64[(xo >> 1) + i];
@@ -78,9 +93,9 @@ void main() {
 #endif
             for (uint i = 0u; i < 32u; i++) {
 #if defined(FLOAT_WEIGHTS)
-                xs[t * 32u + i] = c0 + i < pc.cols ? X[xo + i] : 0.0;
+                xs[t * 32u + i] = c0 + i < pc.cols ? X_AT(xo + i) : 0.0;
 #else
-                xs[t * 32u + i] = X[xo + i];
+                xs[t * 32u + i] = X_AT(xo + i);
 #endif
             }
         }
@@ -147,9 +162,9 @@ void main() {
                 uint xo = pc.x_off + (tok0 + min(t, ntok - 1u)) * pc.x_stride + c0;
                 float s = 0.0;
 #if defined(FLOAT_WEIGHTS)
-                for (uint i = 0u; i < 32u; i++) s += c0 + i < pc.cols ? w[i] * X[xo + i] : 0.0;
+                for (uint i = 0u; i < 32u; i++) s += c0 + i < pc.cols ? w[i] * X_AT(xo + i) : 0.0;
 #else
-                for (uint i = 0u; i < 32u; i++) s += w[i] * X[xo + i];
+                for (uint i = 0u; i < 32u; i++) s += w[i] * X_AT(xo + i);
 #endif
                 acc[t] += s;
             }

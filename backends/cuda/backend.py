@@ -152,6 +152,9 @@ class CudaBackend:
     def matmul(self, w, x, out, bias=None) -> None:
         quant.matmul(self.ex, w, x, out, bias)
 
+    def gated_matmul(self, w, gate_up, out, act: str, scratch) -> None:
+        quant.gated_matmul(self.ex, w, gate_up, out, act, scratch)
+
     def rope(self, x, positions, n_heads: int, head_dim: int, rot_dim: int, freq_base: float,
              neox: bool, freq_factors=None) -> None:
         step = self._slot(positions)                       # a recorded step's positions (StepValues)
@@ -186,6 +189,9 @@ class CudaBackend:
 
     def add(self, a, b, out) -> None:
         elementwise.add(self.ex, a, b, out)
+
+    def argmax_rows(self, x, out) -> None:
+        elementwise.argmax_rows(self.ex, x, out)
 
     def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float,
                      k_dtype: str = "bf16") -> np.ndarray:

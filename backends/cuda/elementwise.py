@@ -20,6 +20,7 @@ NORM_THREADS = 256
 NORM_WARP_COLS = 256         # norm.cu: groups up to this wide get a warp each (rms_norm_warp)
 NORM_WARP_WARPS = 4          # warps (groups) per rms_norm_warp block
 ELTWISE_THREADS = 256
+ARGMAX_THREADS = 256         # eltwise.cu argmax_rows: a block per row
 COPY_THREADS = 256
 KVW_THREADS = 128            # kv.cu: kv_write_<fmt> (a block per row)
 ROT_THREADS = 128            # rotate.cu: a block per vector (rotate_vectors_1) up to ROT_ONE_MAX
@@ -146,6 +147,16 @@ def _eltwise(ex, name: str, a, b, out) -> None:
 
 def add(ex, a, b, out) -> None:
     _eltwise(ex, "add", a, b, out)
+
+
+def argmax_rows(ex, x, out) -> None:
+    """out int32 [n] = the index of each row's largest value in x (f32 [n, d], strided rows),
+    the first of equal ones; -1 for a row holding a NaN or an infinity (eltwise.cu)."""
+    n, d = x.shape
+    if out.shape != (n,) or out.dtype != np.int32 or d == 0:
+        raise ValueError(f"cuda argmax_rows: x {x.shape}, out {out.shape} {out.dtype}")
+    if n:
+        ex.function("eltwise.cu", "argmax_rows")((n,), (ARGMAX_THREADS,), (x, row_stride(x), _i32(d), out))
 
 
 def silu_gate(ex, gate, up, out) -> None:

@@ -9,6 +9,9 @@ matmul has two paths:
   n >  MV_MAX_TOKENS  `dequant_rows` into an f32 scratch, row chunks of at most
                       GEMM_CHUNK_ELEMENTS, each followed by ex.gemm (cuBLAS on a
                       GPU), then `add_bias`.
+gated_matmul (the FFN's down projection over [gate | up]) runs the gate inside the
+mat-vec's staging of x (`matvec` GATE_* variants) up to MV_MAX_TOKENS tokens; above,
+the gate kernel and the GEMM path.
 """
 from __future__ import annotations
 
@@ -19,9 +22,13 @@ import numpy as np
 
 from engine.gguf.qtypes import SUPPORTED, raw_blocks
 
+from . import elementwise
 from .elementwise import check_grid, row_stride
 
+GATES = {"silu": "GATE_SILU", "gelu_tanh": "GATE_GELU"}   # gated_matmul's activations: matmul.cu defines
+
 VARIANTS = [(file, (f"QTYPE_{q.name}",)) for file in ("matmul.cu", "dequant.cu") for q in SUPPORTED]
+VARIANTS += [("matmul.cu", (f"QTYPE_{q.name}", gate)) for q in SUPPORTED for gate in GATES.values()]
 
 PAD_BYTES = 16                 # after the last block: the kernels' aligned loads may read a few bytes past it
 MV_MAX_TOKENS = 8              # matmul.cu MV_MAX_TOKENS
@@ -143,14 +150,35 @@ def matmul(ex, w: CudaWeight, x, out, bias=None) -> None:
             grid, (BIAS_THREADS,), (out, row_stride(out), bias, _i32(rows)))
 
 
-def _matvec(ex, w: CudaWeight, x, out, bias) -> None:
+def gated_matmul(ex, w: CudaWeight, gate_up, out, act: str, scratch) -> None:
+    """out = act(gate) @ W.T * up's product: gate_up f32 [n, 2 * cols] ([gate | up] per
+    token), act "silu" or "gelu_tanh", out f32 [n, rows]; scratch f32 [n, cols], which
+    only the GEMM path (n > MV_MAX_TOKENS) writes (the activation)."""
+    rows, cols = w.shape
+    n = gate_up.shape[0]
+    if act not in GATES:
+        raise ValueError(f"cuda gated_matmul: unknown activation {act!r} ({', '.join(GATES)})")
+    if gate_up.shape != (n, 2 * cols) or out.shape != (n, rows):
+        raise ValueError(f"cuda gated_matmul: gate_up {gate_up.shape}, W {w.shape}, out {out.shape}")
+    if n == 0 or rows == 0:
+        return
+    if n <= MV_MAX_TOKENS:
+        _matvec(ex, w, gate_up, out, None, GATES[act])
+        return
+    gate = elementwise.silu_gate if act == "silu" else elementwise.gelu_gate
+    gate(ex, gate_up[:, :cols], gate_up[:, cols:], scratch)
+    matmul(ex, w, scratch, out)
+
+
+def _matvec(ex, w: CudaWeight, x, out, bias, gate: str | None = None) -> None:
+    """x f32 [n, cols], or with `gate` (a GATES define) [n, 2 * cols] of [gate | up]."""
     rows, cols = w.shape
     n = x.shape[0]
     warps = 8 if rows >= 4096 else 4                       # small matrices: more blocks for the SMs
     grid, block = (-(-rows // warps),), (warps * 32,)
     shared = n * 32 * MV_XS_SUB * 4                        # x of one warp step, every token
     has_bias = bias is not None
-    ex.function("matmul.cu", "matvec", (w.define,))(
+    ex.function("matmul.cu", "matvec", (w.define,) if gate is None else (w.define, gate))(
         grid, block, (w.raw, _i32(w.row_bytes), _i32(rows), _i32(cols),
                       x, row_stride(x), _i32(n),
                       bias if has_bias else _state(ex).no_bias, _i32(has_bias),

@@ -514,11 +514,31 @@ class VulkanBackend:
         self._eltwise("scale", x, None, out, s)
 
     def matmul(self, w: VulkanWeight, x, out, bias=None) -> None:
+        self._matmul(w, x, out, bias)
+
+    def gated_matmul(self, w: VulkanWeight, gate_up, out, act: str, scratch) -> None:
+        """The FFN's down projection over [gate | up] rows: one dispatch for a single token
+        (matmul.comp GATE_*), else the gate into `scratch`, then matmul."""
+        if act not in shaders.MATMUL_GATES:
+            raise ValueError(f"vulkan gated_matmul: unknown activation {act!r} ({', '.join(shaders.MATMUL_GATES)})")
+        gate_up = self._f32(gate_up, "gated_matmul")
+        cols = w.shape[1]
+        if gate_up.shape[0] == 1:
+            self._matmul(w, gate_up, out, None, act)
+            return
+        if gate_up.shape[1] != 2 * cols:
+            raise ValueError(f"vulkan gated_matmul: gate_up {gate_up.shape}, W {w.shape}")
+        (self.silu_gate if act == "silu" else self.gelu_gate)(gate_up[:, :cols], gate_up[:, cols:], scratch)
+        self._matmul(w, scratch, out, None)
+
+    def _matmul(self, w: VulkanWeight, x, out, bias=None, gate: str | None = None) -> None:
+        """matmul; with `gate` (gated_matmul's activation) x holds [gate | up] rows."""
         x, out = self._f32(x, "matmul"), self._f32(out, "matmul")
         rows, cols = w.shape
         n = x.shape[0]
-        if x.shape[1] != cols or out.shape != (n, rows):
+        if x.shape[1] != (cols if gate is None else 2 * cols) or out.shape != (n, rows):
             raise ValueError(f"vulkan matmul: x {x.shape}, W {w.shape}, out {out.shape}")
+        gated = () if gate is None else (shaders.MATMUL_GATES[gate],)
         if bias is None:
             b_buf, b_off, has_b = self._dummy, 0, 0
         else:
@@ -532,7 +552,8 @@ class VulkanBackend:
                 n_rows, cols, n, self.cpu_threads if self.matmul_cpu_layout else None)
             push = _u32(n_rows, cols, n, w.row_bytes, x.offset, x.row_stride, out.offset + r0, out.row_stride,
                         b_off + r0, has_b, lpr_log2)
-            self._dispatch("matmul", w.defines + defines, [buf, x.buffer, out.buffer, b_buf], grid, push, spec)
+            self._dispatch("matmul", w.defines + gated + defines, [buf, x.buffer, out.buffer, b_buf], grid, push,
+                           spec)
 
     def _rope_table(self, base: float, rot_dim: int, max_pos: int, factors=None) -> DeviceArray:
         """(cos, sin) f32 [cap, rot_dim/2, 2], computed in float64; grown on demand."""
@@ -750,6 +771,16 @@ class VulkanBackend:
 
     def add(self, a, b, out) -> None:
         self._eltwise("add", a, b, out)
+
+    def argmax_rows(self, x, out) -> None:
+        """out int32 [n] = the index of each row's largest value in x (f32 [n, d]), the
+        first of equal ones; -1 for a row holding a NaN or an infinity (argmax.comp)."""
+        x = self._f32(x, "argmax_rows")
+        n, d = x.shape
+        if not isinstance(out, DeviceArray) or out.shape != (n,) or out.dtype != np.int32 or d == 0:
+            raise ValueError(f"vulkan argmax_rows: x {x.shape}, out {getattr(out, 'shape', out)}")
+        if n:
+            self._dispatch("argmax", (), [x.buffer, out.buffer], (n, 1, 1), _u32(d, x.offset, x.row_stride, out.offset))
 
     def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float,
                      k_dtype: str = "bf16") -> np.ndarray:

@@ -36,6 +36,7 @@ BLOCK_MAJOR_ROWS = 256     # rows per group of block-major weights (quant.glsl):
                            # workgroup's rows (at most 256) are one or two contiguous runs
 PADDED_QTYPES = ("Q4_0", "Q4_1", "Q8_0")   # stored padded for 64-bit loads on CPU devices with
                                           # shaderInt64 (quant.glsl PADDED_BLOCKS; weights.py)
+MATMUL_GATES = {"silu": "GATE_SILU", "gelu_tanh": "GATE_GELU"}   # gated_matmul (one token): matmul.comp
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
 DECODE_SPLITS = 16         # spans of the context in split decode attention (attention.comp SPLIT)
 MAX_GROUP = 8              # query heads one attention workgroup serves (attention.comp GROUP)
@@ -98,7 +99,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     """Every (shader, defines) the backend can dispatch."""
     out = [("rms_norm", ()), ("rms_norm", ("ADD",)), ("rope", ()), ("kv_rotate", ()),
            ("kv_gather", ("PASS_GATHER",)), ("kv_gather", ("PASS_SCATTER",)), ("kv_copy_pages", ()),
-           ("copy_words", ()), ("copy_words", ("FILL",)), ("attention_combine", ())]
+           ("copy_words", ()), ("copy_words", ("FILL",)), ("attention_combine", ()), ("argmax", ())]
     layouts = list(dict.fromkeys(map(row_layout, KV_DTYPES)))
     for k in layouts:
         out += [("snapkv_votes", ("PASS_STATS",) + kv_defines(k)), ("snapkv_votes", ("PASS_VOTES",) + kv_defines(k))]
@@ -110,18 +111,20 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     for q in QTYPES:
         blocks = q not in ("F32", "F16", "BF16")           # block-major weights (CPU devices)
         out.append(("embedding", (f"QTYPE_{q}",)))
-        for tn in (1, MATMUL_TN):
-            out.append(("matmul", (f"QTYPE_{q}", f"TN={tn}u")))
-        for tn in (1, MATMUL_TN_CPU):
-            out.append(("matmul", (f"QTYPE_{q}", "ROW_PER_LANE", f"TN={tn}u")))
-            if blocks:
-                out.append(("matmul", (f"QTYPE_{q}", "BLOCK_MAJOR", "ROW_PER_LANE", f"TN={tn}u")))
+        for gate in ((),) + tuple((g,) for g in MATMUL_GATES.values()):   # gated: one token (TN=1)
+            for tn in (1, MATMUL_TN)[:1 if gate else 2]:
+                out.append(("matmul", (f"QTYPE_{q}",) + gate + (f"TN={tn}u",)))
+            for tn in (1, MATMUL_TN_CPU)[:1 if gate else 2]:
+                out.append(("matmul", (f"QTYPE_{q}",) + gate + ("ROW_PER_LANE", f"TN={tn}u")))
+                if blocks:
+                    out.append(("matmul", (f"QTYPE_{q}", "BLOCK_MAJOR") + gate + ("ROW_PER_LANE", f"TN={tn}u")))
+                if q in PADDED_QTYPES:
+                    padded = (f"QTYPE_{q}", "BLOCK_MAJOR", "PADDED_BLOCKS")
+                    out.append(("matmul", padded + gate + ("ROW_PER_LANE", f"TN={tn}u")))
         if blocks:
             out.append(("embedding", (f"QTYPE_{q}", "BLOCK_MAJOR")))
         if q in PADDED_QTYPES:
-            padded = (f"QTYPE_{q}", "BLOCK_MAJOR", "PADDED_BLOCKS")
-            out.append(("embedding", padded))
-            out += [("matmul", padded + ("ROW_PER_LANE", f"TN={tn}u")) for tn in (1, MATMUL_TN_CPU)]
+            out.append(("embedding", (f"QTYPE_{q}", "BLOCK_MAJOR", "PADDED_BLOCKS")))
     return out
 
 

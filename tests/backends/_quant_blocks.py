@@ -72,3 +72,25 @@ def check_matmul_output(got: np.ndarray, x: np.ndarray, W: np.ndarray, bias=None
     assert np.all(err <= tol), f"n={x.shape[0]}: max err/tol {np.max(err / tol):.3g}"
     assert np.sum(err ** 2) / max(np.sum(ref ** 2), 1e-30) <= 1e-9
     assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + rows:]))
+
+
+def gated_input(n: int, cols: int, seed: int = 0) -> np.ndarray:
+    """f32 [n, 2 * cols + 5]: each row's gate and up values (gated_matmul's input) at
+    columns 3 .. 3 + 2 * cols, gates spread over -8 .. 8 so both tails of the activations
+    are used."""
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((n, 2 * cols + 5)).astype(np.float32)
+    rows[:, 3:3 + cols] *= 3.0
+    rows[0, 3:8] = [-8.0, 8.0, 0.0, -0.5, 3.0]
+    return rows
+
+
+def gate_reference(gate_up: np.ndarray, act: str) -> np.ndarray:
+    """act(gate) * up in float64, rounded to f32: gate_up f32 [n, 2 * cols] -> [n, cols]."""
+    cols = gate_up.shape[1] // 2
+    g, up = gate_up[:, :cols].astype(np.float64), gate_up[:, cols:].astype(np.float64)
+    if act == "silu":
+        a = g / (1.0 + np.exp(-g))
+    else:
+        a = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+    return (a * up).astype(np.float32)

@@ -125,6 +125,26 @@ def test_a_new_cache_records_again_and_adaptive_budgets_run_fresh(backend, tiny)
     assert on.forward.replay.stats == {"recordings": 2, "replays": 2}
 
 
+def test_greedy_tokens_on_the_device(backend, tiny):
+    """decode_argmax (argmax_rows on the device: one int read back) gives the tokens of the
+    argmax of decode's logits, replayed or not; steps alternating between the two outputs
+    keep a recording each and record nothing more."""
+    on, off = pair(tiny["qwen2-q4_1"], backend, prefill_chunk=64)
+    runs = []
+    for m, device in ((on, True), (off, True), (off, False)):
+        cache, logits = m.prefill(PROMPT[:70])
+        token, seq = int(np.argmax(logits)), []
+        for i in range(8):
+            if device and i % 2 == 0:
+                token = m.forward.decode_argmax(token, cache)
+            else:
+                token = int(np.argmax(m.forward.decode(token, cache)))
+            seq.append(token)
+        runs.append(seq)
+    assert runs[0] == runs[1] == runs[2]
+    assert on.forward.replay.stats == {"recordings": 2, "replays": 6}
+
+
 def test_bad_token_is_refused_before_any_work(backend, tiny):
     on, _ = pair(tiny["llama-q8"], backend, prefill_chunk=64)
     cache, logits = on.prefill(PROMPT[:20])

@@ -295,6 +295,37 @@ def test_silu_gate(backend, n, f):
     assert nmse(got, want) < TOL_F32
 
 
+@pytest.mark.parametrize("d", [1000, 49152])
+def test_argmax_rows(backend, d):
+    """The optional argmax_rows (greedy decoding on the device) on a view of wider rows:
+    np.argmax's index, the first of equal maxima (ties between positions one thread or
+    lane walks, between threads, at the row's ends, a row all equal); -1 for a row holding
+    a NaN, +inf or -inf, the others unaffected."""
+    if not hasattr(backend, "argmax_rows"):
+        pytest.skip(f"{backend.name} has no argmax_rows (the engine takes the argmax of downloaded logits)")
+    rng = np.random.default_rng(d)
+    host = rng.standard_normal((9, d + 7)).astype(np.float32)
+    x = host[:, 4:4 + d]                                 # the view the op gets
+    x[0, [300, 17]] = 9.0                                # tie between threads: the first, 17
+    x[1, [3 + 256, 3]] = 9.0                             # tie within a thread's stride: 3
+    x[2, [d - 1, d - 2]] = 9.0                           # at the end: d - 2
+    x[3, 0] = 9.0                                        # the first element
+    x[4] = 0.5                                           # all equal: 0
+    x[5, d // 2] = -3e38                                 # finite extremes are values like others
+    x[6, d // 3] = np.nan
+    x[7, d - 1] = np.inf
+    x[8, 5] = -np.inf
+    want = [int(np.argmax(r)) for r in x[:6]] + [-1, -1, -1]
+    assert want[:5] == [17, 3, d - 2, 0, 0]
+    dev = backend.upload(host)
+    out = backend.alloc((9,), np.int32)
+    backend.argmax_rows(dev[:, 4:4 + d], out)
+    backend.synchronize()
+    assert backend.download(out).tolist() == want
+    with pytest.raises(ValueError):
+        backend.argmax_rows(dev[:, 4:4 + d], backend.alloc((8,), np.int32))
+
+
 @pytest.mark.parametrize("n,d", [(1, 576), (40, 1000)])
 def test_add(backend, n, d):
     rng = np.random.default_rng(d)

@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from _backends import available_backends, make_backend
-from _quant_blocks import (ALL, K_QUANTS, SCALE_OFFSETS, check_matmul_output, make_raw, nan_output,
-                           with_subnormal_scales)
+from _quant_blocks import (ALL, K_QUANTS, SCALE_OFFSETS, check_matmul_output, gate_reference, gated_input,
+                           make_raw, nan_output, with_subnormal_scales)
 
 pytestmark = pytest.mark.skipif("vulkan" not in available_backends(), reason="no Vulkan device / kp")
 
@@ -158,6 +158,40 @@ def test_matmul_both_layouts(vk, qtype, rows, cols):
             vk.matmul_cpu_layout = False
             with pytest.raises(ValueError, match="block-major weight"):
                 check_matmul(vk, w, W, x[:1])
+    finally:
+        vk.matmul_cpu_layout, vk.shader_int64 = layout
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F32], ids=lambda q: q.name)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_matmul(vk, qtype, act):
+    """gated_matmul (the FFN's down projection over [gate | up] rows) on each weight layout
+    of this device: one token in one dispatch, the activation applied as matmul.comp loads
+    its input; more tokens through the gate op into the scratch, then matmul; both against
+    the float64 reference and close to matmul over the gate op's output."""
+    rows, cols = 300, 512
+    raw = make_raw(qtype, rows, cols, seed=11)
+    W = np.asarray(dequantize(raw, qtype), np.float32).reshape(rows, cols)
+    host = gated_input(3, cols, seed=12)
+    layout = vk.matmul_cpu_layout, vk.shader_int64
+    try:
+        for vk.matmul_cpu_layout, vk.shader_int64 in weight_layouts(vk):
+            w = vk.load_weight(raw, qtype, (rows, cols))
+            for n in (1, 3):
+                gate_up = vk.upload(host[:n])[:, 3:3 + 2 * cols]
+                big, scratch = vk.upload(nan_output(n, rows)), vk.alloc((n, cols))
+                launches = vk.launches
+                vk.gated_matmul(w, gate_up, big[:, 2:2 + rows], act, scratch)
+                assert vk.launches - launches == (1 if n == 1 else 2)
+                got = vk.download(big)
+                check_matmul_output(got, gate_reference(host[:n, 3:3 + 2 * cols], act), W)
+                gate = vk.silu_gate if act == "silu" else vk.gelu_gate
+                gate(gate_up[:, :cols], gate_up[:, cols:], scratch)
+                apart = vk.alloc((n, rows))
+                vk.matmul(w, scratch, apart)
+                np.testing.assert_allclose(got[:, 2:2 + rows], vk.download(apart), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="unknown activation"):
+            vk.gated_matmul(w, gate_up, big[:, 2:2 + rows], "relu", scratch)
     finally:
         vk.matmul_cpu_layout, vk.shader_int64 = layout
 

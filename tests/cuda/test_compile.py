@@ -13,7 +13,8 @@ from backends.cuda import ALL_VARIANTS, nvrtc
 # report zero spill stores/loads for them, since a spill there is local-memory
 # traffic on every step. fnmatch patterns over the entry-function names in
 # kernels/*.cu; test_decode_path_patterns_match keeps the list in step with them.
-#   matvec            every projection and the LM head (matmul.cu, one variant per QTYPE)
+#   matvec            every projection and the LM head (matmul.cu, one variant per QTYPE; the
+#                     FFN's down projection with the gate in its GATE_* variants)
 #   attention_decode* flash-decoding split + combine (attention.cu)
 #   dequant*          the token's embedding row (dequant_rows, dequant.cu)
 #   add*              residual adds (add; add_rms_norm with the norm after it) and the qwen2
@@ -22,8 +23,9 @@ from backends.cuda import ALL_VARIANTS, nvrtc
 #   scale*, gelu*     Gemma's embedding scale and gated FFN (eltwise.cu)
 #   kv_write*         the token's K/V rows, bf16 or quantized (kv.cu)
 #   rotate_vectors*   tq KV rows: the query into the rotated basis (rotate.cu)
+#   argmax*           greedy decoding's token from the logits (argmax_rows, eltwise.cu)
 DECODE_PATH = ("matvec*", "attention_decode*", "rms_norm*", "rope*", "kv_write*", "add*", "scale*", "silu*",
-               "gelu*", "dequant*", "rotate_vectors*")
+               "gelu*", "dequant*", "rotate_vectors*", "argmax*")
 # and the kernels docs/cuda.md promises spill-free on every arch: prefill attention and the votes
 NO_SPILL = DECODE_PATH + ("attention_prefill*", "snapkv*")
 
@@ -31,12 +33,14 @@ VARIANTS = [(f, tuple(d)) for f, d in ALL_VARIANTS]
 
 
 def _archs(variant) -> tuple[int, ...]:
-    """Every arch, except for a pair of different KV row formats (20 of the 25 attention
-    and votes variants), compiled for sm_80 only to keep CI short: the per-format row
-    readers they combine are compiled for every arch in the same-format variants."""
+    """Every arch, except, to keep CI short, for a pair of different KV row formats (20 of
+    the 25 attention and votes variants) and the gated mat-vecs (GATE_*), compiled for
+    sm_80 only: the per-format row readers the pairs combine, and the mat-vec the gated
+    variants stage their input for, are compiled for every arch in the other variants."""
     kv = {d.split("=")[0]: d.split("=")[1] for d in variant[1] if d.startswith("KV_")}
     mixed = kv.get("KV_K", "KV_BF16") != kv.get("KV_V", "KV_BF16")
-    return (80,) if mixed else nvrtc.ARCHS
+    gated = any(d.startswith("GATE_") for d in variant[1])
+    return (80,) if mixed or gated else nvrtc.ARCHS
 
 
 PAIRS = [(v, a) for v in VARIANTS for a in _archs(v)]

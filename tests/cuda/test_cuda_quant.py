@@ -17,8 +17,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from _quant_blocks import ALL, K_QUANTS, check_matmul_output, make_raw, nan_output
-from backends.cuda import quant
+from _quant_blocks import ALL, K_QUANTS, check_matmul_output, gate_reference, gated_input, make_raw, nan_output
+from backends.cuda import elementwise, quant
 from engine.errors import UnsupportedError
 
 FLOATS = (Q.F32, Q.F16, Q.BF16)
@@ -65,6 +65,34 @@ def test_embedding_and_matmul(ex, qtype, rows, cols):
         check_matmul(ex, w, W, xbig[:n, 1:1 + cols], b)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F32], ids=lambda q: q.name)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_matmul(ex, qtype, act):
+    """gated_matmul (the FFN's down projection over [gate | up] rows): up to 8 tokens in one
+    launch, the activation applied as the mat-vec stages x; 9 through the gate kernel into
+    the scratch and the GEMM path; against the float64 reference and close to matmul over
+    the gate kernel's output. Inputs are column views, outputs go into a NaN-filled buffer."""
+    rows, cols = 70, 512
+    w, W = weight(ex, qtype, rows, cols, seed=13)
+    host = gated_input(9, cols, seed=14)
+    gate = elementwise.silu_gate if act == "silu" else elementwise.gelu_gate
+    for n in (1, 8, 9):
+        gate_up = ex.asarray(host[:n])[:, 3:3 + 2 * cols]
+        big, scratch = ex.asarray(nan_output(n, rows)), ex.zeros((n, cols), np.float32)
+        launches = ex.launches
+        quant.gated_matmul(ex, w, gate_up, big[:, 2:2 + rows], act, scratch)
+        if n <= quant.MV_MAX_TOKENS:
+            assert ex.launches - launches == 1
+        got = ex.to_host(big)
+        check_matmul_output(got, gate_reference(host[:n, 3:3 + 2 * cols], act), W)
+        gate(ex, gate_up[:, :cols], gate_up[:, cols:], scratch)
+        apart = ex.zeros((n, rows), np.float32)
+        quant.matmul(ex, w, scratch, apart)
+        np.testing.assert_allclose(got[:, 2:2 + rows], ex.to_host(apart), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown activation"):
+        quant.gated_matmul(ex, w, gate_up, big[:, 2:2 + rows], "relu", scratch)
+
+
 @pytest.mark.parametrize("qtype", FLOATS, ids=lambda q: q.name)
 def test_float_rows_end_mid_sub_block(ex, qtype):
     """cols % 32 != 0 (unaligned rows: the kernels' scalar, masked loads)."""
@@ -107,5 +135,9 @@ def test_unsupported_type_is_named(ex):
 
 
 def test_variants_cover_every_type():
-    assert {d for _, (d,) in quant.VARIANTS} == {f"QTYPE_{q.name}" for q in ALL}
-    assert {f for f, _ in quant.VARIANTS} == {"matmul.cu", "dequant.cu"}
+    types = {f"QTYPE_{q.name}" for q in ALL}
+    assert {(f, d[0]) for f, d in quant.VARIANTS if len(d) == 1} == {(f, t) for f in ("matmul.cu", "dequant.cu")
+                                                                     for t in types}
+    gated = {(d[0], d[1]) for f, d in quant.VARIANTS if len(d) == 2 and f == "matmul.cu"}
+    assert gated == {(t, g) for t in types for g in quant.GATES.values()}
+    assert all(len(d) <= 2 for _, d in quant.VARIANTS)

@@ -1,4 +1,5 @@
-// Shared by every kernel: types, warp/block reductions, bf16/f16 conversions.
+// Shared by every kernel: types, warp/block reductions, bf16/f16 conversions, the
+// feed-forward gate activations.
 // The same source compiles with NVRTC for GPUs and with g++ against the CPU
 // harness (backends/cuda/harness/cuda_cpu.h), which defines the CUDA built-ins.
 // No standard or CUDA headers: everything a kernel needs is here.
@@ -51,6 +52,18 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     __syncthreads();
     v = lane < n_warps ? red[lane] : NEG_INF;
     return warp_max(v);
+}
+
+// The feed-forward gates: silu(g) = g / (1 + exp(-g)); gelu_tanh(g) = 0.5 g (1 + tanh(u)),
+// u = sqrt(2/pi) (g + 0.044715 g^3), computed as the equal g / (1 + exp(-2u)): no 1 + tanh
+// cancellation for negative g, and finite for every finite g (|u| -> inf gives exp 0 or
+// inf, so g or -0, never inf - inf or 0 * inf). eltwise.cu and the gated mat-vec
+// (matmul.cu) share them, so fused and separate gates give the same values.
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+__device__ __forceinline__ float gelu_tanh(float g) {
+    const float u = 0.7978845608028654f * g * (1.0f + 0.044715f * g * g);
+    return g / (1.0f + expf(-2.0f * u));
 }
 
 // bf16 bits -> f32, exact.

@@ -4,9 +4,9 @@
 //   scale      out = x * s (out may alias x)
 //   silu_gate  out = silu(gate) * up
 //   gelu_gate  out = gelu_tanh(gate) * up (Gemma)
+//   argmax_rows (below: a block per row)
+// (silu and gelu_tanh: common.cuh)
 #include "common.cuh"
-
-#define SQRT_2_OVER_PI 0.7978845608028654f
 
 extern "C" __global__ void add(const float* a, int a_stride, const float* b, int b_stride,
                                float* out, int out_stride, int d) {
@@ -25,22 +25,54 @@ extern "C" __global__ void silu_gate(const float* __restrict__ gate, int g_strid
                                      int u_stride, float* __restrict__ out, int out_stride, int d) {
     const int i = blockIdx.y * blockDim.x + threadIdx.x;
     const long long t = blockIdx.x;
-    if (i < d) {
-        const float g = gate[t * g_stride + i];
-        out[t * out_stride + i] = g / (1.0f + expf(-g)) * up[t * u_stride + i];
-    }
+    if (i < d) out[t * out_stride + i] = silu(gate[t * g_stride + i]) * up[t * u_stride + i];
 }
 
-// gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), computed as the
-// equal g / (1 + exp(-2u)): no 1 + tanh cancellation for negative g, and finite for every
-// finite g (|u| -> inf gives exp 0 or inf, so g or -0, never inf - inf or 0 * inf).
 extern "C" __global__ void gelu_gate(const float* __restrict__ gate, int g_stride, const float* __restrict__ up,
                                      int u_stride, float* __restrict__ out, int out_stride, int d) {
     const int i = blockIdx.y * blockDim.x + threadIdx.x;
     const long long t = blockIdx.x;
-    if (i < d) {
-        const float g = gate[t * g_stride + i];
-        const float u = SQRT_2_OVER_PI * g * (1.0f + 0.044715f * g * g);
-        out[t * out_stride + i] = g / (1.0f + expf(-2.0f * u)) * up[t * u_stride + i];
+    if (i < d) out[t * out_stride + i] = gelu_tanh(gate[t * g_stride + i]) * up[t * u_stride + i];
+}
+
+// argmax_rows: out[t] = the index of row t's largest value, the first of equal ones, or -1
+// when the row holds a NaN or an infinity (the engine reports non-finite logits then), so
+// greedy decoding downloads one int a token instead of the vocabulary's logits.
+// Grid (n, 1, 1): rows on x; block ARGMAX_THREADS (a multiple of 32, at most 1024).
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int x_stride, int d, int* __restrict__ out) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    __shared__ int bad_any;
+    const float* row = x + (long long)blockIdx.x * x_stride;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    if (threadIdx.x == 0) bad_any = 0;
+    __syncthreads();
+    float bv = NEG_INF;
+    int bi = d, bad = 0;                               // bi = d: none yet (every value here is -inf)
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = row[i];
+        bad |= !(v - v == 0.0f);                       // NaN or +-inf
+        if (v > bv) { bv = v; bi = i; }                // strictly greater: this thread's first
+    }
+    if (bad) bad_any = 1;
+#pragma unroll
+    for (int o = WARP_SIZE / 2; o > 0; o >>= 1) {      // larger value, then smaller index
+        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) { best_v[warp] = bv; best_i[warp] = bi; }
+    __syncthreads();
+    if (warp == 0) {
+        const int n_warps = blockDim.x / WARP_SIZE;
+        bv = lane < n_warps ? best_v[lane] : NEG_INF;
+        bi = lane < n_warps ? best_i[lane] : d;
+#pragma unroll
+        for (int o = WARP_SIZE / 2; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) out[blockIdx.x] = bad_any || bi >= d ? -1 : bi;
     }
 }

@@ -13,12 +13,26 @@
 // memory n * 32 * MV_XS_SUB floats. x, out: strided rows; cols % 32 != 0 only for
 // float types (the tail is zero in both x and W).
 //
+// GATE_SILU / GATE_GELU variants (the FFN's down projection in one launch): x holds each
+// token's [gate | up] (2 * cols columns, x_stride apart) and the staged value of column
+// c is act(gate[c]) * up[c] (common.cuh), so the separate gate kernel and its output
+// buffer drop out of the step. Each block computes the activation of every column for
+// its own rows (warps of them): cheap beside reading the block's weights.
+//
 // add_bias: out[t, r] += bias[r], after the GEMM path. Grid (n, ceil(rows / 256), 1), block 256.
 #include "common.cuh"
 #include "quant.cuh"
 
 #define MV_MAX_TOKENS 8
 #define MV_XS_SUB 36                       // floats per staged sub-block (32 + 4 padding)
+
+#if defined(GATE_SILU)
+#define X_AT(row, col) (silu((row)[col]) * (row)[cols + (col)])
+#elif defined(GATE_GELU)
+#define X_AT(row, col) (gelu_tanh((row)[col]) * (row)[cols + (col)])
+#else
+#define X_AT(row, col) ((row)[col])
+#endif
 
 extern "C" __global__ void __launch_bounds__(256) matvec(
         const u8* __restrict__ W, int row_bytes, int rows, int cols,
@@ -43,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec(
         for (int i = threadIdx.x; i < n * 1024; i += blockDim.x) {
             const int t = i >> 10, c = i & 1023, col = s0 * 32 + c;
             xs[t * (32 * MV_XS_SUB) + (c >> 5) * MV_XS_SUB + (c & 31)] =
-                col < cols ? x[(long long)t * x_stride + col] : 0.0f;
+                col < cols ? X_AT(x + (long long)t * x_stride, col) : 0.0f;
         }
         __syncthreads();
         QRaw next;                         // the next step's, in flight during this step's math
