@@ -29,20 +29,55 @@ def _engine_case(model, ids, n_decode: int, snapkv=None, kv_dtype: str | None = 
     """snapkv: None = the model's policy, False = full cache; kv_dtype: None = the model's.
     peak_rss_mib: the process's peak so far (cases run in ascending length, at each length
     the evicting one first, so the peak of the longest yet)."""
-    from .model import peak_rss_mib
     cache = model.new_cache(kv_dtype=kv_dtype)
     t0 = time.perf_counter()
     cache, logits = model.prefill(ids, cache, snapkv=snapkv)
-    prefill_s = time.perf_counter() - t0
-    snap = cache.eviction
+    return _decode_case(model, cache, logits, len(ids), time.perf_counter() - t0, n_decode)
+
+
+def _shared_cases(model, ids, n_decode: int, kv_dtype: str | None) -> tuple[dict, dict]:
+    """(the SnapKV case, the full-cache case) of `--share-prefill`: one prefill with the
+    model's policy, the cache copied (KvCache.copy) just before SnapKV compacts it. The
+    full case's prefill time ends where the copy begins, the SnapKV case's leaves the
+    copy out; both caches are held at once, so peak RSS counts both."""
+    cache = model.new_cache(kv_dtype=kv_dtype)
+    held = {}
+
+    def keep_full(c, _q_window):
+        held["t"] = time.perf_counter()
+        held["full"] = c.copy()
+        held["copy_s"] = time.perf_counter() - held["t"]
+
+    t0 = time.perf_counter()
+    steps = model.forward.prefill_steps(np.asarray(ids, np.int32), cache, snapkv=model.snapkv,
+                                        before_evict=keep_full)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            logits = end.value
+            break
+    t1 = time.perf_counter()
+    if "full" not in held:
+        raise EngineError(f"--share-prefill: SnapKV did not compact the {len(ids)}-token prompt (its budget "
+                          f"keeps every row): run without --share-prefill")
+    snap = _decode_case(model, cache, logits, len(ids), t1 - t0 - held["copy_s"], n_decode)
+    full = _decode_case(model, held["full"], logits, len(ids), held["t"] - t0, n_decode)
+    return snap, full
+
+
+def _decode_case(model, cache, logits, n_prompt: int, prefill_s: float, n_decode: int) -> dict:
+    """A case's report: n_decode greedy tokens decoded after a prefill of n_prompt tokens
+    that took prefill_s and left `cache` and the last token's `logits`."""
+    from .model import peak_rss_mib
     token = int(np.argmax(logits))
     t0 = time.perf_counter()
     for _ in range(n_decode):
-        token = int(np.argmax(model.forward.decode(token, cache)))
+        token = model.forward.decode_argmax(token, cache)
     decode_s = time.perf_counter() - t0
-    return {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
+    return {"prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_decode / decode_s,
             "prefill_s": prefill_s, "kv_bytes": cache.bytes, "kv_rows": cache.length,
-            "kv_dtype": cache.kv_dtype, "snapkv": snap, "peak_rss_mib": peak_rss_mib()}
+            "kv_dtype": cache.kv_dtype, "snapkv": cache.eviction, "peak_rss_mib": peak_rss_mib()}
 
 
 def _llama_cpp_last_logits(llm) -> np.ndarray:
@@ -174,14 +209,20 @@ def run_bench(args, settings) -> int:
         _engine_case(model, warm, min(4, args.decode_tokens), kv_dtype=dtype)   # compile / warm once (and check the type)
     rows = []
     evicting = model.snapkv is not None
+    share = bool(getattr(args, "share_prefill", False))
+    if share and (not evicting or min(lengths) < model.snapkv.window or not model.snapkv.compacts(min(lengths))):
+        raise EngineError("--share-prefill needs --kv-budget and prompts SnapKV compacts (longer than its "
+                          "budget and window)")
     print(f"{'prompt':>7} {'KV':>5} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
           + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
           + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else ""))
     for i, (n, ids), dtype in ((i, c, t) for i, c in enumerate(zip(lengths, prompts)) for t in dtypes):
-        # the evicting case first: its peak RSS is then its own, not the full cache's
-        k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype) if evicting else None
-        row = {"prompt_tokens": n, "kv_dtype": dtype,
-               "engine": _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype)}
+        if share:
+            k, full = _shared_cases(model, ids, args.decode_tokens, dtype)
+        else:   # the evicting case first: its peak RSS is then its own, not the full cache's
+            k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype) if evicting else None
+            full = _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype)
+        row = {"prompt_tokens": n, "kv_dtype": dtype, "engine": full}
         e = row["engine"]
         line = (f"{n:>7} {dtype:>5} | {e['prefill_tok_s']:>10.1f} t/s {e['decode_tok_s']:>6.1f} t/s "
                 f"{e['kv_bytes'] / 2**20:>7.1f} |")
@@ -207,6 +248,7 @@ def run_bench(args, settings) -> int:
         "kv_dtypes": dtypes,
         "machine": platform.processor() or platform.machine(), "decode_tokens": args.decode_tokens,
         "settings": {k: v for k, v in vars(settings).items()}, "peak_rss_mib": peak_rss_mib(),
+        "share_prefill": share,
         "snapkv": model.snapkv.summary() if evicting else None,
         "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu,
         "llama_cpp_flash_attn": use_llama_cpp and flash_attn,

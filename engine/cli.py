@@ -336,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-cpp-cache-type", dest="llama_cache_type", default="f16",
                        help="llama.cpp's KV cache: f16 (default), q8_0, q4_0 or KEYS/VALUES such as q8_0/q4_0 "
                             "(a quantized V turns its flash attention on, which it needs)")
+    bench.add_argument("--share-prefill", dest="share_prefill", action="store_true",
+                       help="one prefill per length and KV type: the full-cache case decodes a copy of the "
+                            "cache taken just before SnapKV compacts it (half the prefill time; peak RSS "
+                            "then counts both caches); needs --kv-budget")
     bench.add_argument("--out", default="results", help="folder for the JSON report")
     _add_snapkv_args(bench)
     bench.set_defaults(func=cmd_bench)

@@ -106,6 +106,17 @@ def _gib(n: int) -> str:
 
 
 def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB: Linux's VmHWM (/proc/self/status), else
+    getrusage's ru_maxrss. On Linux ru_maxrss survives exec, so a program started from a
+    large process (llama.cpp's benchmark child of `engine bench`) would report the
+    parent's peak at the fork whenever its own is smaller; VmHWM belongs to the new image."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

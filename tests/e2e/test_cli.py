@@ -61,6 +61,28 @@ def test_bench_writes_json(tiny_llama, tmp_path):
     assert "decode steps:" not in r.stdout
 
 
+def test_bench_share_prefill(tiny_llama, tmp_path):
+    """--share-prefill: one prefill a case, the full cache a copy taken before SnapKV
+    compacts; both caches as in separate prefills, and prompts SnapKV would not compact
+    refused in one line before any work."""
+    r = cli("bench", str(tiny_llama), "--lengths", "100", "--decode-tokens", "3", "--no-llama-cpp",
+            "--out", str(tmp_path), "--kv-budget", "80", "--kv-window", "8", "--kv-min-tokens", "16",
+            "--kv-dtypes", "bf16,tq4", "--share-prefill")
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "bench-cpu.json").read_text())
+    assert report["share_prefill"] is True
+    for case in report["cases"]:
+        full, snap = case["engine"], case["engine_snapkv"]
+        assert (full["kv_rows"], snap["kv_rows"]) == (103, 83)
+        assert full["snapkv"] is None and snap["snapkv"]["rows_before"] == 100
+        assert full["kv_dtype"] == snap["kv_dtype"] == case["kv_dtype"]
+        assert 0 < full["prefill_s"] <= snap["prefill_s"] and full["decode_tok_s"] > 0
+    assert report["decode_steps"]["tokens"] == 2 * 3 + 2 * 2 * 3
+    r = cli("bench", str(tiny_llama), "--lengths", "40,100", "--no-llama-cpp", "--out", str(tmp_path),
+            "--kv-budget", "80", "--share-prefill")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: --share-prefill needs")
+
+
 def test_bench_reports_decode_replay_on_a_recording_backend(tiny_llama, tmp_path):
     """On Vulkan (lavapipe) decode replays recorded steps: each case's cache records once
     (the warm-up's too) and its other tokens replay, launching nothing; the report and the
