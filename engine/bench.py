@@ -51,12 +51,11 @@ def _shared_cases(model, ids, n_decode: int, kv_dtype: str | None) -> tuple[dict
     t0 = time.perf_counter()
     steps = model.forward.prefill_steps(np.asarray(ids, np.int32), cache, snapkv=model.snapkv,
                                         before_evict=keep_full)
-    while True:
-        try:
+    try:
+        while True:
             next(steps)
-        except StopIteration as end:
-            logits = end.value
-            break
+    except StopIteration as end:
+        logits = end.value
     t1 = time.perf_counter()
     if "full" not in held:
         raise EngineError(f"--share-prefill: SnapKV did not compact the {len(ids)}-token prompt (its budget "

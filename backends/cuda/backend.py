@@ -4,7 +4,7 @@ Weights are uploaded once as raw GGUF blocks and dequantized inside the
 kernels; the paged KV cache (bf16 or a quantized row format of
 backends/kvformat.py, quantized on write and read as stored), the SnapKV votes
 and the compaction stay on the device. Per decode token only the token id goes up (a kernel argument) and
-the logits come down. Kernels are launched on one stream with no host
+the logits (greedy decoding: the token id, argmax_rows) come down. Kernels are launched on one stream with no host
 synchronisation until a result is downloaded.
 
 The executor (runtime.py) decides where the kernels run: `device` (a GPU

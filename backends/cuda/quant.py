@@ -151,9 +151,9 @@ def matmul(ex, w: CudaWeight, x, out, bias=None) -> None:
 
 
 def gated_matmul(ex, w: CudaWeight, gate_up, out, act: str, scratch) -> None:
-    """out = act(gate) @ W.T * up's product: gate_up f32 [n, 2 * cols] ([gate | up] per
-    token), act "silu" or "gelu_tanh", out f32 [n, rows]; scratch f32 [n, cols], which
-    only the GEMM path (n > MV_MAX_TOKENS) writes (the activation)."""
+    """out = (act(gate) * up) @ W.T: gate_up f32 [n, 2 * cols] ([gate | up] per token), act
+    "silu" or "gelu_tanh", out f32 [n, rows]; scratch f32 [n, cols], which only the GEMM
+    path (n > MV_MAX_TOKENS) writes (the activation)."""
     rows, cols = w.shape
     n = gate_up.shape[0]
     if act not in GATES:

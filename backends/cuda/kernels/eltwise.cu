@@ -48,7 +48,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int x_stride
     if (threadIdx.x == 0) bad_any = 0;
     __syncthreads();
     float bv = NEG_INF;
-    int bi = d, bad = 0;                               // bi = d: none yet (every value here is -inf)
+    int bi = d, bad = 0;                               // bi = d: none yet (a thread that saw only -inf)
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const float v = row[i];
         bad |= !(v - v == 0.0f);                       // NaN or +-inf
