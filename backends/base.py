@@ -135,6 +135,10 @@ OPS = (
     "kv_copy_pages",      # branch a cache: copy whole pages between pools
 )
 
+# gated_matmul's activations -> the #define of its kernel variants (CUDA matmul.cu and
+# Vulkan matmul.comp both spell them so)
+GATE_DEFINES = {"silu": "GATE_SILU", "gelu_tanh": "GATE_GELU"}
+
 # Ops a backend may have (see the module docstring): the engine calls them when present.
 OPTIONAL_OPS = ("kv_write_heads", "attention_decode_heads", "add_rms_norm", "gated_matmul", "argmax_rows")
 

@@ -49,13 +49,7 @@ def _shared_cases(model, ids, n_decode: int, kv_dtype: str | None) -> tuple[dict
         held["copy_s"] = time.perf_counter() - held["t"]
 
     t0 = time.perf_counter()
-    steps = model.forward.prefill_steps(np.asarray(ids, np.int32), cache, snapkv=model.snapkv,
-                                        before_evict=keep_full)
-    try:
-        while True:
-            next(steps)
-    except StopIteration as end:
-        logits = end.value
+    logits = model.forward.prefill(ids, cache, snapkv=model.snapkv, before_evict=keep_full)
     t1 = time.perf_counter()
     if "full" not in held:
         raise EngineError(f"--share-prefill: SnapKV did not compact the {len(ids)}-token prompt (its budget "

@@ -211,7 +211,8 @@ class ForwardPass:
 
     # -- public steps -------------------------------------------------------------
     def prefill(self, ids, cache: KvCache, all_logits: bool = False, on_chunk=None,
-                snapkv: SnapKvConfig | None = None, compact_continued: bool = False) -> np.ndarray:
+                snapkv: SnapKvConfig | None = None, compact_continued: bool = False,
+                before_evict=None) -> np.ndarray:
         """Run prompt tokens through the model in chunks, appending to `cache`.
         Returns host f32 logits [vocab] of the last token, or [n, vocab] with all_logits.
         `on_chunk(done, total)` reports progress.
@@ -220,8 +221,9 @@ class ForwardPass:
         full-attention layer are captured (across chunk boundaries), scored against the
         cached keys, and those layers are compacted to their keep sets (sliding-window
         layers hold only their window already and are left as they are). A prompt
-        continued from an existing cache is compacted only with `compact_continued`."""
-        steps = self.prefill_steps(ids, cache, all_logits, snapkv, compact_continued)
+        continued from an existing cache is compacted only with `compact_continued`;
+        `before_evict` as in prefill_steps."""
+        steps = self.prefill_steps(ids, cache, all_logits, snapkv, compact_continued, before_evict=before_evict)
         while True:
             try:
                 done, total = next(steps)

@@ -109,6 +109,7 @@ class DecodeReplay:
         rows = values[row_slot(0, 0, n):].reshape(n_layers, n, 2)   # per layer and sequence: write row, rows attended
         rows[:, :, 0] = [[cache.layers[li].length for cache in caches] for li in range(n_layers)]
         rows[:, :, 1] = rows[:, :, 0] + 1
+        out = s.ids[:n] if argmax else s.logits[:n]
         kept = self._kept.get((n, argmax))
         if kept is not None and kept[0] == key:
             fp.backend.replay(kept[1], values)
@@ -122,13 +123,12 @@ class DecodeReplay:
             def run():
                 fp._forward(np.array(tokens, dtype=np.int32), [(c, 1) for c in caches], s, step=True)
                 fp._step_output(s, n, argmax)
-            out = s.ids[:n] if argmax else s.logits[:n]
             recording = fp.backend.record_step(values, run, max_position=fp.max_ctx, readback=out)
             counters["recordings"] += 1
             if recording is not None:        # None: the backend could not record the step whole
                 owners = [weakref.finalize(c, self.forget, n) for c in caches]
                 self._kept[(n, argmax)] = (key, recording, s, owners)
-        return s.ids[:n] if argmax else s.logits[:n]
+        return out
 
     def forget(self, n: int | None = None, argmax: bool | None = None) -> None:
         """Drop the recordings of batch size n (None: every size), with or without argmax

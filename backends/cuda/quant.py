@@ -22,13 +22,13 @@ import numpy as np
 
 from engine.gguf.qtypes import SUPPORTED, raw_blocks
 
+from ..base import GATE_DEFINES
+
 from . import elementwise
 from .elementwise import check_grid, row_stride
 
-GATES = {"silu": "GATE_SILU", "gelu_tanh": "GATE_GELU"}   # gated_matmul's activations: matmul.cu defines
-
 VARIANTS = [(file, (f"QTYPE_{q.name}",)) for file in ("matmul.cu", "dequant.cu") for q in SUPPORTED]
-VARIANTS += [("matmul.cu", (f"QTYPE_{q.name}", gate)) for q in SUPPORTED for gate in GATES.values()]
+VARIANTS += [("matmul.cu", (f"QTYPE_{q.name}", gate)) for q in SUPPORTED for gate in GATE_DEFINES.values()]
 
 PAD_BYTES = 16                 # after the last block: the kernels' aligned loads may read a few bytes past it
 MV_MAX_TOKENS = 8              # matmul.cu MV_MAX_TOKENS
@@ -156,14 +156,14 @@ def gated_matmul(ex, w: CudaWeight, gate_up, out, act: str, scratch) -> None:
     path (n > MV_MAX_TOKENS) writes (the activation)."""
     rows, cols = w.shape
     n = gate_up.shape[0]
-    if act not in GATES:
-        raise ValueError(f"cuda gated_matmul: unknown activation {act!r} ({', '.join(GATES)})")
+    if act not in GATE_DEFINES:
+        raise ValueError(f"cuda gated_matmul: unknown activation {act!r} ({', '.join(GATE_DEFINES)})")
     if gate_up.shape != (n, 2 * cols) or out.shape != (n, rows):
         raise ValueError(f"cuda gated_matmul: gate_up {gate_up.shape}, W {w.shape}, out {out.shape}")
     if n == 0 or rows == 0:
         return
     if n <= MV_MAX_TOKENS:
-        _matvec(ex, w, gate_up, out, None, GATES[act])
+        _matvec(ex, w, gate_up, out, None, GATE_DEFINES[act])
         return
     gate = elementwise.silu_gate if act == "silu" else elementwise.gelu_gate
     gate(ex, gate_up[:, :cols], gate_up[:, cols:], scratch)
@@ -171,7 +171,7 @@ def gated_matmul(ex, w: CudaWeight, gate_up, out, act: str, scratch) -> None:
 
 
 def _matvec(ex, w: CudaWeight, x, out, bias, gate: str | None = None) -> None:
-    """x f32 [n, cols], or with `gate` (a GATES define) [n, 2 * cols] of [gate | up]."""
+    """x f32 [n, cols], or with `gate` (a GATE_DEFINES define) [n, 2 * cols] of [gate | up]."""
     rows, cols = w.shape
     n = x.shape[0]
     warps = 8 if rows >= 4096 else 4                       # small matrices: more blocks for the SMs

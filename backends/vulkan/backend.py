@@ -46,7 +46,7 @@ import numpy as np
 from engine.errors import BackendUnavailable
 
 from . import shaders
-from ..base import check_kv_dtypes, rope_inv_freq, step_slot
+from ..base import GATE_DEFINES, check_kv_dtypes, rope_inv_freq, step_slot
 from ..kvformat import KV_DTYPES, KvFormat, is_rotated, rotation_kind
 from .arrays import PER_WORD, Buffer, DeviceArray, to_words
 from .device import (check_buffer, check_device, check_grid, list_devices, manager, max_buffer_bytes,
@@ -519,8 +519,8 @@ class VulkanBackend:
     def gated_matmul(self, w: VulkanWeight, gate_up, out, act: str, scratch) -> None:
         """The FFN's down projection over [gate | up] rows: one dispatch for a single token
         (matmul.comp GATE_*), else the gate into `scratch`, then matmul."""
-        if act not in shaders.MATMUL_GATES:
-            raise ValueError(f"vulkan gated_matmul: unknown activation {act!r} ({', '.join(shaders.MATMUL_GATES)})")
+        if act not in GATE_DEFINES:
+            raise ValueError(f"vulkan gated_matmul: unknown activation {act!r} ({', '.join(GATE_DEFINES)})")
         gate_up = self._f32(gate_up, "gated_matmul")
         cols = w.shape[1]
         if gate_up.shape[0] == 1:
@@ -538,7 +538,7 @@ class VulkanBackend:
         n = x.shape[0]
         if x.shape[1] != (cols if gate is None else 2 * cols) or out.shape != (n, rows):
             raise ValueError(f"vulkan matmul: x {x.shape}, W {w.shape}, out {out.shape}")
-        gated = () if gate is None else (shaders.MATMUL_GATES[gate],)
+        gated = () if gate is None else (GATE_DEFINES[gate],)
         if bias is None:
             b_buf, b_off, has_b = self._dummy, 0, 0
         else:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from engine.errors import BackendUnavailable
 
+from ..base import GATE_DEFINES
 from ..kvformat import KV_DTYPES, TQ_BITS, boundaries, codebook, row_layout
 
 SHADER_DIR = Path(__file__).resolve().parents[2] / "shaders"
@@ -36,7 +37,6 @@ BLOCK_MAJOR_ROWS = 256     # rows per group of block-major weights (quant.glsl):
                            # workgroup's rows (at most 256) are one or two contiguous runs
 PADDED_QTYPES = ("Q4_0", "Q4_1", "Q8_0")   # stored padded for 64-bit loads on CPU devices with
                                           # shaderInt64 (quant.glsl PADDED_BLOCKS; weights.py)
-MATMUL_GATES = {"silu": "GATE_SILU", "gelu_tanh": "GATE_GELU"}   # gated_matmul (one token): matmul.comp
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
 DECODE_SPLITS = 16         # spans of the context in split decode attention (attention.comp SPLIT)
 MAX_GROUP = 8              # query heads one attention workgroup serves (attention.comp GROUP)
@@ -111,7 +111,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     for q in QTYPES:
         blocks = q not in ("F32", "F16", "BF16")           # block-major weights (CPU devices)
         out.append(("embedding", (f"QTYPE_{q}",)))
-        for gate in ((),) + tuple((g,) for g in MATMUL_GATES.values()):   # gated: one token (TN=1)
+        for gate in ((),) + tuple((g,) for g in GATE_DEFINES.values()):   # gated_matmul: one token (TN=1)
             for tn in (1, MATMUL_TN)[:1 if gate else 2]:
                 out.append(("matmul", (f"QTYPE_{q}",) + gate + (f"TN={tn}u",)))
             for tn in (1, MATMUL_TN_CPU)[:1 if gate else 2]:

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from _quant_blocks import ALL, K_QUANTS, check_matmul_output, gate_reference, gated_input, make_raw, nan_output
+from backends.base import GATE_DEFINES
 from backends.cuda import elementwise, quant
 from engine.errors import UnsupportedError
 
@@ -139,5 +140,5 @@ def test_variants_cover_every_type():
     assert {(f, d[0]) for f, d in quant.VARIANTS if len(d) == 1} == {(f, t) for f in ("matmul.cu", "dequant.cu")
                                                                      for t in types}
     gated = {(d[0], d[1]) for f, d in quant.VARIANTS if len(d) == 2 and f == "matmul.cu"}
-    assert gated == {(t, g) for t in types for g in quant.GATES.values()}
+    assert gated == {(t, g) for t in types for g in GATE_DEFINES.values()}
     assert all(len(d) <= 2 for _, d in quant.VARIANTS)
