@@ -218,7 +218,8 @@ class Backend(Protocol):
         """out = gelu_tanh(gate) * up, all f32 [n, f];
         gelu_tanh(g) = 0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 * g^3)))."""
     def add(self, a, b, out) -> None:
-        """out = a + b (out may alias a)."""
+        """out = a + b, f32 [n, d] (out may alias a); b may be one row [1, d], added to
+        every row of a (a layer's key centre: ForwardPass._key_centre)."""
     def snapkv_votes(self, q_window, k_pages, page_table, n_rows: int, scale: float,
                      k_dtype: str = "bf16") -> np.ndarray:
         """SnapKV votes over the dequantized keys. q_window: f32 [n_q_heads, W, head_dim] (post-RoPE queries of the

@@ -26,6 +26,7 @@ from .kv.paged import KvCache, PagePool, layer_pages
 from .replay import DecodeReplay, step_ids, step_rows
 from .snapkv import SnapKvConfig, SnapKvSelector
 
+CENTRE_ROWS = 256   # keys whose mean centres a layer's quantized keys (ForwardPass._key_centre)
 HEAD_ROWS = 16      # prompt rows per output-projection call when every position's logits are
                     # wanted (on_logits): 16 MiB of f32 logits at Gemma 3's 262,144 tokens
 
@@ -485,6 +486,9 @@ class ForwardPass:
         dtypes = {"k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype}   # the pool's row formats
         if capture is not None and not window:
             capture(b, li, qkv[:, :q_end], kv.logical_length)
+        centre = self._key_centre(kv, qkv[:, q_end:k_end], cache.k_dtype, step is None)
+        if centre is not None:
+            b.add(qkv[:, q_end:k_end], centre, qkv[:, q_end:k_end])
         if kv.ragged:
             self._attend_heads(kv, qkv, attn, dtypes)
             kv.advance(n)
@@ -506,6 +510,24 @@ class ForwardPass:
             b.attention_prefill(qkv[:, :q_end], pages.k_pages, pages.v_pages, table,
                                 start_row, c.n_heads, self.scale, attn, window=window, **dtypes)
         kv.advance(n)                        # a sliding-window layer returns pages it no longer needs
+
+    def _key_centre(self, kv, k, k_dtype: str, may_read: bool):
+        """Quantized keys are stored less a centre of their layer, minus the mean of the
+        first CENTRE_ROWS keys the layer was given (per KV head and channel, after RoPE):
+        q . (k - mu) = q . k - q . mu shifts every score of a query by the same amount, so
+        no softmax changes (attention, SnapKV's votes) and merged rows' means stay means,
+        while the rows the quantizer sees lose the large offsets some channels carry
+        (Qwen2.5's keys: 4-bit rows answer no retrieval prompt uncentred, all centred:
+        docs/kv-formats.md). Set by the write into an empty layer that may read the keys
+        back (not a recorded step: those layers stay uncentred), kept until the layer is
+        empty again; bf16 keys are stored as they are. -> the device [1, kv_dim] row to
+        add to the keys, or None."""
+        if k_dtype == "bf16":
+            return None
+        if kv.logical_length == 0 and may_read:
+            first = self.backend.download(k[:CENTRE_ROWS]).astype(np.float64)
+            kv.key_centre = self.backend.upload(-first.mean(axis=0, keepdims=True).astype(np.float32))
+        return kv.key_centre
 
     def _attend_heads(self, kv, qkv, attn, dtypes: dict) -> None:
         """_attend's writes and attention for a layer with ragged heads (adaptive head

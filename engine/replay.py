@@ -19,7 +19,7 @@ launches one by one; Vulkan, the recorded command buffer submitted again); the
 ForwardPass downloads the logits. A recording is valid while every array it bound is
 the one the step would bind: each cache's page tables, pools and merged-row biases,
 in the batch's order, and the scratch (compared by identity; the recording holds
-them, so an identity cannot be reused while it lives) and the ForwardPass's weights
+them, so an identity cannot be reused while it lives; the layers' key centres too) and the ForwardPass's weights
 (fixed); tables change in place and row counts are values, so page growth,
 sliding-window rings and a SnapKV compaction replay the same recording. One
 recording is kept per batch size (a server alternates between a few) and output (the
@@ -101,7 +101,8 @@ class DecodeReplay:
             for kv in cache.layers:
                 kv.reserve(1)
         key = (id(s),) + tuple((id(cache),) + tuple((id(kv.page_table()), id(kv.pool.k_pages), id(kv.pool.v_pages),
-                                                     id(kv.bias())) for kv in cache.layers) for cache in caches)
+                                                     id(kv.bias()), id(kv.key_centre)) for kv in cache.layers)
+                                for cache in caches)
         n_layers = len(caches[0].layers)
         values = np.empty(row_slot(n_layers, 0, n), dtype=np.int32)
         values[TOKEN_SLOT:TOKEN_SLOT + n] = tokens

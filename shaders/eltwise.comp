@@ -1,6 +1,6 @@
 #version 450
 // Elementwise ops on [n, d] f32 views, one variant each:
-//   OP_ADD        a + b
+//   OP_ADD        a + b (b_stride 0: one row of B added to every row)
 //   OP_SILU_GATE  silu(a) * b
 //   OP_GELU_GATE  gelu_tanh(a) * b   (silu, gelu_tanh: common.glsl)
 //   OP_SCALE      a * s       (B is not read; s travels as its bits)

@@ -836,8 +836,10 @@ def _add_parallel(a, b, out):
 
 
 def add(a, b, out):
-    """out = a + b, f32 [n, d]; out may alias a."""
-    if a.shape[0] > 1 and a.size >= _PARALLEL_MIN:
+    """out = a + b, f32 [n, d]; out may alias a; b [1, d] is added to every row."""
+    if b.shape[0] != a.shape[0]:
+        np.add(a, b, out=out)
+    elif a.shape[0] > 1 and a.size >= _PARALLEL_MIN:
         _add_parallel(a, b, out)
     else:
         _add_serial(a, b, out)

@@ -135,17 +135,21 @@ def _eltwise_grid(op: str, n: int, d: int) -> tuple[int, int]:
 
 
 def _eltwise(ex, name: str, a, b, out) -> None:
+    """out = name(a, b) over f32 [n, d] views; b [1, d] (add only) serves every row."""
     n, d = a.shape
-    if b.shape != (n, d) or out.shape != (n, d):
+    one_row = name == "add" and b.shape == (1, d)
+    if (b.shape != (n, d) and not one_row) or out.shape != (n, d):
         raise ValueError(f"cuda {name}: shapes {a.shape}, {b.shape}, {out.shape}")
     if n == 0:
         return
     grid = _eltwise_grid(name, n, d)
     ex.function("eltwise.cu", name)(grid, (ELTWISE_THREADS,),
-                                    (a, row_stride(a), b, row_stride(b), out, row_stride(out), _i32(d)))
+                                    (a, row_stride(a), b, _i32(0) if one_row else row_stride(b), out,
+                                     row_stride(out), _i32(d)))
 
 
 def add(ex, a, b, out) -> None:
+    """out = a + b, f32 [n, d] (out may alias a); b [1, d] is added to every row."""
     _eltwise(ex, "add", a, b, out)
 
 

@@ -747,16 +747,18 @@ class VulkanBackend:
                         k_dtype, v_dtype, row_bias, self._slot(n_rows))
 
     def _eltwise(self, op: str, a, b, out, s: float = 0.0) -> None:
-        """out = op(a, b) (b None for "scale", which multiplies by s) over [n, d] views."""
+        """out = op(a, b) (b None for "scale", which multiplies by s) over [n, d] views;
+        b [1, d] (add only) serves every row."""
         a, out = self._f32(a, op), self._f32(out, op)
         n, d = a.shape
         if b is None:
             b_buf, b_off, b_stride = self._dummy, 0, 0
         else:
             b = self._f32(b, op)
-            if b.shape != (n, d):
+            one_row = op == "add" and b.shape == (1, d)
+            if b.shape != (n, d) and not one_row:
                 raise ValueError(f"vulkan {op}: shapes {a.shape}, {b.shape}, {out.shape}")
-            b_buf, b_off, b_stride = b.buffer, b.offset, b.row_stride
+            b_buf, b_off, b_stride = b.buffer, b.offset, 0 if one_row else b.row_stride
         if out.shape != (n, d):
             raise ValueError(f"vulkan {op}: shapes {a.shape}, {out.shape}")
         push = _u32(n, d, a.offset, a.row_stride, b_off, b_stride, out.offset, out.row_stride, _fbits(s))

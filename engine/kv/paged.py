@@ -223,6 +223,8 @@ class PagedKvCache:
         self._head_stale: set[int] = set()
         self._tables_stale = False
         self._free_slots: list[int] = []           # sub-pages of held pages no head uses
+        self.key_centre = None        # quantized keys: minus their centre, f32 [1, n_kv_heads*head_dim] on
+                                      # the device, set by the layer's first write (ForwardPass._key_centre)
 
     @property
     def first_row(self) -> int:
@@ -711,6 +713,7 @@ class KvCache:
             theirs.last_keep = mine.last_keep
             theirs.row_bias, theirs._bias_dev = mine.row_bias, mine._bias_dev   # read-only, shared
             theirs._head_bias_dev = mine._head_bias_dev
+            theirs.key_centre = mine.key_centre                                 # read-only, shared
             if mine.ragged:
                 theirs.take_heads(mine, remap)
         other.eviction, other.tail_queries = self.eviction, self.tail_queries      # (read-only, shared)

@@ -340,6 +340,22 @@ def test_add(backend, n, d):
     np.testing.assert_array_equal(backend.download(da), want)
 
 
+@pytest.mark.parametrize("n", [1, 40])
+def test_add_one_row_to_every_row(backend, n):
+    """b [1, d] is added to every row of a strided column view, in place: how a layer's
+    key centre reaches the keys of a fused QKV row (ForwardPass._key_centre)."""
+    rng = np.random.default_rng(n)
+    qkv = rng.standard_normal((n, 96)).astype(np.float32)
+    row = rng.standard_normal((1, 32)).astype(np.float32)
+    want = qkv.copy()
+    want[:, 48:80] = (qkv[:, 48:80].astype(np.float64) + row).astype(np.float32)
+    dev = backend.upload(qkv)
+    backend.add(dev[:, 48:80], backend.upload(row), dev[:, 48:80])
+    np.testing.assert_array_equal(backend.download(dev), want)
+    with pytest.raises(ValueError):
+        backend.add(dev[:, 48:80], backend.upload(np.zeros((2, 32), np.float32)), dev[:, 48:80])
+
+
 # -- rope ------------------------------------------------------------------------
 def test_rope_reference_modes_by_hand():
     """Adjacent pairs (0,1),(2,3) vs NEOX pairs (0,2),(1,3) on head_dim 4, base 100."""

@@ -1,6 +1,6 @@
 // Elementwise ops over strided f32 rows, grid (n, ceil(d / blockDim.x), 1): tokens on x,
 // whose limit is 2^31 - 1 (y and z stop at 65535):
-//   add        out = a + b (out may alias a)
+//   add        out = a + b (out may alias a; b_stride 0: one row of b added to every row)
 //   scale      out = x * s (out may alias x)
 //   silu_gate  out = silu(gate) * up
 //   gelu_gate  out = gelu_tanh(gate) * up (Gemma)
