@@ -386,21 +386,39 @@ class ForwardPass:
                 "host_us_per_token": c["host_s"] * 1e6 / n if n else None,
                 "recordings": c["recordings"], "replays": c["replays"]}
 
-    def decode_batch(self, tokens, caches: list[KvCache]) -> np.ndarray:
+    def decode_batch(self, tokens, caches: list[KvCache], argmax: bool = False) -> np.ndarray:
         """One decode step of several sequences at once: token i at position
-        caches[i].logical_length -> host f32 logits [n, vocab]. The weights run once
-        over all n rows; attention runs over each cache's own pages (caches may differ
-        in length, compaction and row format)."""
+        caches[i].logical_length -> host f32 logits [n, vocab], or with `argmax` each
+        row's argmax (the first of equal maxima), int64 [n]: a batch of greedy sequences,
+        for which a backend with argmax_rows sends back n ids instead of n rows of logits.
+        The weights run once over all n rows; attention runs over each cache's own pages
+        (caches may differ in length, compaction and row format)."""
+        n = len(caches)
+        self._check_batch(tokens, caches)
+        if n == 1:
+            if argmax:
+                return np.array([self.decode_argmax(int(tokens[0]), caches[0])])
+            return self.decode(int(tokens[0]), caches[0])[None]
+        if not argmax or not hasattr(self.backend, "argmax_rows"):
+            logits = finite(self.backend.download(self._decode_step(tokens, caches, self._batch(n))))
+            return np.argmax(logits, axis=1) if argmax else logits
+        best = self.backend.download(self._decode_step(tokens, caches, self._batch(n), True)).astype(np.int64)
+        if (best < 0).any():
+            raise EngineError(NON_FINITE)
+        return best
+
+    def _check_batch(self, tokens, caches: list) -> None:
         n = len(caches)
         if n != len(tokens) or n == 0:
             raise ValueError(f"decode_batch: {len(tokens)} tokens for {n} caches")
         if len({id(c) for c in caches}) != n:
             raise ValueError("decode_batch: a cache appears twice")
-        if n == 1:
-            return self.decode(int(tokens[0]), caches[0])[None]
+
+    def _batch(self, n: int) -> Scratch:
+        """The scratch of batched decode steps, grown to n rows (at least 8)."""
         if self._batch_scratch is None or self._batch_scratch.n < n:
             self._batch_scratch = Scratch(self.backend, self.cfg, max(n, 8), logits_rows=max(n, 8))
-        return finite(self.backend.download(self._decode_step(tokens, caches, self._batch_scratch)))
+        return self._batch_scratch
 
     # -- the layer graph ------------------------------------------------------------
     def _forward(self, ids: np.ndarray, spans: list, s: Scratch, capture=None, step: bool = False) -> None:

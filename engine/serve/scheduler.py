@@ -12,7 +12,9 @@ compute. Each worker iteration is one *step*:
   3. one decode step of every request past its prompt, batched: one forward pass
      over all their tokens (`ForwardPass.decode_batch`: each weight runs once over
      the batch, attention over each request's own pages, whatever its eviction
-     budget and row format).
+     budget and row format); when every request in it decodes greedily with nothing
+     else reading its logits, their argmax on the device and only the ids back
+     (`ForwardPass.decode_batch(..., argmax=True)`).
 
 Memory: the caches of all requests take pages from one shared PagePool per KV row
 format (`pool_tokens` positions' worth of pages; by default `max_running` whole
@@ -459,14 +461,20 @@ class Scheduler:
                 tokens.append(token)
         if not live:
             return
+        caches = [h.sequence.cache for h in live]
+        greedy = all(h.sequence.greedy for h in live)   # then only the ids come back from the device
         try:
-            logits = self.model.forward.decode_batch(tokens, [h.sequence.cache for h in live])
+            out = self.model.forward.decode_batch(tokens, caches, argmax=True) if greedy else \
+                self.model.forward.decode_batch(tokens, caches)
         except Exception as e:
             for h in live:
                 self._fail(h, e)
             return
-        for h, row in zip(live, logits):
-            h.sequence.feed(row)
+        for h, row in zip(live, out):
+            if greedy:
+                h.sequence.feed_best(row)
+            else:
+                h.sequence.feed(row)
 
     def _guarded(self, h: Handle, step) -> None:
         """Run one step of one request; its failure fails it alone."""

@@ -83,6 +83,7 @@ class Sequence:
         self.state = "new"
         self.cache = None                       # KvCache, from prefill until release()
         self.logits: np.ndarray | None = None   # f32 [vocab]: the distribution of the next token
+        self._best: int | None = None           # or, fed instead of logits (feed_best), its argmax
         self.tokens: list[int] = []             # generated ids (end-of-turn excluded)
         self.kv_bytes_full = 0                  # KV bytes after prefill, before eviction
         self.kv_bytes = 0                       # KV bytes after eviction
@@ -225,7 +226,10 @@ class Sequence:
         p, grammar = self.job.params, self.job.constraint
         if len(self.tokens) >= p.max_tokens:    # max_tokens 0: the prompt alone (echo)
             return self._finish("length")
-        token = self._sampler(self.logits if grammar is None else grammar.apply(self.logits))
+        if self.logits is None:                 # a greedy step's argmax (feed_best)
+            token = self._best
+        else:
+            token = self._sampler(self.logits if grammar is None else grammar.apply(self.logits))
         if token in self._eot and (grammar is not None or not p.ignore_eos):   # (a grammar allows it
             return self._finish("stop")                                       # once complete)
         if grammar is not None:
@@ -249,6 +253,17 @@ class Sequence:
     def feed(self, logits: np.ndarray) -> None:
         """The model's logits f32 [vocab] after the token `next_token` returned."""
         self.logits = logits
+
+    @property
+    def greedy(self) -> bool:
+        """Its next token is its logits' argmax and nothing else reads the logits (no
+        temperature, bias, penalty, grammar or logprobs): a step may feed_best it."""
+        return self._sampler.greedy and self.job.constraint is None and self.job.logprobs is None
+
+    def feed_best(self, token: int) -> None:
+        """The argmax of the logits after the token `next_token` returned, in place of
+        the logits (a greedy sequence: ForwardPass.decode_batch with argmax)."""
+        self.logits, self._best = None, int(token)
 
     # -- end ----------------------------------------------------------------------------------
     def _finish(self, reason: str, flush: bool = True) -> None:

@@ -121,7 +121,8 @@ def check_adaptive(cpu, dev, ids, budget, window, n_tokens):
 def check_decode_batch(cpu, dev, prompts, n_steps=3, tol=1e-5):
     """Batched decode on the device over caches of different lengths (the first
     compacted by SnapKV) equals the device decoding each sequence alone (within `tol`
-    NMSE, same argmax), and the uncompacted ones stay near the CPU backend's logits.
+    NMSE, same argmax; a last step with argmax=True, the same ids), and the uncompacted
+    ones stay near the CPU backend's logits.
     (A compacted cache is compared with the device's own: the CPU may keep a near-tie
     row instead, see check_snapkv.)"""
     snap = SnapKvConfig(budget=32, window=8, min_tokens=32)
@@ -144,3 +145,6 @@ def check_decode_batch(cpu, dev, prompts, n_steps=3, tol=1e-5):
             if i > 0:
                 assert nmse(row, cpu.forward.decode(ref[i][1], ref[i][0])) < max(tol, 1e-4)
             got[i][1] = alone[i][1] = ref[i][1] = int(np.argmax(expect))
+    # a greedy batch's step: each row's argmax (argmax_rows on the device where it has it)
+    best = dev.forward.decode_batch([t for _, t in got], [c for c, _ in got], argmax=True)
+    assert best.tolist() == [int(np.argmax(dev.forward.decode(t, c))) for c, t in alone]

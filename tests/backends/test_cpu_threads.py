@@ -23,9 +23,9 @@ model = engine.load(sys.argv[1], backend="cpu", threads=1, snapkv_budget=0)
 blas = sorted({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
 seen, done = [], threading.Event()
 real = model.forward.decode_batch
-def decode_batch(tokens, caches):
+def decode_batch(tokens, caches, **kw):
     seen.append(numba.get_num_threads())
-    return real(tokens, caches)
+    return real(tokens, caches, **kw)
 model.forward.decode_batch = decode_batch
 def emit(event):
     if isinstance(event, Finished):

@@ -145,6 +145,32 @@ def test_greedy_tokens_on_the_device(backend, tiny):
     assert on.forward.replay.stats == {"recordings": 2, "replays": 6}
 
 
+def test_greedy_batches_on_the_device(backend, tiny):
+    """decode_batch(argmax=True) (a server's all-greedy step: n ids read back) gives the
+    argmax of each row of decode_batch's logits, replayed or not, steps alternating
+    between the two outputs over caches of different lengths and key formats."""
+    on, off = pair(tiny["llama-q4_k-gqa4"], backend, prefill_chunk=64)
+    runs = []
+    for m, device in ((on, True), (off, True), (off, False)):
+        caches, tokens = [], []
+        for ids, dt in ((PROMPT[:70], "bf16"), (PROMPT[3:20], "q8_0"), (PROMPT[9:50], "rq4_0")):
+            cache, logits = m.prefill(ids, kv_dtype=dt)
+            caches.append(cache)
+            tokens.append(int(np.argmax(logits)))
+        seq = []
+        for i in range(6):
+            if device and i % 2 == 0:
+                best = m.forward.decode_batch(tokens, caches, argmax=True)
+                assert best.shape == (3,) and best.dtype == np.int64
+            else:
+                best = np.argmax(m.forward.decode_batch(tokens, caches), axis=1)
+            tokens = [int(t) for t in best]
+            seq.append(tokens)
+        runs.append(seq)
+    assert runs[0] == runs[1] == runs[2]
+    assert on.forward.replay.stats == {"recordings": 2, "replays": 4}
+
+
 def test_bad_token_is_refused_before_any_work(backend, tiny):
     on, _ = pair(tiny["llama-q8"], backend, prefill_chunk=64)
     cache, logits = on.prefill(PROMPT[:20])

@@ -114,9 +114,9 @@ def held_worker(model):
     gate = threading.Event()
     real = model.forward.decode_batch
 
-    def decode_batch(tokens, caches):
+    def decode_batch(tokens, caches, **kw):
         gate.wait(HOLD_S)
-        return real(tokens, caches)
+        return real(tokens, caches, **kw)
 
     model.forward.decode_batch = decode_batch
     try:
@@ -585,10 +585,13 @@ def test_queue_full_gives_503_and_a_queued_client_can_leave(served):
     assert served.get("/state")["rejected"] >= 1
 
 
-def test_scheduler_batches_running_requests(tiny_llama):
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_scheduler_batches_running_requests(tiny_llama, logprobs):
     """Three requests with different prompts, eviction budgets and KV row formats run
     together: prefill chunks interleave with decode steps, the decode steps are batched,
-    and each answer equals generate's for the same request alone."""
+    and each answer equals generate's for the same request alone. The requests decode
+    greedily, so the batched steps send back argmax ids, not logits, unless a request in
+    the step reads its logits (the third, asking for logprobs)."""
     from engine.generate import SamplingParams
     from engine.serve.scheduler import Scheduler
     from engine.serve.sequence import Delta, Finished, Job
@@ -601,9 +604,9 @@ def test_scheduler_batches_running_requests(tiny_llama):
     batches = []
     real = model.forward.decode_batch
 
-    def decode_batch(tokens, caches):
-        batches.append(len(caches))
-        return real(tokens, caches)
+    def decode_batch(tokens, caches, **kw):
+        batches.append((len(caches), kw.get("argmax", False)))
+        return real(tokens, caches, **kw)
 
     model.forward.decode_batch = decode_batch
     sched = Scheduler(model, max_queue=0, max_running=3)
@@ -618,14 +621,21 @@ def test_scheduler_batches_running_requests(tiny_llama):
         return emit
 
     for i, (ids, snap, dt) in enumerate(reqs):
-        sched.submit(Job(ids, SamplingParams(max_tokens=6, ignore_eos=True), snap, dt), emit_for(i))
+        sched.submit(Job(ids, SamplingParams(max_tokens=6, ignore_eos=True), snap, dt,
+                         logprobs=logprobs if i == 2 else None), emit_for(i))
     sched.start()
     try:
         assert all(finished.acquire(timeout=WAIT_S) for _ in reqs)
     finally:
         sched.stop()
     assert texts == want
-    assert max(batches) == 3 and batches[0] < 3          # decode started before the last prompt ran
+    sizes = [n for n, _ in batches]
+    assert max(sizes) == 3 and sizes[0] < 3              # decode started before the last prompt ran
+    assert any(argmax for _, argmax in batches)          # (the first two decode without the third at first)
+    if logprobs is None:
+        assert all(argmax for _, argmax in batches)
+    else:
+        assert not any(argmax for n, argmax in batches if n == 3)
     s = sched.state()
     assert s["kv_bytes_held"] == 0 and s["completed"] == 3
     assert set(s["kv_pools"]) == {"bf16", "tq4"} and all(p["pages_used"] == 0 for p in s["kv_pools"].values())
@@ -660,9 +670,9 @@ def test_pages_run_short_preempt_the_newest_request_and_refuse_what_never_fits(t
     steps = []
     real = model.forward.decode_batch
 
-    def decode_batch(tokens, caches):
+    def decode_batch(tokens, caches, **kw):
         steps.append((len(caches), sched.state()["kv_pools"]["bf16"]["pages_used"]))
-        return real(tokens, caches)
+        return real(tokens, caches, **kw)
 
     model.forward.decode_batch = decode_batch
 
@@ -699,7 +709,7 @@ def test_an_engine_error_fails_one_request_not_the_server(served):
     c = served.client()
     kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hello", max_tokens=4, temperature=0)
 
-    def broken(tokens, caches):
+    def broken(tokens, caches, **kw):
         raise RuntimeError("injected failure")
 
     served.model.forward.decode_batch = broken

@@ -73,9 +73,9 @@ def harness_server(tiny_llama, monkeypatch, **kw):
     model = engine.load(tiny_llama, backend="cuda", snapkv_budget=0)
     gate, real = threading.Event(), model.forward.decode_batch
 
-    def decode_batch(tokens, caches):
+    def decode_batch(tokens, caches, **kw):
         gate.wait(WAIT_S)
-        return real(tokens, caches)
+        return real(tokens, caches, **kw)
 
     model.forward.decode_batch = decode_batch
     app = build_app(model, **kw)

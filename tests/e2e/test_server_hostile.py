@@ -262,7 +262,7 @@ def test_a_request_past_its_timeout_is_ended(tiny_llama):
     with served(tiny_llama, limits=Limits(request_timeout=0.5)) as s:
         model = s.model
         gate, real = threading.Event(), model.forward.decode_batch
-        model.forward.decode_batch = lambda tokens, caches: gate.wait(WAIT_S) and real(tokens, caches)
+        model.forward.decode_batch = lambda tokens, caches, **kw: gate.wait(WAIT_S) and real(tokens, caches, **kw)
         try:
             status, answer = request(s.url, "/v1/completions", BODY)
             assert status == 504 and answer["error"]["code"] == "request_timeout"
@@ -336,9 +336,9 @@ def init(self, *a, **k):
     time.sleep(float({load_s!r}))
     real_init(self, *a, **k)
 
-def decode_batch(self, tokens, caches):
+def decode_batch(self, tokens, caches, **kw):
     time.sleep(0.05)
-    return real_decode(self, tokens, caches)
+    return real_decode(self, tokens, caches, **kw)
 
 model.Model.__init__ = init
 forward.ForwardPass.decode_batch = decode_batch

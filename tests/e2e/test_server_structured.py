@@ -156,9 +156,9 @@ def test_constrained_and_free_batched_together(smollm2):
     sizes = []
     real = model.forward.decode_batch
 
-    def decode_batch(tokens, caches):
+    def decode_batch(tokens, caches, **kw):
         sizes.append(len(tokens))
-        return real(tokens, caches)
+        return real(tokens, caches, **kw)
 
     model.forward.decode_batch = decode_batch
     try:
