@@ -1,7 +1,7 @@
 """How much each KV row format disturbs attention, on the real keys and values of a model.
 
     .venv/bin/python tools/kv_quant_study.py [MODEL] [--tokens 2048] [--window 64] [--seed 0]
-        [--json FILE]
+        [--shift 0] [--json FILE]
 
 Prefills one needle prompt (the eval's `niah` task) with a bf16 cache, captures the
 post-RoPE queries of its last `--window` positions, and for every full-attention layer
@@ -20,7 +20,13 @@ leaves open: is the QJL residual worth its bits on this model? And one more idea
 `+center` stores keys minus their mean over the prompt (per layer and KV head), which
 leaves every softmax unchanged (q . mu is the same for every key) and shrinks the rows
 the quantizer sees; `+center256` uses the mean of the first 256 keys only, which is
-what a cache written chunk by chunk could know when it starts writing. Not a test: numbers to stdout (and --json FILE).
+what a cache written chunk by chunk could know when it starts writing (the engine stores
+quantized keys that way since 2026-12-05). `--shift N` moves the prompt N positions later:
+queries and keys turned by RoPE through N more positions (no score changes), while
+`+center256` keeps the mean of the first 256 keys at positions 0..255, as a cache whose
+first rows were written there would hold it, so the rows the quantizer sees are those at
+the end of an (N + tokens)-token prompt (exact for models without RoPE frequency factors).
+Not a test: numbers to stdout (and --json FILE).
 """
 from __future__ import annotations
 
@@ -68,7 +74,22 @@ def qjl_scores(q: np.ndarray, k: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
     return q @ k_hat.T + math.sqrt(math.pi / 2) / d * (q @ s.T) @ (signs * norm[:, None]).T
 
 
-def study(model_name: str, tokens: int, window: int, seed: int) -> dict:
+def rope_shift(x: np.ndarray, shift: int, cfg, layer: int) -> np.ndarray:
+    """x [..., head_dim] post-RoPE rows turned through `shift` more positions."""
+    half = cfg.rot_dim // 2
+    angle = shift * cfg.layer_rope_base(layer) ** (-2.0 * np.arange(half) / cfg.rot_dim)
+    cos, sin = np.cos(angle), np.sin(angle)
+    if cfg.arch.rope_neox:
+        i0, i1 = np.arange(half), np.arange(half) + half
+    else:
+        i0, i1 = 2 * np.arange(half), 2 * np.arange(half) + 1
+    y = x.astype(np.float64)
+    x0, x1 = y[..., i0].copy(), y[..., i1].copy()
+    y[..., i0], y[..., i1] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    return y.astype(np.float32)
+
+
+def study(model_name: str, tokens: int, window: int, seed: int, shift: int = 0) -> dict:
     import engine
     from engine.eval import tasks as T
     from engine.forward import WindowCapture
@@ -77,6 +98,8 @@ def study(model_name: str, tokens: int, window: int, seed: int) -> dict:
     sample = T.make_sample("niah", m.tokenizer, tokens, 50.0, seed, 0)
     ids = sample.ids
     cfg = m.config
+    if shift and cfg.rope_freq_factors is not None:
+        raise SystemExit("--shift: this model's RoPE has frequency factors; the shift is not implemented for them")
     cache = m.new_cache(kv_dtype="bf16")
     cap = WindowCapture(cfg, window, len(ids) - window)
     m.forward.window_capture = cap
@@ -90,9 +113,12 @@ def study(model_name: str, tokens: int, window: int, seed: int) -> dict:
                 "tq4+center", "tq3+center", "q4_0+center256", "rq4_0+center256", "tq4+center256"]
     acc = {v: {"key_kl": [], "out_err": []} for v in variants}
     for layer in cache.full_layers:
-        k, v = cached_rows(cache, layer, len(ids))
+        k_first, v = cached_rows(cache, layer, len(ids))
+        k = rope_shift(k_first, shift, cfg, layer) if shift else k_first
         for h in range(cfg.n_kv_heads):
             q = cap.q[layer, h * group:(h + 1) * group].reshape(-1, d)              # [group*W, d]
+            if shift:
+                q = rope_shift(q, shift, cfg, layer)
             p = softmax(q @ k[h].T * scale)
             o = p @ v[h]
             for name in variants:
@@ -101,7 +127,7 @@ def study(model_name: str, tokens: int, window: int, seed: int) -> dict:
                 if name.endswith("+center"):
                     mu = k[h].mean(axis=0)
                 elif name.endswith("+center256"):
-                    mu = k[h][:256].mean(axis=0)
+                    mu = k_first[h][:256].mean(axis=0)          # written at positions 0..255
                 k_hat = fmt.dequantize(fmt.quantize(k[h] - mu))
                 v_hat = fmt.dequantize(fmt.quantize(v[h]))
                 s_hat = qjl_scores(q, k[h], k_hat) if name.endswith("+qjl") else q @ k_hat.T
@@ -112,7 +138,7 @@ def study(model_name: str, tokens: int, window: int, seed: int) -> dict:
                 acc[name]["out_err"].append(float(np.linalg.norm(o - o_hat) / np.linalg.norm(o)))
     qjl_bytes = d // 8 + 2                                       # sign bits + f16 |r|
     out = {"model": Path(m.path).name if hasattr(m, "path") else model_name, "tokens": len(ids),
-           "window": window, "head_dim": d, "variants": {}}
+           "window": window, "head_dim": d, "shift": shift, "variants": {}}
     for name in variants:
         fmt = KvFormat.get(name.split("+")[0], d)
         key_bytes = fmt.row_bytes + (qjl_bytes if name.endswith("+qjl") else 0)   # (+center: one f32
@@ -130,10 +156,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shift", type=int, default=0,
+                    help="positions the prompt is moved later (queries and keys turned by RoPE; +center256 "
+                         "keeps the mean of the keys at positions 0..255)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    res = study(a.model, a.tokens, a.window, a.seed)
-    print(f"{res['model']}: {res['tokens']} tokens, {res['window']} window queries, head_dim {res['head_dim']}")
+    res = study(a.model, a.tokens, a.window, a.seed, a.shift)
+    print(f"{res['model']}: {res['tokens']} tokens at positions {res['shift']}.., {res['window']} window queries, "
+          f"head_dim {res['head_dim']}")
     print(f"{'keys':<10} {'bits/value':>10} {'key KL (mean)':>14} {'key KL (max)':>13} {'out err':>8}")
     for name, r in res["variants"].items():
         print(f"{name:<10} {r['key_bits']:>10.2f} {r['key_kl']:>14.5f} {r['key_kl_max']:>13.5f} {r['out_err']:>8.4f}")
