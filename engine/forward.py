@@ -530,16 +530,15 @@ class ForwardPass:
         kv.advance(n)                        # a sliding-window layer returns pages it no longer needs
 
     def _key_centre(self, kv, k, k_dtype: str, may_read: bool):
-        """Quantized keys are stored less a centre of their layer, minus the mean of the
-        first CENTRE_ROWS keys the layer was given (per KV head and channel, after RoPE):
-        q . (k - mu) = q . k - q . mu shifts every score of a query by the same amount, so
-        no softmax changes (attention, SnapKV's votes) and merged rows' means stay means,
-        while the rows the quantizer sees lose the large offsets some channels carry
-        (Qwen2.5's keys: 4-bit rows answer no retrieval prompt uncentred, all centred:
-        docs/kv-formats.md). Set by the write into an empty layer that may read the keys
-        back (not a recorded step: those layers stay uncentred), kept until the layer is
-        empty again; bf16 keys are stored as they are. -> the device [1, kv_dim] row to
-        add to the keys, or None."""
+        """Quantized keys are stored minus their layer's centre mu, the mean of the first
+        CENTRE_ROWS keys the layer was given (per KV head and channel, after RoPE). Every
+        score of a query then moves by the same q . mu, so no softmax changes (attention,
+        SnapKV's votes) and merged rows' means stay means, while the quantizer no longer
+        sees the large constant offsets some channels carry (Qwen2.5: docs/kv-formats.md).
+        mu is set by the write into an empty layer outside a recorded step (which cannot
+        read the keys back: such a layer stays uncentred) and kept until the layer is
+        empty again; bf16 keys are stored as they are. -> the device row -mu [1, kv_dim]
+        to add to the keys, or None."""
         if k_dtype == "bf16":
             return None
         if kv.logical_length == 0 and may_read:

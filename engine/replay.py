@@ -18,12 +18,13 @@ recording (backend.replay: CUDA on a GPU, one graph launch, on the CPU harness t
 launches one by one; Vulkan, the recorded command buffer submitted again); the
 ForwardPass downloads the logits. A recording is valid while every array it bound is
 the one the step would bind: each cache's page tables, pools and merged-row biases,
-in the batch's order, and the scratch (compared by identity; the recording holds
-them, so an identity cannot be reused while it lives; the layers' key centres too) and the ForwardPass's weights
-(fixed); tables change in place and row counts are values, so page growth,
-sliding-window rings and a SnapKV compaction replay the same recording. One
-recording is kept per batch size (a server alternates between a few) and output (the
-logits, or for greedy decoding their argmax: ForwardPass.decode_argmax); other caches,
+in the batch's order, their layers' key centres, and the scratch (compared by identity;
+the recording holds them, so an identity cannot be reused while it lives) and the
+ForwardPass's weights (fixed); tables change in place and row counts are values, so
+page growth, sliding-window rings and a SnapKV compaction replay the same recording.
+One recording is kept per batch size (a server alternates between a few) and output
+(the logits, or for greedy decoding their argmax: ForwardPass.decode_argmax,
+decode_batch with argmax); other caches,
 another batch membership or order, or arrays that changed record afresh, as do caches
 whose KV heads hold their own rows (adaptive budgets: never replayed). A backend may
 decline to keep a recording (record_step returns None: the step was not recorded

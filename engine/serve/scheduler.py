@@ -464,8 +464,7 @@ class Scheduler:
         caches = [h.sequence.cache for h in live]
         greedy = all(h.sequence.greedy for h in live)   # then only the ids come back from the device
         try:
-            out = self.model.forward.decode_batch(tokens, caches, argmax=True) if greedy else \
-                self.model.forward.decode_batch(tokens, caches)
+            out = self.model.forward.decode_batch(tokens, caches, argmax=greedy)
         except Exception as e:
             for h in live:
                 self._fail(h, e)
