@@ -25,7 +25,7 @@ quantized keys that way since 2026-12-05). `--shift N` moves the prompt N positi
 queries and keys turned by RoPE through N more positions (no score changes), while
 `+center256` keeps the mean of the first 256 keys at positions 0..255, as a cache whose
 first rows were written there would hold it, so the rows the quantizer sees are those at
-the end of an (N + tokens)-token prompt (exact for models without RoPE frequency factors).
+the end of an (N + tokens)-token prompt.
 Not a test: numbers to stdout (and --json FILE).
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.bf16 import bf16_to_f32  # noqa: E402
 from backends.kvformat import KvFormat  # noqa: E402
+from backends.reference import ReferenceBackend  # noqa: E402
 
 QJL_SEED = 7
 
@@ -75,18 +76,12 @@ def qjl_scores(q: np.ndarray, k: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
 
 
 def rope_shift(x: np.ndarray, shift: int, cfg, layer: int) -> np.ndarray:
-    """x [..., head_dim] post-RoPE rows turned through `shift` more positions."""
-    half = cfg.rot_dim // 2
-    angle = shift * cfg.layer_rope_base(layer) ** (-2.0 * np.arange(half) / cfg.rot_dim)
-    cos, sin = np.cos(angle), np.sin(angle)
-    if cfg.arch.rope_neox:
-        i0, i1 = np.arange(half), np.arange(half) + half
-    else:
-        i0, i1 = 2 * np.arange(half), 2 * np.arange(half) + 1
-    y = x.astype(np.float64)
-    x0, x1 = y[..., i0].copy(), y[..., i1].copy()
-    y[..., i0], y[..., i1] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
-    return y.astype(np.float32)
+    """x [..., head_dim] post-RoPE rows turned through `shift` more positions (the
+    reference backend's RoPE, one head a row, every row at position `shift`)."""
+    rows = x.reshape(-1, cfg.head_dim).astype(np.float64)
+    ReferenceBackend().rope(rows, np.full(len(rows), shift), 1, cfg.head_dim, cfg.rot_dim,
+                            cfg.layer_rope_base(layer), cfg.arch.rope_neox, cfg.rope_freq_factors)
+    return rows.reshape(x.shape).astype(np.float32)
 
 
 def study(model_name: str, tokens: int, window: int, seed: int, shift: int = 0) -> dict:
@@ -98,8 +93,6 @@ def study(model_name: str, tokens: int, window: int, seed: int, shift: int = 0) 
     sample = T.make_sample("niah", m.tokenizer, tokens, 50.0, seed, 0)
     ids = sample.ids
     cfg = m.config
-    if shift and cfg.rope_freq_factors is not None:
-        raise SystemExit("--shift: this model's RoPE has frequency factors; the shift is not implemented for them")
     cache = m.new_cache(kv_dtype="bf16")
     cap = WindowCapture(cfg, window, len(ids) - window)
     m.forward.window_capture = cap
