@@ -63,6 +63,15 @@ their argmax on the host):
     argmax_rows(x, out)   out int32 [n] (alloc) = the index of each row's largest value in
         x (f32 [n, d]), the first of equal ones; -1 for a row holding a NaN or an infinity.
 
+A decode step's RoPE fused into its K/V writes (optional; ForwardPass uses it for decode
+steps where the backend has it: a launch or more saved a layer):
+    rope_write_keys   the key formats rope_kv_write takes (a tuple of dtype names)
+    rope_kv_write(qkv, positions, n_heads, rot_dim, freq_base, neox, freq_factors, k_pages,
+                  v_pages, page_table, start_row, k_dtype, v_dtype, centre=None)
+        qkv: f32 [n, (n_heads + 2 n_kv) head_dim], one cache's rows q | k | v; positions
+        int32 [n]. As rope over q and k (q rotated in place), then, where centre (f32 [1,
+        n_kv head_dim]) is given, add(k, centre), then kv_write of k and v; k itself need
+        not be left rotated.
 Recorded decode steps (optional; engine/replay.py uses them where a backend has both):
     record_step(values, run, max_position, readback=None) -> recording
         values: int32 [n_slots] (host), copied into a new step buffer; run() then makes
@@ -110,6 +119,11 @@ class StepValues:
 
     def __len__(self) -> int:
         return len(self.values)
+
+    def __getitem__(self, rows: slice) -> "StepValues":
+        """Values lo .. hi - 1 (a step's rows of one cache), still read from their slots."""
+        lo, hi, _ = rows.indices(len(self.values))
+        return StepValues(self.values[lo:hi], self.slot + lo)
 
 
 def step_slot(value) -> int | None:

@@ -459,10 +459,14 @@ class ForwardPass:
             if lw.attn_q_norm is not None:   # per-head norm: weight [head_dim] over each head
                 b.rms_norm(qkv[:, :q_end], lw.attn_q_norm, c.norm_eps, qkv[:, :q_end])
                 b.rms_norm(qkv[:, q_end:k_end], lw.attn_k_norm, c.norm_eps, qkv[:, q_end:k_end])
-            b.rope(qkv[:, :k_end], positions, c.n_heads + c.n_kv_heads, c.head_dim, c.rot_dim,
-                   c.layer_rope_base(li), c.arch.rope_neox, self.rope_factors)
+            # a decode step's RoPE goes into each cache's K/V write where the backend fuses them
+            fused = capture is None and n == len(rows) and all(self._fuses_rope(r[0], li, step) for r in rows)
+            if not fused:
+                b.rope(qkv[:, :k_end], positions, c.n_heads + c.n_kv_heads, c.head_dim, c.rot_dim,
+                       c.layer_rope_base(li), c.arch.rope_neox, self.rope_factors)
             for i, (cache, lo, hi) in enumerate(rows):
-                self._attend(cache, li, window, qkv[lo:hi], attn[lo:hi], capture, (i, n) if step else None)
+                self._attend(cache, li, window, qkv[lo:hi], attn[lo:hi], capture, (i, n) if step else None,
+                             positions[lo:hi] if fused else None)
             b.matmul(lw.attn_output, attn, proj)
             if lw.post_attention_norm is not None:
                 b.rms_norm(proj, lw.post_attention_norm, c.norm_eps, proj)
@@ -493,10 +497,20 @@ class ForwardPass:
             b.add(x, r, x)
             b.rms_norm(x, weight, eps, h)
 
-    def _attend(self, cache: KvCache, li: int, window: int, qkv, attn, capture, step: tuple | None = None) -> None:
+    def _fuses_rope(self, cache: KvCache, li: int, step: bool) -> bool:
+        """Whether _attend can write cache's rows of layer li with the backend's
+        rope_kv_write (RoPE, the keys' centre and the K/V write in one op): a key format it
+        fuses, one row count for every KV head, and no centre to set from the rotated keys."""
+        kv = cache.layers[li]
+        return (cache.k_dtype in getattr(self.backend, "rope_write_keys", ()) and not kv.ragged
+                and (cache.k_dtype == "bf16" or kv.logical_length > 0 or step))
+
+    def _attend(self, cache: KvCache, li: int, window: int, qkv, attn, capture, step: tuple | None = None,
+                positions=None) -> None:
         """One cache's rows of layer li: write their K/V, attend (queries see the
         cache's earlier rows and their own), advance the layer. `step`: (i, n), the cache
-        is sequence i of a recorded step of n (_forward's step)."""
+        is sequence i of a recorded step of n (_forward's step). `positions`: the rows'
+        positions when RoPE is left to this call, fused into the write (_fuses_rope)."""
         b, c = self.backend, self.cfg
         q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
         n = qkv.shape[0]
@@ -504,9 +518,10 @@ class ForwardPass:
         dtypes = {"k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype}   # the pool's row formats
         if capture is not None and not window:
             capture(b, li, qkv[:, :q_end], kv.logical_length)
-        centre = self._key_centre(kv, qkv[:, q_end:k_end], cache.k_dtype, step is None)
-        if centre is not None:
-            b.add(qkv[:, q_end:k_end], centre, qkv[:, q_end:k_end])
+        if positions is None:
+            centre = self._key_centre(kv, qkv[:, q_end:k_end], cache.k_dtype, step is None)
+            if centre is not None:
+                b.add(qkv[:, q_end:k_end], centre, qkv[:, q_end:k_end])
         if kv.ragged:
             self._attend_heads(kv, qkv, attn, dtypes)
             kv.advance(n)
@@ -517,8 +532,13 @@ class ForwardPass:
             start_row, n_rows = step_rows(start_row, li, *step)
         table = kv.page_table()
         pages = kv.pool                      # the layer's segment of the pool
-        b.kv_write(pages.k_pages, pages.v_pages, table, qkv[:, q_end:k_end],
-                   qkv[:, k_end:], start_row, **dtypes)
+        if positions is None:
+            b.kv_write(pages.k_pages, pages.v_pages, table, qkv[:, q_end:k_end],
+                       qkv[:, k_end:], start_row, **dtypes)
+        else:
+            b.rope_kv_write(qkv, positions, c.n_heads, c.rot_dim, c.layer_rope_base(li), c.arch.rope_neox,
+                            self.rope_factors, pages.k_pages, pages.v_pages, table, start_row,
+                            centre=kv.key_centre, **dtypes)
         if kv.row_bias is not None:          # merged rows after a compaction (engine/kv/merge.py)
             dtypes["row_bias"] = kv.bias()
         if n == 1:

@@ -9,16 +9,33 @@
 // One workgroup per (KV head, token, keys|values): grid (n_kv, n, 2). Each word of the
 // row is stored by one invocation; a word shared with a neighbouring row (q8_0, tq3
 // rows need not fill whole words) changes only in its own bytes (KV_STORE).
+// ROPE (a decode step's RoPE fused into its write; keys of an unrotated format): K is the
+// step's q | k | v rows; a key is rotated by RoPE at its row's position (rope.comp's table
+// and arithmetic) and, when centred, moved by the layer's key centre C before it is
+// encoded; workgroups z >= 2 rotate query head x * n_group + z - 2 of the row in place.
+// Grid (n_kv, n, 2 + n_group).
 #extension GL_GOOGLE_include_directive : require
 layout(local_size_x = 64) in;
 layout(set = 0, binding = 0) buffer KPB { uint KP[]; };
 layout(set = 0, binding = 1) buffer VPB { uint VP[]; };
 layout(set = 0, binding = 2) readonly buffer PTB { int PT[]; };
+#ifdef ROPE
+layout(set = 0, binding = 3) buffer KB { float K[]; };
+#else
 layout(set = 0, binding = 3) readonly buffer KB { float K[]; };
+#endif
 layout(set = 0, binding = 4) readonly buffer VB { float V[]; };
 layout(set = 0, binding = 5) readonly buffer STB { int STEP[]; };
+#ifdef ROPE
+layout(set = 0, binding = 6) readonly buffer TB { vec2 CS[]; };
+layout(set = 0, binding = 7) readonly buffer PB { int POS[]; };
+layout(set = 0, binding = 8) readonly buffer CB { float C[]; };
+#endif
 layout(push_constant) uniform P {
     uint n, n_kv, head_dim, page_size, start_row, k_off, k_stride, v_off, v_stride, step_at;
+#ifdef ROPE
+    uint q_off, n_group, rot_dim, neox, pos0, use_pos, c_off, centred;   // positions as rope.comp's
+#endif
 } pc;
 #include "common.glsl"
 #include "kv.glsl"
@@ -126,10 +143,39 @@ void main() {
     uint hd = pc.head_dim;
     uint r = (pc.step_at != 0u ? uint(STEP[pc.step_at - 1u]) : pc.start_row) + t;
     uint page = uint(PT[r / pc.page_size]), off = r % pc.page_size;
+#ifdef ROPE
+    uint half_ = pc.rot_dim / 2u;
+    uint pos = pc.use_pos != 0u ? uint(POS[pc.use_pos - 1u + t]) : pc.pos0 + t;
+    if (gl_WorkGroupID.z >= 2u) {                         // a query head, in place (as rope.comp)
+        uint base = pc.q_off + t * pc.k_stride + (h * pc.n_group + gl_WorkGroupID.z - 2u) * hd;
+        for (uint i = tid; i < half_; i += 64u) {
+            vec2 cs = CS[pos * half_ + i];
+            uint i0 = pc.neox != 0u ? i : 2u * i, i1 = pc.neox != 0u ? i + half_ : 2u * i + 1u;
+            float x0 = K[base + i0], x1 = K[base + i1];
+            K[base + i0] = x0 * cs.x - x1 * cs.y;
+            K[base + i1] = x0 * cs.y + x1 * cs.x;
+        }
+        return;
+    }
+#endif
     if (gl_WorkGroupID.z == 0u) {
         uint xo = pc.k_off + t * pc.k_stride + h * hd;
         for (uint i = tid; i < hd; i += 64u) xs[i] = K[xo + i];
         barrier();
+#ifdef ROPE
+        for (uint i = tid; i < half_; i += 64u) {
+            vec2 cs = CS[pos * half_ + i];
+            uint i0 = pc.neox != 0u ? i : 2u * i, i1 = pc.neox != 0u ? i + half_ : 2u * i + 1u;
+            float x0 = xs[i0], x1 = xs[i1];
+            xs[i0] = x0 * cs.x - x1 * cs.y;
+            xs[i1] = x0 * cs.y + x1 * cs.x;
+        }
+        barrier();
+        if (pc.centred != 0u) {
+            for (uint i = tid; i < hd; i += 64u) xs[i] += C[pc.c_off + h * hd + i];
+            barrier();
+        }
+#endif
         encode(K_FMT, hd, tid);
         barrier();
         WRITE_ROW(KP, K_FMT)

@@ -34,6 +34,7 @@ class CudaBackend:
 
     name = "cuda"
     kv_dtypes = KV_DTYPES     # every row format, keys and values independently (kvrows.py)
+    rope_write_keys = elementwise.ROPE_WRITE_KEYS   # rope_kv_write's key formats (kv.cu)
 
     def __init__(self, device: int = 0, executor: str | None = None):
         self.ex = make_executor(executor or env_setting("cuda_executor"), device)
@@ -166,6 +167,14 @@ class CudaBackend:
         check_kv_dtypes(self, k_dtype, v_dtype)
         elementwise.kv_write(self.ex, k_pages, v_pages, page_table, k, v, start_row, k_dtype, v_dtype,
                              self._slot(start_row))
+
+    def rope_kv_write(self, qkv, positions, n_heads: int, rot_dim: int, freq_base: float, neox: bool,
+                      freq_factors, k_pages, v_pages, page_table, start_row: int, k_dtype: str = "bf16",
+                      v_dtype: str = "bf16", centre=None) -> None:
+        check_kv_dtypes(self, k_dtype, v_dtype)
+        self.bytes_to_device += elementwise.rope_kv_write(
+            self.ex, qkv, positions, n_heads, rot_dim, freq_base, neox, freq_factors, k_pages, v_pages, page_table,
+            start_row, k_dtype, v_dtype, centre, self._slot(positions), self._slot(start_row), self._max_position)
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, start_row: int,
                           n_q_heads: int, scale: float, out, window: int = 0,

@@ -188,6 +188,18 @@ def _rope_table(ex, base: float, rot_dim: int, max_pos: int, factors):
     return tables[key][0], host.nbytes
 
 
+def _positions(ex, positions: np.ndarray, n: int, table, step: tuple | None) -> tuple:
+    """(positions pointer, use_positions, pos0, bytes uploaded) of rope.cu's arguments: a
+    recorded step's slots, none for consecutive positions (pos0 + t), else an upload."""
+    pos0 = int(positions[0])
+    if step is not None:
+        buf, slot = step
+        return buf[slot:slot + n], 1, pos0, 0
+    if np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
+        return table, 0, pos0, 0                         # any valid pointer; not read
+    return ex.asarray(positions), 1, pos0, positions.nbytes
+
+
 def rope(ex, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int, freq_base: float,
          neox: bool, freq_factors=None, step: tuple | None = None, max_position: int = 0) -> int:
     """Returns the bytes uploaded (a grown table, or non-contiguous positions). step: None,
@@ -201,19 +213,22 @@ def rope(ex, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int
         raise ValueError(f"cuda rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
     table, uploaded = _rope_table(ex, freq_base, rot_dim, max(int(positions.max()), max_position - 1),
                                   freq_factors)
-    pos0 = int(positions[0])
-    if step is not None:
-        buf, slot = step
-        pos_dev, use = buf[slot:slot + n], 1
-    elif np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
-        pos_dev, use = table, 0                          # any valid pointer; not read
-    else:
-        pos_dev, use = ex.asarray(positions), 1
-        uploaded += positions.nbytes
+    pos_dev, use, pos0, sent = _positions(ex, positions, n, table, step)
     ex.function("rope.cu", "rope")((n, n_heads), (threads_for(rot_dim // 2, 256),),
                                    (x, row_stride(x), table, pos_dev, _i32(use), _i32(pos0),
                                     _i32(head_dim), _i32(rot_dim), _i32(int(bool(neox)))))
-    return uploaded
+    return uploaded + sent
+
+
+def _kv_pools(k_pages, v_pages, k_dtype: str, v_dtype: str, op: str) -> tuple[int, int, int]:
+    """(head_dim, n_kv, page_size) of a K and a V pool that match, else ValueError."""
+    head_dim = kvrows.head_dim_of(k_pages, k_dtype, op)
+    if kvrows.head_dim_of(v_pages, v_dtype, op) != head_dim or v_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"cuda {op}: K and V pools differ: {k_dtype} {k_pages.shape}, {v_dtype} {v_pages.shape}")
+    if head_dim % 2:
+        raise ValueError(f"cuda {op}: head_dim must be even, got {head_dim}")
+    _, n_kv, page_size, _ = k_pages.shape
+    return head_dim, n_kv, page_size
 
 
 def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: str = "bf16",
@@ -221,36 +236,78 @@ def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: st
     """k, v: f32 [n, n_kv*head_dim] -> rows start_row .. start_row+n-1 of the pools, each
     head's row quantized on the device as KvFormat.quantize does (kv.cu). step: None, or
     (step buffer, slot) whose int32 the kernels read as start_row (a recorded step)."""
-    head_dim = kvrows.head_dim_of(k_pages, k_dtype, "kv_write")
-    if kvrows.head_dim_of(v_pages, v_dtype, "kv_write") != head_dim or v_pages.shape[:3] != k_pages.shape[:3]:
-        raise ValueError(f"cuda kv_write: K and V pools differ: {k_dtype} {k_pages.shape}, {v_dtype} {v_pages.shape}")
-    _, n_kv, page_size, _ = k_pages.shape
+    head_dim, n_kv, page_size = _kv_pools(k_pages, v_pages, k_dtype, v_dtype, "kv_write")
     n = k.shape[0]
     if n == 0:
         return
     if k.shape[1] < n_kv * head_dim or v.shape != k.shape:
         raise ValueError(f"cuda kv_write: k {k.shape}, v {v.shape}, {n_kv} KV heads of {head_dim}")
-    if head_dim % 2:
-        raise ValueError(f"cuda kv_write: head_dim must be even, got {head_dim}")
     at = step_args(step, page_table)
     if k_dtype == v_dtype == "bf16":                 # both pools in one launch
         ex.function("kv.cu", "kv_write")((n, n_kv), (threads_for(head_dim // 2, 128),),
                                          (k_pages, v_pages, page_table, k, row_stride(k), v, row_stride(v),
                                           _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row), *at))
         return
-    for pages, x, dtype in ((k_pages, k, k_dtype), (v_pages, v, v_dtype)):
-        cb = kvrows.codebook_dev(ex, dtype)
-        rot_t = kvrows.rotation(ex, dtype, head_dim)[0] if kvrows.SPECS[dtype].rotated else cb     # else unread
-        kernel = dtype
-        if dtype == "rq4_0":                         # rotate the rows (rotate.cu), then write them as q4_0
-            width = n_kv * head_dim
-            y = scratch(ex, f"kv_write_rotated_{'k' if x is k else 'v'}", n * width)[:n * width].reshape(n, width)
-            rotate(ex, x, row_stride(x), y, width, rot_t, n * n_kv, n_kv, head_dim)
-            x, kernel = y, "q4_0"
-        ex.function("kv.cu", f"kv_write_{kernel}")(
-            (n, n_kv), (KVW_THREADS,),
-            (pages, page_table, x, row_stride(x), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row),
-             rot_t, cb, kvrows.bounds_dev(ex, dtype), *at))
+    _write_pool(ex, k_pages, page_table, k, k_dtype, "k", n_kv, head_dim, page_size, start_row, at)
+    _write_pool(ex, v_pages, page_table, v, v_dtype, "v", n_kv, head_dim, page_size, start_row, at)
+
+
+def _write_pool(ex, pages, page_table, x, dtype: str, role: str, n_kv: int, head_dim: int, page_size: int,
+                start_row: int, at: tuple) -> None:
+    """One pool's rows of kv_write: kv_write_<fmt> (rq4_0: rotate.cu first, then q4_0's)."""
+    n = x.shape[0]
+    cb = kvrows.codebook_dev(ex, dtype)
+    rot_t = kvrows.rotation(ex, dtype, head_dim)[0] if kvrows.SPECS[dtype].rotated else cb     # else unread
+    kernel = dtype
+    if dtype == "rq4_0":                             # rotate the rows (rotate.cu), then write them as q4_0
+        width = n_kv * head_dim
+        y = scratch(ex, f"kv_write_rotated_{role}", n * width)[:n * width].reshape(n, width)
+        rotate(ex, x, row_stride(x), y, width, rot_t, n * n_kv, n_kv, head_dim)
+        x, kernel = y, "q4_0"
+    ex.function("kv.cu", f"kv_write_{kernel}")(
+        (n, n_kv), (KVW_THREADS,),
+        (pages, page_table, x, row_stride(x), _i32(n_kv), _i32(head_dim), _i32(page_size), _i32(start_row),
+         rot_t, cb, kvrows.bounds_dev(ex, dtype), *at))
+
+
+ROPE_WRITE_KEYS = ("bf16", "q8_0", "q4_0")     # key formats rope_kv_write fuses (kv.cu rope_kv_write_*)
+
+
+def rope_kv_write(ex, qkv, positions: np.ndarray, n_heads: int, rot_dim: int, freq_base: float, neox: bool,
+                  freq_factors, k_pages, v_pages, page_table, start_row: int, k_dtype: str, v_dtype: str,
+                  centre=None, step_positions: tuple | None = None, step_row: tuple | None = None,
+                  max_position: int = 0) -> int:
+    """One cache's rows of a decode step, qkv f32 [n, (n_heads + 2 n_kv) head_dim] (q | k
+    | v): RoPE on q in place and on k as it is written, k moved by centre (f32 [1, n_kv
+    head_dim] or None), K and V rows stored as kv_write stores them, in one launch (values of
+    a rotated format in their own, as kv_write does). k_dtype one of ROPE_WRITE_KEYS. steps
+    as rope's and kv_write's. Returns the bytes uploaded."""
+    head_dim, n_kv, page_size = _kv_pools(k_pages, v_pages, k_dtype, v_dtype, "rope_kv_write")
+    positions = np.asarray(positions, dtype=np.int32).reshape(-1)
+    n, kv_dim = qkv.shape[0], n_kv * head_dim
+    if n == 0:
+        return 0
+    if k_dtype not in ROPE_WRITE_KEYS or qkv.shape[1] != n_heads * head_dim + 2 * kv_dim or n_heads % n_kv \
+            or rot_dim > head_dim or rot_dim % 2 or len(positions) != n \
+            or (centre is not None and centre.shape != (1, kv_dim)):
+        raise ValueError(f"cuda rope_kv_write: qkv {qkv.shape}, {n_heads} query heads over {k_pages.shape}, "
+                         f"keys {k_dtype}, rot_dim {rot_dim}, {len(positions)} positions")
+    table, uploaded = _rope_table(ex, freq_base, rot_dim, max(int(positions.max()), max_position - 1),
+                                  freq_factors)
+    pos_dev, use, pos0, sent = _positions(ex, positions, n, table, step_positions)
+    at = step_args(step_row, page_table)
+    fused_v = v_dtype if v_dtype in ROPE_WRITE_KEYS else "none"
+    k_off = n_heads * head_dim
+    grid = check_grid("rope_kv_write", (n, n_kv + n_heads), "KV + query heads")
+    ex.function("kv.cu", f"rope_kv_write_{k_dtype}_{fused_v}")(
+        grid, (KVW_THREADS,),
+        (k_pages, v_pages, page_table, qkv, row_stride(qkv), _i32(k_off), _i32(k_off + kv_dim), _i32(n_kv),
+         _i32(head_dim), _i32(page_size), _i32(start_row), table, pos_dev, _i32(use), _i32(pos0), _i32(rot_dim),
+         _i32(int(bool(neox))), table if centre is None else centre, _i32(centre is not None), *at))
+    if fused_v == "none":
+        _write_pool(ex, v_pages, page_table, qkv[:, k_off + kv_dim:], v_dtype, "v", n_kv, head_dim, page_size,
+                    start_row, at)
+    return uploaded + sent
 
 
 def _move_unit(*byte_counts: int) -> tuple[str, type]:

@@ -99,6 +99,7 @@ class VulkanBackend:
 
     name = "vulkan"
     kv_dtypes = KV_DTYPES
+    rope_write_keys = shaders.ROPE_WRITE_KEYS   # rope_kv_write's key formats (kv_write.comp ROPE)
 
     def __init__(self, device: int | None = None, allow_cpu: bool = True, device_local: bool | None = None):
         if kp is None:
@@ -581,15 +582,19 @@ class VulkanBackend:
             raise ValueError(f"vulkan rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
         table = self._rope_table(freq_base, rot_dim, max(int(positions.max()), self._max_position - 1),
                                  freq_factors)
-        pos0 = int(positions[0])
-        if at:
-            pos_buf, use = self._step_buffer, at
-        elif np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
-            pos_buf, use = self._dummy, 0
-        else:
-            pos_buf, use = self._transient(positions).buffer, 1
+        pos_buf, use, pos0 = self._positions(positions, at)
         push = _u32(n, n_heads, head_dim, rot_dim, int(bool(neox)), x.offset, x.row_stride, pos0, use)
         self._dispatch("rope", (), [x.buffer, table.buffer, pos_buf], (n_heads, n, 1), push)
+
+    def _positions(self, positions: np.ndarray, at: int) -> tuple:
+        """(buffer, use_pos, pos0) of rope.comp's positions: a recorded step's slots (at:
+        the first slot + 1), none for consecutive ones (pos0 + t), else a transient buffer."""
+        pos0 = int(positions[0])
+        if at:
+            return self._step_buffer, at, pos0
+        if np.array_equal(positions, pos0 + np.arange(len(positions), dtype=np.int32)):
+            return self._dummy, 0, pos0
+        return self._transient(positions).buffer, 1, pos0
 
     # -- KV rows ------------------------------------------------------------------------
     @staticmethod
@@ -668,6 +673,46 @@ class VulkanBackend:
         self._dispatch("kv_write", shaders.kv_defines(k_dtype, v_dtype),
                        [k_pages.buffer, v_pages.buffer, page_table.buffer, k.buffer, v.buffer,
                         self._step_buffer if at else self._dummy], (n_kv, n, 2), push)
+
+    def rope_kv_write(self, qkv, positions, n_heads: int, rot_dim: int, freq_base: float, neox: bool,
+                      freq_factors, k_pages, v_pages, page_table, start_row: int, k_dtype: str = "bf16",
+                      v_dtype: str = "bf16", centre=None) -> None:
+        """kv_write.comp's ROPE variant: q rotated in place, keys rotated and centred as
+        they are encoded, one dispatch (values of a rotated format: kv_rotate first)."""
+        check_kv_dtypes(self, k_dtype, v_dtype)
+        qkv = self._f32(qkv, "rope_kv_write")
+        at_pos = self._slot(positions)                     # a recorded step's positions (StepValues)
+        positions = np.asarray(positions, dtype=np.int32).reshape(-1)
+        n_kv = k_pages.shape[1]
+        n, width = qkv.shape
+        head_dim = width // (n_heads + 2 * n_kv)
+        q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
+        if k_dtype not in self.rope_write_keys or width != q_dim + 2 * kv_dim or n_heads % n_kv \
+                or rot_dim > head_dim or rot_dim % 2 or len(positions) != n \
+                or (centre is not None and centre.shape != (1, kv_dim)):
+            raise ValueError(f"vulkan rope_kv_write: qkv {qkv.shape}, {n_heads} query heads over {n_kv} KV "
+                             f"heads, keys {k_dtype}, rot_dim {rot_dim}, {len(positions)} positions")
+        self._kv_format(k_pages, k_dtype, head_dim, "rope_kv_write")
+        self._kv_format(v_pages, v_dtype, head_dim, "rope_kv_write")
+        if n == 0:
+            return
+        k, v = qkv[:, q_dim:q_dim + kv_dim], qkv[:, q_dim + kv_dim:]
+        if is_rotated(v_dtype):                           # rows are coded in the rotated basis
+            v, v_src = self._rot_buffer("b", n, kv_dim), v
+            self._rotate(v_src, v, v_dtype, n_kv, head_dim, back=False)
+        table = self._rope_table(freq_base, rot_dim, max(int(positions.max()), self._max_position - 1),
+                                 freq_factors)
+        pos_buf, use, pos0 = self._positions(positions, at_pos)
+        centre = None if centre is None else self._f32(centre, "rope_kv_write")
+        at = self._slot(start_row)                         # a recorded step's row: STEP[at - 1]
+        group = n_heads // n_kv
+        push = _u32(n, n_kv, head_dim, k_pages.shape[2], start_row, k.offset, k.row_stride, v.offset, v.row_stride,
+                    at, qkv.offset, group, rot_dim, int(bool(neox)), pos0, use,
+                    0 if centre is None else centre.offset, int(centre is not None))
+        self._dispatch("kv_write", ("ROPE",) + shaders.kv_defines(k_dtype, v_dtype),
+                       [k_pages.buffer, v_pages.buffer, page_table.buffer, qkv.buffer, v.buffer,
+                        self._step_buffer if at else self._dummy, table.buffer, pos_buf,
+                        self._dummy if centre is None else centre.buffer], (n_kv, n, 2 + group), push)
 
     def _attention(self, q, k_pages, v_pages, page_table, start_row, n_q_heads, scale, out, window,
                    k_dtype, v_dtype, row_bias, step_at: int = 0):

@@ -40,6 +40,7 @@ PADDED_QTYPES = ("Q4_0", "Q4_1", "Q8_0")   # stored padded for 64-bit loads on C
 MAX_WORKGROUPS = 65535     # per grid axis: maxComputeWorkGroupCount's guaranteed minimum
 DECODE_SPLITS = 16         # spans of the context in split decode attention (attention.comp SPLIT)
 MAX_GROUP = 8              # query heads one attention workgroup serves (attention.comp GROUP)
+ROPE_WRITE_KEYS = ("bf16", "q8_0", "q4_0")   # key formats kv_write.comp's ROPE variant takes
 ATTENTION_LANES = 8        # invocations of an attention_lanes.comp workgroup (its LANES)
 
 
@@ -105,6 +106,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
         out += [("snapkv_votes", ("PASS_STATS",) + kv_defines(k)), ("snapkv_votes", ("PASS_VOTES",) + kv_defines(k))]
         for v in layouts:
             out += [("kv_write", kv_defines(k, v)), ("attention", kv_defines(k, v)),
+                    *([("kv_write", ("ROPE",) + kv_defines(k, v))] if k in ROPE_WRITE_KEYS else []),
                     ("attention_lanes", kv_defines(k, v)),
                     ("attention", kv_defines(k, v) + (f"SPLIT={DECODE_SPLITS}u",))]
     out += [("eltwise", (define,)) for define in ELTWISE_OPS.values()]

@@ -425,6 +425,50 @@ def test_kv_write(backend, kv, n_kv, head_dim, page_size, start_row, n):
             want_k[page_table[r // page_size], :, r % page_size].reshape(-1), f32_to_bf16(k[-1]))
 
 
+@pytest.mark.parametrize("kv", [("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "tq4"),
+                                ("q8_0", "rq4_0")], ids=lambda kv: "/".join(dict.fromkeys(kv)))
+@pytest.mark.parametrize("centred", [False, True])
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n_q,n_kv,head_dim,rot_dim,page_size,start_row,n", [
+    (6, 2, 64, 64, 16, 15, 1), (14, 2, 64, 32, 16, 40, 3), (8, 4, 128, 128, 256, 255, 2)])
+def test_rope_kv_write_is_rope_then_write(backend, kv, centred, neox, n_q, n_kv, head_dim, rot_dim, page_size,
+                                          start_row, n):
+    """A decode step's fused RoPE + key centre + K/V write (ForwardPass on backends with
+    rope_kv_write) leaves the same queries and pages, bit for bit, as rope, add and
+    kv_write one after another on the same backend (which the tests above hold to the
+    reference): over rows of q | k | v at positions out of order, a partial rotary width,
+    both pair layouts, a write across a page boundary, the key formats it fuses (values of
+    a rotated format are written on their own)."""
+    require_kv(backend, kv)
+    if kv[0] not in getattr(backend, "rope_write_keys", ()):
+        pytest.skip(f"{backend.name} backend does not fuse RoPE into {kv[0]} key writes")
+    rng = np.random.default_rng(start_row + n + head_dim)
+    q_dim, kv_dim = n_q * head_dim, n_kv * head_dim
+    qkv = (rng.standard_normal((n, q_dim + 2 * kv_dim)) * 3).astype(np.float32)
+    positions = rng.permutation(np.arange(5000))[:n].astype(np.int32)
+    centre = (rng.standard_normal((1, kv_dim)) * 20).astype(np.float32) if centred else None
+    k_pages, v_pages, page_table = make_pool(rng, start_row + n, n_kv, page_size, head_dim, kv=kv)
+
+    def pools():
+        return backend.upload(k_pages), backend.upload(v_pages), backend.upload(page_table)
+
+    sep, (ks, vs, ts) = backend.upload(qkv), pools()
+    backend.rope(sep[:, :q_dim + kv_dim], positions, n_q + n_kv, head_dim, rot_dim, 1e6, neox)
+    if centred:
+        backend.add(sep[:, q_dim:q_dim + kv_dim], backend.upload(centre), sep[:, q_dim:q_dim + kv_dim])
+    backend.kv_write(ks, vs, ts, sep[:, q_dim:q_dim + kv_dim], sep[:, q_dim + kv_dim:], start_row, *kv)
+    fused, (kf, vf, tf) = backend.upload(qkv), pools()
+    backend.rope_kv_write(fused, positions, n_q, rot_dim, 1e6, neox, None, kf, vf, tf, start_row, *kv,
+                          centre=None if centre is None else backend.upload(centre))
+    backend.synchronize()
+    np.testing.assert_array_equal(backend.download(fused)[:, :q_dim], backend.download(sep)[:, :q_dim])
+    np.testing.assert_array_equal(backend.download(fused)[:, q_dim + kv_dim:], qkv[:, q_dim + kv_dim:])
+    assert_rows_written(backend.download(kf), backend.download(ks), kv[0], head_dim)
+    assert_rows_written(backend.download(vf), backend.download(vs), kv[1], head_dim)
+    written = backend.download(kf)[page_table[(start_row + n - 1) // page_size], :, (start_row + n - 1) % page_size]
+    assert not np.array_equal(written, k_pages[0, :, 0])          # the row was written (not the poison)
+
+
 # -- attention ---------------------------------------------------------------------
 ATTN_SHAPES = [  # (n_q_heads, n_kv_heads, head_dim, page_size)
     (9, 3, 64, 16),

@@ -66,6 +66,16 @@ __device__ __forceinline__ float gelu_tanh(float g) {
     return g / (1.0f + expf(-2.0f * u));
 }
 
+// One RoPE pair of a head in place: pair i (< half = rot_dim/2) is (2i, 2i+1), or with neox
+// (i, i + half), rotated by cs = (cos, sin) of its angle. rope.cu and the fused key write
+// (kv.cu rope_kv_write_*) share it, so both give the same values.
+__device__ __forceinline__ void rope_pair(float* head, int i, int half, int neox, float2 cs) {
+    const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+    const float x0 = head[i0], x1 = head[i1];
+    head[i0] = x0 * cs.x - x1 * cs.y;
+    head[i1] = x0 * cs.y + x1 * cs.x;
+}
+
 // bf16 bits -> f32, exact.
 __device__ __forceinline__ float bf16_to_f32(u32 h) { return __uint_as_float((h & 0xFFFFu) << 16); }
 

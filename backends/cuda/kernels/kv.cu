@@ -156,6 +156,71 @@ KV_WRITE_ENTRY(kv_write_q4_0, KV_Q4_0)
 KV_WRITE_ENTRY(kv_write_tq4, KV_TQ4)
 KV_WRITE_ENTRY(kv_write_tq3, KV_TQ3)
 
+// A decode step's RoPE fused into its K/V writes (ForwardPass: one launch where rope, the
+// keys' centre add and kv_write took two to four). Row t of x holds the step's q | k | v
+// (q at 0, k at k_off, v at v_off floats; rows x_stride apart). Blocks y < n_kv: key head y
+// is rotated by RoPE at the row's position (rope.cu's table and rope_pair), moved by centre
+// (f32 [n_kv * head_dim], when centred) and stored as KF; its value head is stored as VF, or left
+// to kv_write_<fmt> (VF = KV_NONE: a rotated value format). Blocks y >= n_kv rotate query
+// head y - n_kv in place, as rope.cu does. x's keys are read, not rotated in place.
+// Positions as rope.cu's; start_row as kv_write_<fmt>'s. Grid (n, n_kv + n_q), KVW_THREADS.
+#define KV_NONE -1
+template <int KF, int VF>
+__device__ __forceinline__ void rope_write(u8* __restrict__ k_pages, u8* __restrict__ v_pages,
+                                           const int* __restrict__ page_table, float* x, int x_stride, int k_off,
+                                           int v_off, int n_kv, int head_dim, int page_size, int start_row,
+                                           const float* __restrict__ table, const int* __restrict__ positions,
+                                           int use_positions, int pos0, int rot_dim, int neox,
+                                           const float* __restrict__ centre, int centred,
+                                           const int* __restrict__ step, int step_at) {
+    __shared__ float ks[MAX_HEAD_DIM];
+    const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, half = rot_dim / 2;
+    const int pos = use_positions ? positions[t] : pos0 + t;
+    const float2* cs = reinterpret_cast<const float2*>(table) + (long long)pos * half;
+    float* row = x + (long long)t * x_stride;
+    if (h >= n_kv) {                                             // a query head, in place
+        for (int i = tid; i < half; i += KVW_THREADS) rope_pair(row + (long long)(h - n_kv) * head_dim, i, half,
+                                                                neox, cs[i]);
+        return;
+    }
+    const float* k = row + k_off + (long long)h * head_dim;
+    for (int i = tid; i < head_dim; i += KVW_THREADS) ks[i] = k[i];
+    __syncthreads();
+    for (int i = tid; i < half; i += KVW_THREADS) rope_pair(ks, i, half, neox, cs[i]);
+    __syncthreads();
+    if (centred) {
+        for (int i = tid; i < head_dim; i += KVW_THREADS) ks[i] += centre[h * head_dim + i];
+        __syncthreads();
+    }
+    if (step_at >= 0) start_row = step[step_at];
+    write_row<KF>(k_pages + kv_row_offset(page_table, start_row + t, h, n_kv, page_size, KvRow<KF>::row_bytes(head_dim)),
+                  ks, head_dim, nullptr, nullptr, nullptr);
+    if constexpr (VF != KV_NONE)
+        write_row<VF>(v_pages + kv_row_offset(page_table, start_row + t, h, n_kv, page_size,
+                                              KvRow<VF>::row_bytes(head_dim)),
+                      row + v_off + (long long)h * head_dim, head_dim, nullptr, nullptr, nullptr);
+}
+
+#define ROPE_WRITE_ENTRY(NAME, KF, VF)                                                                       \
+    extern "C" __global__ void __launch_bounds__(KVW_THREADS) NAME(                                          \
+            u8* __restrict__ k_pages, u8* __restrict__ v_pages, const int* __restrict__ page_table, float* x,   \
+            int x_stride, int k_off, int v_off, int n_kv, int head_dim, int page_size, int start_row,          \
+            const float* __restrict__ table, const int* __restrict__ positions, int use_positions, int pos0,   \
+            int rot_dim, int neox, const float* __restrict__ centre, int centred,                               \
+            const int* __restrict__ step, int step_at) {                                                     \
+        rope_write<KF, VF>(k_pages, v_pages, page_table, x, x_stride, k_off, v_off, n_kv, head_dim, page_size, \
+                           start_row, table, positions, use_positions, pos0, rot_dim, neox, centre, centred,   \
+                           step, step_at);                                                                   \
+    }
+#define ROPE_WRITE_ENTRIES(KN, KF)                                                                           \
+    ROPE_WRITE_ENTRY(rope_kv_write_##KN##_bf16, KF, KV_BF16)                                                 \
+    ROPE_WRITE_ENTRY(rope_kv_write_##KN##_q8_0, KF, KV_Q8_0)                                                 \
+    ROPE_WRITE_ENTRY(rope_kv_write_##KN##_q4_0, KF, KV_Q4_0)                                                 \
+    ROPE_WRITE_ENTRY(rope_kv_write_##KN##_none, KF, KV_NONE)
+ROPE_WRITE_ENTRIES(bf16, KV_BF16)
+ROPE_WRITE_ENTRIES(q8_0, KV_Q8_0)
+ROPE_WRITE_ENTRIES(q4_0, KV_Q4_0)
+
 // Element offset of (row, head) in a pool of rows `w` units wide.
 __device__ __forceinline__ long long row_at(const int* page_table, int row, int head, int n_kv, int page_size,
                                             int w) {

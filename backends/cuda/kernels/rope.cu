@@ -15,10 +15,5 @@ extern "C" __global__ void rope(float* x, int x_stride, const float* __restrict_
     const int t = blockIdx.x;
     const int pos = use_positions ? positions[t] : pos0 + t;
     const float2 cs = reinterpret_cast<const float2*>(table)[(long long)pos * half + i];
-    float* head = x + (long long)t * x_stride + (long long)blockIdx.y * head_dim;
-    const int i0 = neox ? i : 2 * i;
-    const int i1 = neox ? i + half : 2 * i + 1;
-    const float x0 = head[i0], x1 = head[i1];
-    head[i0] = x0 * cs.x - x1 * cs.y;
-    head[i1] = x0 * cs.y + x1 * cs.x;
+    rope_pair(x + (long long)t * x_stride + (long long)blockIdx.y * head_dim, i, half, neox, cs);
 }
