@@ -19,7 +19,7 @@ launches one by one; Vulkan, the recorded command buffer submitted again); the
 ForwardPass downloads the logits. A recording is valid while every array it bound is
 the one the step would bind: each cache's page tables, pools and merged-row biases,
 in the batch's order, their layers' key centres, and the scratch (compared by identity;
-the recording holds them, so an identity cannot be reused while it lives) and the
+the kept recording holds them, so an identity cannot be reused while it lives) and the
 ForwardPass's weights (fixed); tables change in place and row counts are values, so
 page growth, sliding-window rings and a SnapKV compaction replay the same recording.
 One recording is kept per batch size (a server alternates between a few) and output
@@ -28,7 +28,8 @@ decode_batch with argmax); other caches,
 another batch membership or order, or arrays that changed record afresh, as do caches
 whose KV heads hold their own rows (adaptive budgets: never replayed). A backend may
 decline to keep a recording (record_step returns None: the step was not recorded
-whole); the next step records again. The ForwardPass's decode_counters count
+whole; CUDA's batched steps of more sequences than its mat-vec takes, whose projections
+run as GEMMs); the next step records again. The ForwardPass's decode_counters count
 recordings (kept or not) and replays.
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ class DecodeReplay:
 
     def __init__(self, forward):
         self.forward = forward
-        # (batch size, argmax) -> (key, recording, scratch, cache finalizers)
+        # (batch size, argmax) -> (key, recording, scratch, cache finalizers, the arrays in key)
         self._kept: dict[tuple[int, bool], tuple] = {}
 
     @property
@@ -101,9 +102,9 @@ class DecodeReplay:
         for cache in caches:                 # pages first: a full cache fails before any write
             for kv in cache.layers:
                 kv.reserve(1)
-        key = (id(s),) + tuple((id(cache),) + tuple((id(kv.page_table()), id(kv.pool.k_pages), id(kv.pool.v_pages),
-                                                     id(kv.bias()), id(kv.key_centre)) for kv in cache.layers)
-                                for cache in caches)
+        bound = [(kv.page_table(), kv.pool.k_pages, kv.pool.v_pages, kv.bias(), kv.key_centre)
+                 for cache in caches for kv in cache.layers]
+        key = (id(s),) + tuple(id(c) for c in caches) + tuple(id(a) for arrays in bound for a in arrays)
         n_layers = len(caches[0].layers)
         values = np.empty(row_slot(n_layers, 0, n), dtype=np.int32)
         values[TOKEN_SLOT:TOKEN_SLOT + n] = tokens
@@ -129,7 +130,7 @@ class DecodeReplay:
             counters["recordings"] += 1
             if recording is not None:        # None: the backend could not record the step whole
                 owners = [weakref.finalize(c, self.forget, n) for c in caches]
-                self._kept[(n, argmax)] = (key, recording, s, owners)
+                self._kept[(n, argmax)] = (key, recording, s, owners, bound)   # bound: ids stay theirs
         return out
 
     def forget(self, n: int | None = None, argmax: bool | None = None) -> None:

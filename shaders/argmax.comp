@@ -19,7 +19,8 @@ void main() {
     uint bi = pc.d, nonfinite = 0u;                      // bi = d: none yet
     for (uint i = lid; i < pc.d; i += 64u) {
         float v = X[base + i];
-        if (isnan(v) || isinf(v)) nonfinite = 1u;
+        if ((floatBitsToUint(v) & 0x7F800000u) == 0x7F800000u) nonfinite = 1u;   // NaN or inf, by its bits
+                                                         // (a driver may fold isnan / isinf away)
         if (v > bv) { bv = v; bi = i; }                  // strictly greater: this lane's first
     }
     best_v[lid] = bv;

@@ -124,7 +124,7 @@ void main() {
         float vs = 1.0;
 #endif
         for (uint v = 0u; v < NV; v++) {                             // masked (-inf) scores weigh 0
-            float p_ = isinf(s[v]) ? 0.0 : exp(s[v] - m_new[v]);
+            float p_ = is_neg_inf(s[v]) ? 0.0 : exp(s[v] - m_new[v]);
             ps[v * TILE + tid] = p_ * vs;
             red[v * TILE + tid] = p_;
         }
@@ -135,7 +135,7 @@ void main() {
             barrier();
         }
         for (uint v = 0u; v < NV; v++) {                             // nothing seen yet: stays 0
-            float alpha = isinf(m_new[v]) ? 1.0 : exp(M[v] - m_new[v]);
+            float alpha = is_neg_inf(m_new[v]) ? 1.0 : exp(M[v] - m_new[v]);
             L[v] = L[v] * alpha + red[v * TILE];
             M[v] = m_new[v];
             acc[v] *= alpha;

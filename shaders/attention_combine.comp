@@ -16,13 +16,14 @@ void main() {
     float L = 0.0;
     for (uint s = 0u; s < pc.splits; s++) {
         float m = PART[base + s * w + hd];
-        if (m > -1.0 / 0.0) L += exp(m - M) * PART[base + s * w + hd + 1u];
+        if (floatBitsToUint(m) != 0xFF800000u) L += exp(m - M) * PART[base + s * w + hd + 1u];   // not -inf (bits:
+                                                                    // a driver may fold float compares with inf)
     }
     for (uint i = tid; i < hd; i += 64u) {
         float a = 0.0;
         for (uint s = 0u; s < pc.splits; s++) {
             float m = PART[base + s * w + hd];
-            if (m > -1.0 / 0.0) a += exp(m - M) * PART[base + s * w + i];
+            if (floatBitsToUint(m) != 0xFF800000u) a += exp(m - M) * PART[base + s * w + i];
         }
         O[pc.o_off + h * hd + i] = a / L;
     }

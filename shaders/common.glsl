@@ -4,6 +4,10 @@
 #ifndef COMMON_GLSL
 #define COMMON_GLSL
 
+// -inf by its bits: without the SignedZeroInfNanPreserve execution mode a Vulkan driver may
+// assume every float is finite and fold isinf / isnan, or a comparison with infinity, away.
+bool is_neg_inf(float v) { return floatBitsToUint(v) == 0xFF800000u; }
+
 // bf16 bits (low 16 bits of a uint) -> f32, exact.
 float bf16_to_f32(uint h) { return uintBitsToFloat((h & 0xFFFFu) << 16); }
 

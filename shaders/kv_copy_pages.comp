@@ -6,7 +6,8 @@
 // may start at different offsets within a word); a word shared with a neighbouring page
 // (possible when a page is not a whole number of words) changes only in the page's own
 // bytes (KV_STORE).
-// Grid: (ceil(max page words + 1) / 256), n_listed, 1).
+// Grid: (ceil(max page words + 1) / 256), pages in this dispatch, 1): page first + y (at most
+// 65,535 pages a dispatch, the grid's guaranteed y limit: a longer list takes several).
 #extension GL_GOOGLE_include_directive : require
 layout(local_size_x = 256) in;
 layout(set = 0, binding = 0) readonly buffer SKB { uint SK[]; };
@@ -14,7 +15,7 @@ layout(set = 0, binding = 1) readonly buffer SVB { uint SV[]; };
 layout(set = 0, binding = 2) buffer DKB { uint DK[]; };
 layout(set = 0, binding = 3) buffer DVB { uint DV[]; };
 layout(set = 0, binding = 4) readonly buffer PB { int PAGES[]; };
-layout(push_constant) uniform P { uint n, k_page_bytes, v_page_bytes; } pc;
+layout(push_constant) uniform P { uint n, k_page_bytes, v_page_bytes, first; } pc;
 #include "kv.glsl"
 
 #define COPY(S, D, PB) {                                                             \
@@ -34,7 +35,7 @@ layout(push_constant) uniform P { uint n, k_page_bytes, v_page_bytes; } pc;
     } }
 
 void main() {
-    uint x = gl_GlobalInvocationID.x, i = gl_WorkGroupID.y;
+    uint x = gl_GlobalInvocationID.x, i = pc.first + gl_WorkGroupID.y;
     if (i >= pc.n) return;
     COPY(SK, DK, pc.k_page_bytes)
     COPY(SV, DV, pc.v_page_bytes)

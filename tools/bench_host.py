@@ -103,7 +103,7 @@ class NullExecutor(HarnessExecutor):
         return np.zeros(arr.shape, dtype=arr.dtype)
 
     def gemm(self, x, w, out) -> None:
-        pass
+        self.unrecordable()
 
     def replay(self, recorded) -> None:
         """One graph launch on a GPU (CupyExecutor.replay): counted, nothing run."""

@@ -171,6 +171,15 @@ def decode_geometry(n_rows: int, n_q_heads: int, n_kv: int) -> tuple[int, int, i
     return n_chunks, heads_per_block, -(-n_rows // rows_per_split), rows_per_split
 
 
+def decode_split_bound(capacity: int, n_q_heads: int, n_kv: int) -> int:
+    """The splits a recorded decode step launches: at least decode_geometry's for every row
+    count up to `capacity`. The count before rounding to whole splits grows with the rows;
+    the rounded one does not (Qwen2.5 at 20,032 rows: 254 splits, at 16,384: 256)."""
+    group = n_q_heads // n_kv
+    want = -(-DEC_TARGET_BLOCKS // (n_kv * -(-group // DEC_HEADS)))
+    return max(1, min(DEC_MAX_SPLITS, want, -(-capacity // DEC_SPLIT_ROWS)))
+
+
 def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads: int, scale: float,
                      out, window: int = 0, k_dtype: str = "bf16", v_dtype: str = "bf16",
                      row_bias=None, step: tuple | None = None) -> None:
@@ -190,7 +199,7 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
     launch_splits = n_splits
     if step is not None:                             # the grid of the longest rows the table holds
         capacity = page_table.shape[0] * page_size
-        launch_splits = decode_geometry(min(capacity, window) if window > 0 else capacity, n_q_heads, n_kv)[2]
+        launch_splits = decode_split_bound(min(capacity, window) if window > 0 else capacity, n_q_heads, n_kv)
     at = step_args(step, page_table)
     # partials: acc f32 [n_q_heads, n_splits, head_dim] then (max, sum) f32 [n_q_heads, n_splits, 2]
     # at fixed offsets, sized once for DEC_MAX_SPLITS so a growing context never reallocates

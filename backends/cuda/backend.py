@@ -61,7 +61,7 @@ class CudaBackend:
         finally:
             recorded = self.ex.end_recording()
             self._step, self._max_position = None, 0
-        return recorded, step
+        return None if recorded is None else (recorded, step)     # None: a GEMM ran (over MV_MAX_TOKENS rows)
 
     def replay(self, recording, values: np.ndarray) -> None:
         """The recorded step again, its step buffer rewritten with `values` first."""

@@ -88,6 +88,7 @@ class _FunctionCache:
 
     _functions: dict
     _log: list | None = None            # the launches of the recording under way
+    _unrecordable = False               # work the recording cannot replay ran (gemm)
     launches = 0                        # functions handed out to launch (one launch each): ops' launches
 
     def function(self, file: str, name: str, defines: tuple[str, ...] = ()):
@@ -103,10 +104,18 @@ class _FunctionCache:
             raise RuntimeError("a recording is already under way")
         self._log = []
 
-    def end_recording(self) -> Recorded:
-        """The launches since begin_recording (also what ends a recording an error broke off)."""
+    def end_recording(self) -> Recorded | None:
+        """The launches since begin_recording (also what ends a recording an error broke off),
+        or None when work a replay would skip ran among them (unrecordable)."""
         log, self._log = self._log, None
-        return Recorded(log or [])
+        broken, self._unrecordable = self._unrecordable, False
+        return None if broken else Recorded(log or [])
+
+    def unrecordable(self) -> None:
+        """Work outside the launch log ran (a cuBLAS GEMM, whose output cupy allocates):
+        the recording under way, if any, cannot be replayed and is not kept."""
+        if self._log is not None:
+            self._unrecordable = True
 
     def replay(self, recorded: Recorded) -> None:
         """The recorded launches again, one by one (the device executor: one graph)."""
@@ -152,6 +161,7 @@ class HarnessExecutor(_FunctionCache):
 
     def gemm(self, x, w, out) -> None:
         """out[...] = x @ w.T (f32)."""
+        self.unrecordable()
         out[...] = np.asarray(x) @ np.asarray(w).T
 
     def synchronize(self) -> None:
@@ -258,6 +268,7 @@ class CupyExecutor(_FunctionCache):
 
     def gemm(self, x, w, out) -> None:
         """out[...] = x @ w.T (f32, cuBLAS)."""
+        self.unrecordable()
         out[...] = self.cp.matmul(x, w.T)
 
     def synchronize(self) -> None:

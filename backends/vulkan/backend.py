@@ -177,8 +177,10 @@ class VulkanBackend:
         dispatch without the barrier extension); the next step then records again."""
         values = np.ascontiguousarray(values, dtype=np.int32)
         step = self._step_arrays.get(values.size)
-        if step is None:
-            step = self._step_arrays[values.size] = self.upload(values)
+        if step is None:                                   # staged: replay writes its host side
+            words, dt = to_words(values)
+            step = self._step_arrays[values.size] = DeviceArray(self._buffer(words, staged=True), dt, values.shape)
+            self.bytes_to_device += words.nbytes
         else:
             self.update(step, values)
         self.flush()                                       # the recording starts a batch of its own
@@ -232,16 +234,18 @@ class VulkanBackend:
         return None if count is None else count()
 
     # -- buffers ----------------------------------------------------------------------
-    def _buffer(self, words: np.ndarray, zeros: bool = False) -> Buffer:
+    def _buffer(self, words: np.ndarray, zeros: bool = False, staged: bool = False) -> Buffer:
         """A buffer holding `words` (with `zeros`, zeros: `words` then only gives the size and
         is never read). On a CPU device the buffer is host-visible memory itself. On a GPU
         a buffer of at most STAGED_MAX_BYTES keeps kp's host staging copy (page tables,
         token ids: rewritten and read back in place); a larger one lives in device memory
         only (weights, KV pools, activations: no second copy of the model and the cache in
-        host memory), filled by a copy from a transient host buffer, or zeroed on the device."""
+        host memory), filled by a copy from a transient host buffer, or zeroed on the device.
+        `staged`: keep the staging copy whatever the size (a recorded step's buffer, which
+        a replay rewrites through it)."""
         check_buffer(self.device, words.nbytes)
         words = np.ascontiguousarray(words, dtype=np.uint32)
-        device_only = self._ttype == kp.TensorTypes.device and words.nbytes > STAGED_MAX_BYTES
+        device_only = self._ttype == kp.TensorTypes.device and words.nbytes > STAGED_MAX_BYTES and not staged
         buf = Buffer(self._tensor(words, kp.TensorTypes.storage if device_only else self._ttype),
                      words.size, device_only)
         weakref.finalize(buf, self._forget, buf.serial)
@@ -341,6 +345,8 @@ class VulkanBackend:
                     self._readback[buf.serial] = host
                     weakref.finalize(buf, self._readback.pop, buf.serial, None)
             self._copy_words(buf, host)
+            if self._barrier is not None and self._seq is not None:   # the copy visible to host reads
+                self._seq.record(self._barrier)
             return host.tensor
         if self._ttype == kp.TensorTypes.device:
             self._record(kp.OpTensorSyncLocal([buf.tensor]))
@@ -885,7 +891,9 @@ class VulkanBackend:
         _, n_kv, page_size, _ = src_k.shape
         k_page, v_page = (n_kv * page_size * self._row_bytes(p) for p in (src_k, src_v))
         pages_dev = self._transient(np.concatenate([pages, dst_pages]))     # sources, then destinations
-        push = _u32(pages.size, k_page, v_page)
         words = max(k_page, v_page) // 4 + 2              # a page may straddle one more word
-        self._dispatch("kv_copy_pages", (), [src_k.buffer, src_v.buffer, dst_k.buffer, dst_v.buffer,
-                                             pages_dev.buffer], (-(-words // 256), pages.size, 1), push)
+        for first in range(0, pages.size, shaders.MAX_WORKGROUPS):     # pages on y: 65,535 a dispatch
+            push = _u32(pages.size, k_page, v_page, first)
+            self._dispatch("kv_copy_pages", (), [src_k.buffer, src_v.buffer, dst_k.buffer, dst_v.buffer,
+                                                 pages_dev.buffer],
+                           (-(-words // 256), min(shaders.MAX_WORKGROUPS, pages.size - first), 1), push)

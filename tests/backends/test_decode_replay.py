@@ -220,6 +220,70 @@ def test_batched_steps_replay_and_membership_changes_record_again(backend, tiny)
     assert d["tokens"] == 18 + 6 + 6 + 3 + 4 and d["recordings"] == 5
 
 
+def test_batches_past_the_mat_vec_rows_run_fresh(backend, tiny):
+    """A batched step of more sequences than the CUDA mat-vec takes (MV_MAX_TOKENS rows)
+    runs its projections as dequantized rows and a GEMM, which a recording cannot hold
+    (cuBLAS allocates its output): such a step is not kept and runs fresh every time, its
+    logits those of decode replay off; Vulkan records and replays it."""
+    from backends.cuda.quant import MV_MAX_TOKENS
+    n = MV_MAX_TOKENS + 1
+    on, off = pair(tiny["qwen2-q4_1"], backend, prefill_chunk=64)
+    runs = []
+    for m in (on, off):
+        caches, tokens = [], []
+        for i in range(n):
+            cache, logits = m.prefill(PROMPT[i:i + 20 + i])
+            caches.append(cache)
+            tokens.append(int(np.argmax(logits)))
+        runs.append(batch_steps(m, caches, tokens, 3)[0])
+    for i, (x, y) in enumerate(zip(*runs)):
+        np.testing.assert_array_equal(x, y, err_msg=f"step {i}")
+    stats = on.forward.replay.stats
+    assert stats == ({"recordings": 3, "replays": 0} if backend == "cuda" else {"recordings": 1, "replays": 2})
+
+
+def test_a_kept_recording_holds_the_arrays_it_is_keyed_by(backend, tiny):
+    """The replay key compares arrays by identity, so the arrays of a kept recording must
+    stay alive while it is kept (a freed one's address could go to a new array, which
+    would then replay the old recording over the old buffer): a layer's key centre
+    replaced, the old one is still referenced from the recording, and the next step
+    records again."""
+    import sys
+    on, _ = pair(tiny["llama-q4_k-gqa4"], backend, prefill_chunk=64)
+    cache, logits = on.prefill(PROMPT[:30], kv_dtype="q8_0")
+    decode_logits(on, cache, logits, 2)
+    kv = cache.layers[0]
+    old = kv.key_centre
+    kv.key_centre = on.backend.upload(on.backend.download(old))
+    assert sys.getrefcount(old) > 2              # `old`, getrefcount's argument, and the recording
+    before = on.forward.replay.stats["recordings"]
+    decode_logits(on, cache, logits, 1)
+    assert on.forward.replay.stats["recordings"] == before + 1
+
+
+def test_large_step_buffers_replay_on_device_local_memory(backend, tiny, monkeypatch):
+    """On a GPU, buffers over STAGED_MAX_BYTES live in device memory only, with no host
+    side for a replay to rewrite: a recorded step's buffer (2 + 2 x layers ints a
+    sequence, over 64 KiB for a large batch of a deep model) keeps its staging copy
+    whatever its size. Device-local buffers forced on lavapipe with the limit lowered
+    below the tiny model's step buffer: replayed logits equal fresh launches'."""
+    if backend != "vulkan":
+        pytest.skip("Vulkan's device-local buffers")
+    import backends
+    from backends.vulkan import backend as mod
+    monkeypatch.setattr(mod, "STAGED_MAX_BYTES", 16)
+
+    def gpu_style(name="cpu", threads=None, quiet=False, auto_gpu_only=False):
+        b = mod.VulkanBackend(device_local=True)
+        backends.check_complete(b)
+        return b
+
+    monkeypatch.setattr(backends, "get_backend", gpu_style)
+    on, off = pair(tiny["llama-q8"], backend, prefill_chunk=64)
+    check_same(on, off, PROMPT[:40], 4)
+    assert on.forward.replay.stats["replays"] == 3
+
+
 def test_replayed_steps_launch_nothing(backend, tiny):
     """decode_stats: a recorded step's launches, then none while it replays."""
     on, off = pair(tiny["llama-q8"], backend, prefill_chunk=64)

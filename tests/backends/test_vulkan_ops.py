@@ -525,3 +525,23 @@ def check_attention(vk, kv, n_q, n_kv, n_rows, window, splits, prefill=0, n_bias
         out = vk.upload(np.zeros_like(q))
         vk.attention_prefill(*dev, start, n_q, 0.125, out, window, *kv, row_bias=dev_bias)
         assert nmse(vk.download(out), want) < TOL_ATTN
+
+
+def test_kv_copy_pages_over_the_grid_limit_takes_several_dispatches(vk, monkeypatch):
+    """Pages sit on grid y, at most 65,535 a dispatch on every device: a longer list (a
+    cache of more pages branched at once) is copied in several dispatches, here with the
+    limit lowered to 7 pages over a list of 23, to another pool."""
+    from backends.vulkan import shaders
+    monkeypatch.setattr(shaders, "MAX_WORKGROUPS", 7)
+    rng = np.random.default_rng(23)
+    src_k, src_v = (rng.integers(0, 2**16, (60, 2, 4, 64), dtype=np.uint16) for _ in range(2))
+    dst_k, dst_v = (np.zeros_like(a) for a in (src_k, src_v))
+    pages = rng.permutation(60)[:46].astype(np.int32)
+    src, dst = pages[:23], pages[23:]
+    dk, dv = vk.upload(dst_k), vk.upload(dst_v)
+    before = vk.launches
+    vk.kv_copy_pages(vk.upload(src_k), vk.upload(src_v), dk, dv, src, dst)
+    assert vk.launches - before == 4
+    dst_k[dst], dst_v[dst] = src_k[src], src_v[src]
+    np.testing.assert_array_equal(vk.download(dk), dst_k)
+    np.testing.assert_array_equal(vk.download(dv), dst_v)

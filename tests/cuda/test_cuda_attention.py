@@ -170,6 +170,20 @@ def test_decode_geometry():
     assert attention.decode_geometry(65, 14, 2)[:2] == (2, 4)
 
 
+@pytest.mark.parametrize("n_q,n_kv", [(9, 3), (14, 2), (12, 2), (32, 8), (4, 1)])
+def test_recorded_decode_launches_enough_splits(n_q, n_kv):
+    """A recorded decode step launches decode_split_bound(capacity) splits and each replay
+    works out its own count from the rows it attends: that bound must cover the count of
+    every row count up to the capacity (checked to 50K rows: the bound never falls as
+    rows grow and is never below the count; the rounded count of the capacity is no
+    such bound: Qwen2.5's 14/2 heads at 20,032 rows
+    give 254 splits, at 16,384 rows 256, whose last two would never run)."""
+    assert attention.decode_geometry(20_032, 14, 2)[2] == 254 < attention.decode_geometry(16_384, 14, 2)[2]
+    splits = np.array([attention.decode_geometry(r, n_q, n_kv)[2] for r in range(1, 50_001)])
+    bound = np.array([attention.decode_split_bound(r, n_q, n_kv) for r in range(1, 50_001)])
+    assert (np.diff(bound) >= 0).all() and (splits <= bound).all() and bound.max() <= attention.DEC_MAX_SPLITS
+
+
 def test_decode_scratch_allocated_once(ex):
     """A growing context reuses the partials buffer: a decode token allocates nothing."""
     rng = np.random.default_rng(3)

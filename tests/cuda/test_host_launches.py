@@ -72,3 +72,22 @@ def test_function_is_a_dict_hit_for_every_spelling_of_defines():
     assert ex.counts.snapshot()[1:3] == (2, 1)   # two get_function calls, one module built
     fn((1,), (32,), (np.zeros(1),))
     assert ex.counts.launches == 1
+
+
+def test_recorded_decode_attention_covers_every_length_it_replays():
+    """The splits a recorded decode step launches serve every row count its page table
+    holds: recorded at 16,384 rows of a 20,032-row table (Qwen2.5's 14/2 heads), the split
+    kernel's grid has the 256 splits the kernel works out at 16,384 rows (the table's own
+    rounded count, 254, left rows 16,256.. unattended)."""
+    from backends.cuda import attention
+    ex = bench_host.NullExecutor()
+    n_q, n_kv, head_dim, page_size, capacity, n_rows = 14, 2, 64, 64, 20_032, 16_384
+    pages = np.zeros((capacity // page_size + 1, n_kv, page_size, head_dim), np.uint16)
+    table = np.arange(capacity // page_size, dtype=np.int32)
+    q, out = np.zeros((1, n_q * head_dim), np.float32), np.zeros((1, n_q * head_dim), np.float32)
+    step = np.array([n_rows], np.int32)
+    ex.begin_recording()
+    attention.attention_decode(ex, q, pages, pages, table, n_rows, n_q, 0.125, out, step=(step, 0))
+    launches = {fn.name: grid for fn, grid, *_ in ex.end_recording().launches}
+    want = attention.decode_geometry(n_rows, n_q, n_kv)[2]
+    assert want == 256 and launches["attention_decode_split"][1] >= want

@@ -5,7 +5,9 @@
 // previous dispatch wrote races with it on a GPU (Vulkan sync validation reports
 // READ_AFTER_WRITE). OpGlobalBarrier records one vkCmdPipelineBarrier with a
 // global VkMemoryBarrier: every compute or transfer write before it is available
-// and visible to every compute or transfer access after it.
+// and visible to every compute or transfer access after it, and to host reads (a
+// fence wait alone does not make device writes visible to the host: the backend
+// records one after the copy back of what it will read).
 //
 // It derives from kp::OpBase, declared here exactly as kompute 0.9's
 // operations/OpBase.hpp does (same virtual functions, same order), and is
@@ -38,8 +40,9 @@ class OpGlobalBarrier : public kp::OpBase
         const vk::MemoryBarrier barrier(
           vk::AccessFlagBits::eShaderWrite | vk::AccessFlagBits::eTransferWrite,
           vk::AccessFlagBits::eShaderRead | vk::AccessFlagBits::eShaderWrite |
-            vk::AccessFlagBits::eTransferRead | vk::AccessFlagBits::eTransferWrite);
-        commandBuffer.pipelineBarrier(stages, stages, vk::DependencyFlags(), 1, &barrier, 0, nullptr, 0, nullptr);
+            vk::AccessFlagBits::eTransferRead | vk::AccessFlagBits::eTransferWrite | vk::AccessFlagBits::eHostRead);
+        commandBuffer.pipelineBarrier(stages, stages | vk::PipelineStageFlagBits::eHost, vk::DependencyFlags(), 1,
+                                      &barrier, 0, nullptr, 0, nullptr);
     }
     void preEval(const vk::CommandBuffer&) override {}
     void postEval(const vk::CommandBuffer&) override {}
