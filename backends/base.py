@@ -32,8 +32,9 @@ A layer's rows are addressed through its page table:
     page_table[r // page_size] at offset r % page_size.
 
 A backend whose kernels take per-thread settings (the CPU backend's thread count:
-numba's is per calling thread) has `bind_thread()`, which a thread other than the
-one that loaded the model (a server's worker) calls before it runs the model.
+numba's is per calling thread; CUDA's current device: cupy's is per thread) has
+`bind_thread()`, which a thread other than the one that loaded the model (a server's
+worker) calls before it runs the model.
 
 A backend that lacks an op fails at load naming it (`check_complete`); it never
 runs the op somewhere else quietly.

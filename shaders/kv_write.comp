@@ -152,8 +152,9 @@ void main() {
             vec2 cs = CS[pos * half_ + i];
             uint i0 = pc.neox != 0u ? i : 2u * i, i1 = pc.neox != 0u ? i + half_ : 2u * i + 1u;
             float x0 = K[base + i0], x1 = K[base + i1];
-            K[base + i0] = x0 * cs.x - x1 * cs.y;
-            K[base + i1] = x0 * cs.y + x1 * cs.x;
+            precise float r0 = x0 * cs.x - x1 * cs.y, r1 = x0 * cs.y + x1 * cs.x;   // as rope.comp
+            K[base + i0] = r0;
+            K[base + i1] = r1;
         }
         return;
     }
@@ -167,8 +168,9 @@ void main() {
             vec2 cs = CS[pos * half_ + i];
             uint i0 = pc.neox != 0u ? i : 2u * i, i1 = pc.neox != 0u ? i + half_ : 2u * i + 1u;
             float x0 = xs[i0], x1 = xs[i1];
-            xs[i0] = x0 * cs.x - x1 * cs.y;
-            xs[i1] = x0 * cs.y + x1 * cs.x;
+            precise float r0 = x0 * cs.x - x1 * cs.y, r1 = x0 * cs.y + x1 * cs.x;   // as rope.comp
+            xs[i0] = r0;
+            xs[i1] = r1;
         }
         barrier();
         if (pc.centred != 0u) {

@@ -22,7 +22,8 @@ void main() {
         uint i0 = pc.neox != 0u ? i : 2u * i;
         uint i1 = pc.neox != 0u ? i + half_ : 2u * i + 1u;
         float x0 = X[base + i0], x1 = X[base + i1];
-        X[base + i0] = x0 * cs.x - x1 * cs.y;
-        X[base + i1] = x0 * cs.y + x1 * cs.x;
+        precise float r0 = x0 * cs.x - x1 * cs.y, r1 = x0 * cs.y + x1 * cs.x;   // no contraction: as
+        X[base + i0] = r0;                                  // kv_write.comp's ROPE variant
+        X[base + i1] = r1;
     }
 }

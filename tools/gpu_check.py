@@ -258,9 +258,10 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         pytest += ["-n", str(min(cores, 16))]
     engine_cli = [sys.executable, "-m", "engine.cli", "bench", "--no-llama-cpp"]
     steps = [
-        Step("env", "machine, driver, CUDA, NVRTC, compute capability, packages", _me("env"), 60),
         Step("install", "carried wheels into a scratch site (only the missing ones)",
              _me("install", "--bundle", str(bundle), "--site", str(work / "site")) + (["--all"] if dry else []), 60),
+        Step("env", "machine, driver, CUDA, NVRTC, compute capability, packages (after install: the "
+             "backends package imports gguf)", _me("env"), 60),
         Step("compile", "cold NVRTC compile of every kernel variant for the live arch: registers, spills",
              _me("compile", *compile_), 150, tail_lines=90),
         Step("derive", "models made on the spot: Gemma all-global variant" + ("" if dry else ", SmolLM2 blocks x15 for bench"),
@@ -388,7 +389,7 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
         if unknown:
             raise SystemExit(f"run: unknown steps {sorted(unknown)}; steps: {', '.join(s.name for s in steps)}")
     if only:
-        only = ["env", *only]
+        only = ["install", "env", *only]
     while only:                               # what the chosen steps need runs too
         more = {n for s in steps if s.name in only for n in s.needs} - set(only)
         if not more:

@@ -43,6 +43,13 @@ class CudaBackend:
         self._step = None                                  # the step buffer of the recording under way
         self._max_position = 0                             # ... and the positions it may hold
 
+    def bind_thread(self) -> None:
+        """The device current in the calling thread (backends/base.py): a thread other than
+        the one that loaded the model (a server's worker) launches on the model's device."""
+        bind = getattr(self.ex, "bind_thread", None)      # the CPU harness: one "device", nothing to do
+        if bind is not None:
+            bind()
+
     @property
     def launches(self) -> int:
         """Kernel launches the ops have made (a replayed step makes none: engine/replay.py)."""

@@ -153,8 +153,8 @@ def load():
 def _usable(nvrtc) -> bool:
     try:
         nvrtc.getVersion()
-    except RuntimeError:      # "CuPy failed to load libnvrtc.so.12: ..."; not cached by cupy
-        return False
+    except Exception:         # noqa: BLE001 - "CuPy failed to load libnvrtc.so.12: ..." (RuntimeError in
+        return False          # cupy 13; another type in another cupy is still "not usable"); not cached
     return True
 
 

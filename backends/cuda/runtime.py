@@ -195,6 +195,11 @@ class CupyExecutor(_FunctionCache):
         self.cache: dict = {}
         self.target = self._probe(open_device(cupy, device))   # nvrtc.Target: what every kernel is built for
 
+    def bind_thread(self) -> None:
+        """Make this executor's device current in the calling thread (cupy's current device
+        is per thread: a server's worker would otherwise launch on device 0)."""
+        self.cp.cuda.Device(self.device_id).use()
+
     def _probe(self, compute_capability: int):
         """The target for this device (nvrtc.choose_target), after compiling and loading
         PROBE_SOURCE for it; BackendUnavailable (one line) when NVRTC is missing or too

@@ -139,3 +139,29 @@ def test_kernels_compiled_once_and_cached_on_disk(device, tmp_path):
     ex2 = runtime.CupyExecutor(0)                     # a new process would find the same file
     ex2.function("rope.cu", "rope")
     assert sorted(p.name for p in tmp_path.iterdir()) == images
+
+
+def test_a_worker_thread_binds_the_executors_device(device, monkeypatch):
+    """cupy's current device is per thread: a server's worker thread (which did not load
+    the model) makes the model's device current before it runs anything
+    (CudaBackend.bind_thread, called by the scheduler), here device 1 of two."""
+    import threading
+    used = []
+
+    class Device:
+        def __init__(self, index):
+            self.index = index
+
+        def use(self):
+            used.append((threading.current_thread().name, self.index))
+
+    monkeypatch.setattr(runtime, "device_count", lambda cp=None: 2)
+    ex = runtime.CupyExecutor(1)
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    from backends.cuda.backend import CudaBackend
+    b = object.__new__(CudaBackend)
+    b.ex = ex
+    t = threading.Thread(target=b.bind_thread, name="engine-worker")
+    t.start()
+    t.join()
+    assert used == [("engine-worker", 1)]

@@ -68,12 +68,13 @@ __device__ __forceinline__ float gelu_tanh(float g) {
 
 // One RoPE pair of a head in place: pair i (< half = rot_dim/2) is (2i, 2i+1), or with neox
 // (i, i + half), rotated by cs = (cos, sin) of its angle. rope.cu and the fused key write
-// (kv.cu rope_kv_write_*) share it, so both give the same values.
+// (kv.cu rope_kv_write_*) share it, its products and sums rounded on their own (no FMA
+// contraction, which NVRTC may apply differently in two kernels), so both give the same values.
 __device__ __forceinline__ void rope_pair(float* head, int i, int half, int neox, float2 cs) {
     const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
     const float x0 = head[i0], x1 = head[i1];
-    head[i0] = x0 * cs.x - x1 * cs.y;
-    head[i1] = x0 * cs.y + x1 * cs.x;
+    head[i0] = __fadd_rn(__fmul_rn(x0, cs.x), -__fmul_rn(x1, cs.y));
+    head[i1] = __fadd_rn(__fmul_rn(x0, cs.y), __fmul_rn(x1, cs.x));
 }
 
 // bf16 bits -> f32, exact.
