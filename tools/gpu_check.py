@@ -9,8 +9,9 @@ Made beforehand on a CPU machine with `python tools/gpu_check.py prepare` (write
 git-ignored). Subcommands:
 
   prepare   (CPU machine) the bundle: cut real models, the wheels the device image lacks, the
-            Vulkan loader; measures the whole call (tracked + untracked files + bundle) and fails
-            over 60 MiB. --no-download: cut the models only, count a fixed allowance for the rest.
+            Vulkan loader, kp built for the device's Python 3.12; measures the whole call (tracked
+            + untracked files + bundle) and fails over 62 MiB. --no-download: cut the models only,
+            count a fixed allowance for the rest.
   run       (GPU machine) every step a subprocess with its own timeout, the whole under --budget-s
             (450 s); writes report.json + report.md (+ logs/, bench JSON) under --out after every step.
   dry-run   prepare + run here: CUDA on the CPU harness, Vulkan on lavapipe, heavy steps scaled down.
@@ -21,6 +22,7 @@ docs/gpu_check.md says what each step checks and what the report holds.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -31,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import zipfile
@@ -40,8 +43,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ONE_CALL_COMMAND = 'python3 tools/gpu_check.py run --bundle gpu_bundle --out "$OUT"'
 ONE_CALL_CARRY = ["gpu_bundle"]
 DEFAULT_BUNDLE = "gpu_bundle"
-LIMIT_MIB = 60.0                 # the whole call: tracked + untracked files + bundle (the tool allows 64)
-ALLOWANCE_MIB = 6.0              # counted for wheels + Vulkan loader when prepare --no-download skips them
+LIMIT_MIB = 62.0                 # the whole call: tracked + untracked files + bundle (the tool allows 64)
+ALLOWANCE_MIB = 7.0              # counted for wheels, Vulkan loader and kp when prepare --no-download skips them
 BUDGET_S = 450.0                 # run's whole budget (the device tool allows 600 s a command)
 SKIPPED = 3                      # a step's exit status meaning "skipped"; its last line says why
 
@@ -120,6 +123,74 @@ def _download_vulkan_loader(dest: pathlib.Path) -> str:
         return deb.name
 
 
+KP_VERSION = "0.9.0"
+KP_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "snapkv-engine" / "kp-py312"
+
+
+def _python312() -> str | None:
+    """A CPython 3.12 with its headers on this machine (pyenv's, or the system's), for the
+    device's kp; None if there is none."""
+    found = [shutil.which("python3.12")] + sorted(map(str, pathlib.Path.home().glob(".pyenv/versions/3.12*/bin/python3.12")))
+    for py in filter(None, found):
+        r = subprocess.run([py, "-c", "import os, sysconfig; p = sysconfig.get_paths()['include']; "
+                            "print(p if os.path.isfile(os.path.join(p, 'Python.h')) else '')"],
+                           capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.strip():
+            return py
+    return None
+
+
+def _build_kp_py312(dest: pathlib.Path) -> str:
+    """kp 0.9.0 (patched as make setup patches it) and our _kp_barrier for the device's
+    CPython 3.12, into dest: built against pybind11 >= 2.12 from PyPI, whose numpy support
+    works with numpy 2 (the device's; the system pybind11 2.10 that make setup's kp uses
+    needs numpy < 2). Built once in KP_CACHE (a venv and the two modules, keyed by the
+    patch and kp_barrier.cpp; about 3 minutes), then copied. -> a line for the manifest."""
+    py = _python312()
+    if py is None:
+        return "not built: no CPython 3.12 with its headers on this machine"
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in (REPO / "tools" / f"kp-{KP_VERSION}.patch",
+                                                          REPO / "backends" / "vulkan" / "native" / "kp_barrier.cpp",
+                                                          pathlib.Path(__file__)))).hexdigest()[:16]
+    built = KP_CACHE / key
+    if not all(any(built.glob(f"{m}.cpython-312-*.so")) for m in ("kp", "_kp_barrier")):
+        venv, vpy = KP_CACHE / "venv", KP_CACHE / "venv" / "bin" / "python"
+        if not vpy.is_file():
+            subprocess.run([py, "-m", "venv", str(venv)], check=True)
+        pip = [str(vpy), "-m", "pip", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, "install", "setuptools", "wheel", "pybind11>=2.12", "numpy>=2"], check=True)
+        pybind = subprocess.run([str(vpy), "-c", "import pybind11; print(pybind11.get_cmake_dir()); "
+                                 "print(pybind11.get_include())"], check=True, capture_output=True, text=True)
+        cmake_dir, include = pybind.stdout.split()
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([*pip, "download", "--no-deps", "--no-binary", ":all:", f"kp=={KP_VERSION}", "-d", tmp],
+                           check=True)
+            subprocess.run(["tar", "-xzf", f"{tmp}/kp-{KP_VERSION}.tar.gz", "-C", tmp], check=True)
+            with open(REPO / "tools" / f"kp-{KP_VERSION}.patch", "rb") as patch:
+                subprocess.run(["patch", "-s", "-p1", "-d", f"{tmp}/kp-{KP_VERSION}"], stdin=patch, check=True)
+            toolchain = pathlib.Path(tmp) / "python.cmake"      # as tools/setup.sh: pin the interpreter
+            toolchain.write_text(f'set(PYTHON_EXECUTABLE "{vpy}" CACHE FILEPATH "" FORCE)\n'
+                                 f'set(pybind11_DIR "{cmake_dir}" CACHE PATH "" FORCE)\n')
+            env = dict(os.environ, CMAKE_TOOLCHAIN_FILE=str(toolchain), KOMPUTE_OPT_INSTALL="OFF",
+                       KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS="ON", KOMPUTE_OPT_USE_BUILT_IN_VULKAN_HEADER="OFF",
+                       KOMPUTE_OPT_USE_BUILT_IN_FMT="OFF", KOMPUTE_OPT_USE_BUILT_IN_PYBIND11="OFF",
+                       KOMPUTE_PYTHON_NUM_PARALLEL_THREADS="2")
+            subprocess.run([*pip, "install", "--no-build-isolation", "--no-deps", "--force-reinstall",
+                            f"{tmp}/kp-{KP_VERSION}"], check=True, env=env)
+        site = subprocess.run([str(vpy), "-c", "import kp; print(kp.__file__)"], check=True, capture_output=True,
+                              text=True).stdout.strip()
+        built.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(site, built / pathlib.Path(site).name)
+        suffix = pathlib.Path(site).name[len("kp"):]
+        subprocess.run([str(vpy), str(REPO / "tools" / "build_kp_barrier.py"), "--out",
+                        str(built / f"_kp_barrier{suffix}"), "--pybind11", include], check=True)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in sorted(built.glob("*.so")):
+        shutil.copyfile(f, dest / f.name)
+    return f"kp {KP_VERSION} + _kp_barrier for CPython 3.12 (pybind11 >= 2.12: numpy 2), built with {py}"
+
+
 def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
     sys.path.insert(0, str(REPO))
     from engine.model_path import named_model_path
@@ -144,10 +215,11 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
         if not (dst.is_file() and prev and prev.get("key") == key):
             cut_gguf(src, dst, range(cut.layers), cut.n_vocab)
         models.append({"file": cut.file, "about": cut.about, "bytes": dst.stat().st_size, "key": key})
-    wheels = vulkan = None
+    wheels = vulkan = kp = None
     if download:
         wheels = _download_wheels(bundle / "wheels")
         vulkan = _download_vulkan_loader(bundle / "vulkan")
+        kp = _build_kp_py312(bundle / "vulkan" / "py312")
     (bundle / "vulkan" / "nvidia_icd.json").write_text(json.dumps(NVIDIA_ICD, indent=1) + "\n")
     have_wheels = sorted(p.name for p in (bundle / "wheels").glob("*.whl"))
     have_loader = (bundle / "vulkan" / "libvulkan.so.1").is_file()
@@ -160,6 +232,7 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
         "wheels": [{"file": n, "bytes": (bundle / "wheels" / n).stat().st_size} for n in have_wheels],
         "wheel_requirements": wheels or [f"{d} (not downloaded)" for d in WHEELS.values()],
         "vulkan_loader": vulkan or ("libvulkan.so.1 (kept)" if have_loader else "not downloaded"),
+        "kp": kp or ("kept" if any((bundle / "vulkan" / "py312").glob("kp.*.so")) else "not built"),
         "call_bytes": sizes, "allowance_bytes": allowance, "call_total_bytes": total,
         "limit_bytes": LIMIT_MIB * 2**20, "one_call": {"command": ONE_CALL_COMMAND, "carry": ONE_CALL_CARRY},
     }
@@ -170,7 +243,7 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
         print(f"  models/{m['file']:<28} {mib(m['bytes'])}  {m['about']}")
     for w in manifest["wheels"]:
         print(f"  wheels/{w['file'][:60]:<60} {mib(w['bytes'])}")
-    print(f"  vulkan/: {manifest['vulkan_loader']}")
+    print(f"  vulkan/: {manifest['vulkan_loader']}; py312/: {manifest['kp']}")
     print(f"whole call: tracked {mib(sizes['tracked'])} + untracked {mib(sizes['untracked'])} + bundle "
           f"{mib(sizes['bundle'])}" + (f" + allowance {mib(allowance)}" if allowance else "")
           + f" = {mib(total)} (limit {LIMIT_MIB:.0f} MiB)")
@@ -205,9 +278,23 @@ def _sanitizer() -> str | None:
     return None
 
 
-def _vulkan_env(bundle: pathlib.Path) -> tuple[dict, list[str]]:
-    """LD_LIBRARY_PATH / VK_ICD_FILENAMES additions for the Vulkan steps, and what was found."""
+def _vulkan_env(bundle: pathlib.Path, pythonpath: str = "") -> tuple[dict, list[str]]:
+    """LD_LIBRARY_PATH / VK_ICD_FILENAMES additions for the Vulkan steps, and what was found;
+    where this Python has no kp, the bundle's build for it first on PYTHONPATH (`pythonpath`:
+    the steps' own) and its _kp_barrier copied into backends/vulkan/."""
     env, notes = {}, []
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}"
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    if importlib.util.find_spec("kp") is not None:
+        notes.append("kp importable")
+    elif (bundle / "vulkan" / tag / f"kp{suffix}").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bundle / "vulkan" / tag), pythonpath]))
+        barrier, target = bundle / "vulkan" / tag / f"_kp_barrier{suffix}", REPO / "backends" / "vulkan" / f"_kp_barrier{suffix}"
+        if barrier.is_file() and not target.exists():
+            shutil.copyfile(barrier, target)
+        notes.append(f"kp from the bundle (vulkan/{tag}: built for this Python against pybind11 >= 2.12)")
+    else:
+        notes.append(f"no kp for Python {platform.python_version()} (none installed, none in the bundle)")
     ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout if shutil.which("ldconfig") else ""
     if "libvulkan.so.1" in ldconfig:
         notes.append("system Vulkan loader present")
@@ -227,13 +314,18 @@ def _vulkan_env(bundle: pathlib.Path) -> tuple[dict, list[str]]:
     return env, notes
 
 
+def _pythonpath(work: pathlib.Path, dry: bool) -> str:
+    """The steps' PYTHONPATH: the scratch site of carried wheels (not in a dry run), the repository."""
+    return os.pathsep.join(filter(None, ["" if dry else str(work / "site"), str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool) -> list[Step]:
     models = [str(bundle / "models" / c.file) for c in CUTS]
     smol, gemma = models
     gemma_global = str(work / "gemma3-2l-v2k-global.gguf")
     bench_model = smol if dry else str(work / "smollm2-30l-bench.gguf")
     cores = os.cpu_count() or 1
-    vk_env, _ = _vulkan_env(bundle)
+    vk_env, _ = _vulkan_env(bundle, _pythonpath(work, dry))
     sanitizer = _sanitizer()
     no_san = "dry run: CUDA runs on the CPU harness" if dry else (None if sanitizer else "compute-sanitizer not found")
     if dry:
@@ -395,12 +487,10 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
         if not more:
             break
         only = only + sorted(more)
-    site = work / "site"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site) if not dry else "", str(REPO),
-                                                                      os.environ.get("PYTHONPATH")])),
+    env = dict(os.environ, PYTHONPATH=_pythonpath(work, dry),
                SHARPI_CUDA_EXECUTOR="cpu-harness" if dry else "device", PYTHONUNBUFFERED="1")
     env.pop("SHARPI_BACKEND", None)
-    _, vk_notes = _vulkan_env(bundle)
+    _, vk_notes = _vulkan_env(bundle, env["PYTHONPATH"])
     report = {"dry_run": dry, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "budget_s": budget_s,
               "python": sys.version.split()[0], "executor": env["SHARPI_CUDA_EXECUTOR"], "vulkan_notes": vk_notes,
               "bundle": {k: manifest.get(k) for k in ("models", "wheels", "call_total_bytes", "vulkan_loader")},
@@ -724,8 +814,8 @@ def cmd_vulkan_env(a) -> int:
         import kp  # noqa: F401
     except Exception as e:               # noqa: BLE001
         print(f"Vulkan: not run: kp not importable on Python {platform.python_version()} ({type(e).__name__}: {e}; "
-              f"kp 0.9.0 is an sdist only and no Python {sys.version_info.major}.{sys.version_info.minor} build "
-              f"travels in the bundle: docs/gpu_check.md)")
+              f"kp 0.9.0 is an sdist only, and the bundle holds no build for Python "
+              f"{sys.version_info.major}.{sys.version_info.minor}: docs/gpu_check.md)")
         return SKIPPED
     sys.path.insert(0, str(REPO))
     from engine.errors import EngineError
