@@ -53,8 +53,8 @@ void main() {
         if (tid < k) {
             float ma = rm[tid], mb = rm[tid + k];
             float mm = max(ma, mb);
-            float la = ma == -1.0 / 0.0 ? 0.0 : rl[tid] * exp(ma - mm);
-            float lb = mb == -1.0 / 0.0 ? 0.0 : rl[tid + k] * exp(mb - mm);
+            float la = is_neg_inf(ma) ? 0.0 : rl[tid] * exp(ma - mm);      // empty lanes weigh 0
+            float lb = is_neg_inf(mb) ? 0.0 : rl[tid + k] * exp(mb - mm);
             rm[tid] = mm;
             rl[tid] = la + lb;
         }

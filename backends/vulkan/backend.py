@@ -127,6 +127,7 @@ class VulkanBackend:
         # between dependent dispatches: "barrier" (one sequence), "submit" (one sequence each), or none
         self._sync = sync_mode(info["type"], device_local, OpGlobalBarrier is not None)
         self._barrier = OpGlobalBarrier() if self._sync == "barrier" else None
+        self._host_barrier = OpGlobalBarrier(host=True) if self._sync == "barrier" else None   # after read-backs
         self.submissions = 0                               # queue submissions (sequence evals)
         self.launches = 0                                  # dispatches recorded by the ops
         self.algorithms_created = 0                        # kp.Algorithm objects made (cache misses)
@@ -345,12 +346,18 @@ class VulkanBackend:
                     self._readback[buf.serial] = host
                     weakref.finalize(buf, self._readback.pop, buf.serial, None)
             self._copy_words(buf, host)
-            if self._barrier is not None and self._seq is not None:   # the copy visible to host reads
-                self._seq.record(self._barrier)
+            self._record_host_barrier()
             return host.tensor
         if self._ttype == kp.TensorTypes.device:
             self._record(kp.OpTensorSyncLocal([buf.tensor]))
+            self._record_host_barrier()
         return buf.tensor
+
+    def _record_host_barrier(self) -> None:
+        """After a copy back into host memory: make it visible to host reads (a fence wait
+        alone does not, by the specification)."""
+        if self._host_barrier is not None and self._seq is not None:
+            self._seq.record(self._host_barrier)
 
     def download(self, arr) -> np.ndarray:
         if isinstance(arr, np.ndarray):

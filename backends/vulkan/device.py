@@ -207,11 +207,11 @@ def pick_device(devices: list[dict], allow_cpu: bool = True) -> dict:
 
 
 # What the backend needs of a device: SPIR-V 1.3 (shaders are compiled for Vulkan 1.1),
-# six storage buffers bound by one shader (attention: q, K pages, V pages, page table,
-# out, row bias; kv_write, kv_gather, kv_copy_pages and snapkv_votes bind five), and
-# buffers that kp can size (it computes them in 32 bits).
+# nine storage buffers bound by one shader (kv_write's ROPE variant: K and V pages, page
+# table, the q | k | v rows, values, step buffer, RoPE table, positions, key centre;
+# attention binds seven), and buffers that kp can size (it computes them in 32 bits).
 MIN_API = (1, 1)
-STORAGE_BUFFERS_PER_SHADER = 6
+STORAGE_BUFFERS_PER_SHADER = 9
 KP_MAX_BUFFER = 1 << 32
 
 

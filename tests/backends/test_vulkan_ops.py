@@ -187,6 +187,36 @@ def test_a_failed_submission_is_one_line_and_leaves_nothing_pending():
         b.flush()
 
 
+def test_a_submission_runs_while_python_goes_on(vk):
+    """kp (patched) submits eval_async without waiting, and eval / eval_await release the
+    GIL while the device works: after submit() the host records the next batch while the
+    first runs (a prefill's chunks), and while it waits, a server's other threads run."""
+    import threading
+    import time
+    x = vk.upload(np.ones((4096, 1024), np.float32))
+    for _ in range(24):
+        vk.add(x, x, x)
+    t0 = time.perf_counter()
+    vk.submit()
+    submitted = time.perf_counter() - t0
+    assert vk._in_flight and vk._in_flight[0][0].is_running()        # not awaited by submit
+    count, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    before, t0 = count[0], time.perf_counter()
+    vk.flush()                                                        # waits in eval_await
+    waited, ran = time.perf_counter() - t0, count[0] - before
+    stop.set()
+    t.join()
+    assert waited > 5 * submitted and ran > 1000, (submitted, waited, ran)
+    np.testing.assert_array_equal(vk.download(x)[:2, :3], np.full((2, 3), 2.0 ** 24, np.float32))
+
+
 # -- Gemma 3 ops: grouped rms_norm, scale, gelu_gate, sliding-window attention --------
 # The views, aliasing and saturation cases the forward pass hits; the shared parity cases
 # in test_ops.py cover the plain shapes. Oracle: backends/reference.py.
