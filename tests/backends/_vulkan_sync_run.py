@@ -3,8 +3,8 @@ starts, so they need a process of their own).
 
     python _vulkan_sync_run.py MODEL.gguf barrier|submit|none [KV_DTYPE] [MERGE]
 
-Runs the model on Vulkan with device-local buffers and split decode attention, as on a
-GPU, with the given inter-dispatch sync and KV row format (default bf16; e.g. tq4/tq3):
+Runs the model on Vulkan with device-local buffers, split decode attention and the GPU
+mat-vec layout (lanes along a row, row-major weights), as on a GPU, with the given inter-dispatch sync and KV row format (default bf16; e.g. tq4/tq3):
 prefill, SnapKV compaction (with MERGE > 0 that many merged rows: their writes and the
 attention bias buffer), a cache branch, decode. Prints one JSON line with the greedy tokens, the
 last logits, and whether the Khronos validation layer's library is loaded."""
@@ -43,6 +43,7 @@ def main() -> None:
     def get_backend(name="cpu", threads=None, quiet=False, auto_gpu_only=False):
         b = vk_backend.VulkanBackend(device_local=True)
         b.decode_lanes, b.decode_splits = False, vk_backend.shaders.DECODE_SPLITS   # a GPU's split decode
+        b.matmul_cpu_layout = False                        # and mat-vec layout (row-major weights)
         if mode == "none":
             b._sync = None                                 # the race the barrier exists to prevent
         backends.check_complete(b)
