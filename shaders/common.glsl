@@ -8,6 +8,18 @@
 // assume every float is finite and fold isinf / isnan, or a comparison with infinity, away.
 bool is_neg_inf(float v) { return floatBitsToUint(v) == 0xFF800000u; }
 
+// RoPE pair i (< half_ = rot_dim/2) of a head: its two places, (2i, 2i+1), or with neox
+// (i, i + half_); and the pair (x0, x1) rotated by cs = (cos, sin) of its angle, products
+// and sums rounded on their own (precise: no contraction), so rope.comp and kv_write.comp's
+// ROPE variant give the same bits.
+uvec2 rope_places(uint i, uint half_, uint neox) {
+    return neox != 0u ? uvec2(i, i + half_) : uvec2(2u * i, 2u * i + 1u);
+}
+vec2 rope_rotate(float x0, float x1, vec2 cs) {
+    precise vec2 r = vec2(x0 * cs.x - x1 * cs.y, x0 * cs.y + x1 * cs.x);
+    return r;
+}
+
 // bf16 bits (low 16 bits of a uint) -> f32, exact.
 float bf16_to_f32(uint h) { return uintBitsToFloat((h & 0xFFFFu) << 16); }
 

@@ -150,11 +150,10 @@ void main() {
         uint base = pc.q_off + t * pc.k_stride + (h * pc.n_group + gl_WorkGroupID.z - 2u) * hd;
         for (uint i = tid; i < half_; i += 64u) {
             vec2 cs = CS[pos * half_ + i];
-            uint i0 = pc.neox != 0u ? i : 2u * i, i1 = pc.neox != 0u ? i + half_ : 2u * i + 1u;
-            float x0 = K[base + i0], x1 = K[base + i1];
-            precise float r0 = x0 * cs.x - x1 * cs.y, r1 = x0 * cs.y + x1 * cs.x;   // as rope.comp
-            K[base + i0] = r0;
-            K[base + i1] = r1;
+            uvec2 at = base + rope_places(i, half_, pc.neox);
+            vec2 r = rope_rotate(K[at.x], K[at.y], cs);
+            K[at.x] = r.x;
+            K[at.y] = r.y;
         }
         return;
     }
@@ -166,11 +165,10 @@ void main() {
 #ifdef ROPE
         for (uint i = tid; i < half_; i += 64u) {
             vec2 cs = CS[pos * half_ + i];
-            uint i0 = pc.neox != 0u ? i : 2u * i, i1 = pc.neox != 0u ? i + half_ : 2u * i + 1u;
-            float x0 = xs[i0], x1 = xs[i1];
-            precise float r0 = x0 * cs.x - x1 * cs.y, r1 = x0 * cs.y + x1 * cs.x;   // as rope.comp
-            xs[i0] = r0;
-            xs[i1] = r1;
+            uvec2 at = rope_places(i, half_, pc.neox);
+            vec2 r = rope_rotate(xs[at.x], xs[at.y], cs);
+            xs[at.x] = r.x;
+            xs[at.y] = r.y;
         }
         barrier();
         if (pc.centred != 0u) {

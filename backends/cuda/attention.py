@@ -165,19 +165,18 @@ def decode_geometry(n_rows: int, n_q_heads: int, n_kv: int) -> tuple[int, int, i
     group = n_q_heads // n_kv
     n_chunks = -(-group // DEC_HEADS)
     heads_per_block = -(-group // n_chunks)
-    want = -(-DEC_TARGET_BLOCKS // (n_kv * n_chunks))
-    n_splits = max(1, min(DEC_MAX_SPLITS, want, -(-n_rows // DEC_SPLIT_ROWS)))
-    rows_per_split = -(-n_rows // n_splits)
+    rows_per_split = -(-n_rows // decode_split_bound(n_rows, n_q_heads, n_kv))
     return n_chunks, heads_per_block, -(-n_rows // rows_per_split), rows_per_split
 
 
-def decode_split_bound(capacity: int, n_q_heads: int, n_kv: int) -> int:
-    """The splits a recorded decode step launches: at least decode_geometry's for every row
-    count up to `capacity`. The count before rounding to whole splits grows with the rows;
-    the rounded one does not (Qwen2.5 at 20,032 rows: 254 splits, at 16,384: 256)."""
-    group = n_q_heads // n_kv
-    want = -(-DEC_TARGET_BLOCKS // (n_kv * -(-group // DEC_HEADS)))
-    return max(1, min(DEC_MAX_SPLITS, want, -(-capacity // DEC_SPLIT_ROWS)))
+def decode_split_bound(n_rows: int, n_q_heads: int, n_kv: int) -> int:
+    """The splits wanted for n_rows before rounding to whole splits of rows: what a recorded
+    decode step launches for a table of n_rows, at least decode_geometry's count for every
+    row count up to it. The wanted count grows with the rows; the rounded one does not
+    (Qwen2.5 at 20,032 rows: 254 splits, at 16,384: 256)."""
+    n_chunks = -(-(n_q_heads // n_kv) // DEC_HEADS)
+    want = -(-DEC_TARGET_BLOCKS // (n_kv * n_chunks))
+    return max(1, min(DEC_MAX_SPLITS, want, -(-n_rows // DEC_SPLIT_ROWS)))
 
 
 def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads: int, scale: float,

@@ -188,16 +188,21 @@ def _rope_table(ex, base: float, rot_dim: int, max_pos: int, factors):
     return tables[key][0], host.nbytes
 
 
-def _positions(ex, positions: np.ndarray, n: int, table, step: tuple | None) -> tuple:
-    """(positions pointer, use_positions, pos0, bytes uploaded) of rope.cu's arguments: a
-    recorded step's slots, none for consecutive positions (pos0 + t), else an upload."""
+def _rope_inputs(ex, positions: np.ndarray, freq_base: float, rot_dim: int, freq_factors, step: tuple | None,
+                 max_position: int) -> tuple:
+    """(table, positions pointer, use_positions, pos0, bytes uploaded) of rope.cu's arguments:
+    the (cos, sin) table covering the positions (and, for a recorded step, those below
+    max_position); the positions as a recorded step's slots, none for consecutive ones
+    (pos0 + t), else an upload."""
+    n = len(positions)
+    table, uploaded = _rope_table(ex, freq_base, rot_dim, max(int(positions.max()), max_position - 1), freq_factors)
     pos0 = int(positions[0])
     if step is not None:
         buf, slot = step
-        return buf[slot:slot + n], 1, pos0, 0
+        return table, buf[slot:slot + n], 1, pos0, uploaded
     if np.array_equal(positions, pos0 + np.arange(n, dtype=np.int32)):
-        return table, 0, pos0, 0                         # any valid pointer; not read
-    return ex.asarray(positions), 1, pos0, positions.nbytes
+        return table, table, 0, pos0, uploaded           # any valid pointer; not read
+    return table, ex.asarray(positions), 1, pos0, uploaded + positions.nbytes
 
 
 def rope(ex, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int, freq_base: float,
@@ -211,13 +216,12 @@ def rope(ex, x, positions: np.ndarray, n_heads: int, head_dim: int, rot_dim: int
         return 0
     if x.shape[1] < n_heads * head_dim or rot_dim > head_dim or rot_dim % 2 or rot_dim > 512:
         raise ValueError(f"cuda rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
-    table, uploaded = _rope_table(ex, freq_base, rot_dim, max(int(positions.max()), max_position - 1),
-                                  freq_factors)
-    pos_dev, use, pos0, sent = _positions(ex, positions, n, table, step)
+    table, pos_dev, use, pos0, uploaded = _rope_inputs(ex, positions, freq_base, rot_dim, freq_factors, step,
+                                                       max_position)
     ex.function("rope.cu", "rope")((n, n_heads), (threads_for(rot_dim // 2, 256),),
                                    (x, row_stride(x), table, pos_dev, _i32(use), _i32(pos0),
                                     _i32(head_dim), _i32(rot_dim), _i32(int(bool(neox)))))
-    return uploaded + sent
+    return uploaded
 
 
 def _kv_pools(k_pages, v_pages, k_dtype: str, v_dtype: str, op: str) -> tuple[int, int, int]:
@@ -292,9 +296,8 @@ def rope_kv_write(ex, qkv, positions: np.ndarray, n_heads: int, rot_dim: int, fr
             or (centre is not None and centre.shape != (1, kv_dim)):
         raise ValueError(f"cuda rope_kv_write: qkv {qkv.shape}, {n_heads} query heads over {k_pages.shape}, "
                          f"keys {k_dtype}, rot_dim {rot_dim}, {len(positions)} positions")
-    table, uploaded = _rope_table(ex, freq_base, rot_dim, max(int(positions.max()), max_position - 1),
-                                  freq_factors)
-    pos_dev, use, pos0, sent = _positions(ex, positions, n, table, step_positions)
+    table, pos_dev, use, pos0, uploaded = _rope_inputs(ex, positions, freq_base, rot_dim, freq_factors,
+                                                       step_positions, max_position)
     at = step_args(step_row, page_table)
     fused_v = v_dtype if v_dtype in ROPE_WRITE_KEYS else "none"
     k_off = n_heads * head_dim
@@ -307,7 +310,7 @@ def rope_kv_write(ex, qkv, positions: np.ndarray, n_heads: int, rot_dim: int, fr
     if fused_v == "none":
         _write_pool(ex, v_pages, page_table, qkv[:, k_off + kv_dim:], v_dtype, "v", n_kv, head_dim, page_size,
                     start_row, at)
-    return uploaded + sent
+    return uploaded
 
 
 def _move_unit(*byte_counts: int) -> tuple[str, type]:

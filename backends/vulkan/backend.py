@@ -179,9 +179,7 @@ class VulkanBackend:
         values = np.ascontiguousarray(values, dtype=np.int32)
         step = self._step_arrays.get(values.size)
         if step is None:                                   # staged: replay writes its host side
-            words, dt = to_words(values)
-            step = self._step_arrays[values.size] = DeviceArray(self._buffer(words, staged=True), dt, values.shape)
-            self.bytes_to_device += words.nbytes
+            step = self._step_arrays[values.size] = self.upload(values, staged=True)
         else:
             self.update(step, values)
         self.flush()                                       # the recording starts a batch of its own
@@ -304,11 +302,12 @@ class VulkanBackend:
         n_words = max(1, -(-int(np.prod(shape)) // PER_WORD[dt]))
         return DeviceArray(self._buffer(np.zeros(n_words, np.uint32), zeros=True), dt, shape)
 
-    def upload(self, host) -> DeviceArray:
+    def upload(self, host, staged: bool = False) -> DeviceArray:
+        """host data in a new buffer (`staged`: _buffer's, kept host-writable at any size)."""
         host = np.asarray(host)
         words, dt = to_words(host)
         self.bytes_to_device += words.nbytes
-        return DeviceArray(self._buffer(words), dt, host.shape)
+        return DeviceArray(self._buffer(words, staged=staged), dt, host.shape)
 
     def update(self, arr, host) -> None:
         """Overwrite a whole uploaded array with host data of its shape and dtype, in
@@ -593,21 +592,23 @@ class VulkanBackend:
             return
         if x.shape[1] < n_heads * head_dim or rot_dim > head_dim or rot_dim % 2:
             raise ValueError(f"vulkan rope: x {x.shape}, {n_heads} heads of {head_dim}, rot_dim {rot_dim}")
-        table = self._rope_table(freq_base, rot_dim, max(int(positions.max()), self._max_position - 1),
-                                 freq_factors)
-        pos_buf, use, pos0 = self._positions(positions, at)
+        table, pos_buf, use, pos0 = self._rope_inputs(positions, at, freq_base, rot_dim, freq_factors)
         push = _u32(n, n_heads, head_dim, rot_dim, int(bool(neox)), x.offset, x.row_stride, pos0, use)
         self._dispatch("rope", (), [x.buffer, table.buffer, pos_buf], (n_heads, n, 1), push)
 
-    def _positions(self, positions: np.ndarray, at: int) -> tuple:
-        """(buffer, use_pos, pos0) of rope.comp's positions: a recorded step's slots (at:
-        the first slot + 1), none for consecutive ones (pos0 + t), else a transient buffer."""
+    def _rope_inputs(self, positions: np.ndarray, at: int, freq_base: float, rot_dim: int, freq_factors) -> tuple:
+        """(table, positions buffer, use_pos, pos0) of rope.comp's inputs: the (cos, sin) table
+        covering the positions (and those a recorded step may hold); the positions as a
+        recorded step's slots (at: the first slot + 1), none for consecutive ones (pos0 +
+        t), else a transient buffer."""
+        table = self._rope_table(freq_base, rot_dim, max(int(positions.max()), self._max_position - 1),
+                                 freq_factors)
         pos0 = int(positions[0])
         if at:
-            return self._step_buffer, at, pos0
+            return table, self._step_buffer, at, pos0
         if np.array_equal(positions, pos0 + np.arange(len(positions), dtype=np.int32)):
-            return self._dummy, 0, pos0
-        return self._transient(positions).buffer, 1, pos0
+            return table, self._dummy, 0, pos0
+        return table, self._transient(positions).buffer, 1, pos0
 
     # -- KV rows ------------------------------------------------------------------------
     @staticmethod
@@ -713,9 +714,7 @@ class VulkanBackend:
         if is_rotated(v_dtype):                           # rows are coded in the rotated basis
             v, v_src = self._rot_buffer("b", n, kv_dim), v
             self._rotate(v_src, v, v_dtype, n_kv, head_dim, back=False)
-        table = self._rope_table(freq_base, rot_dim, max(int(positions.max()), self._max_position - 1),
-                                 freq_factors)
-        pos_buf, use, pos0 = self._positions(positions, at_pos)
+        table, pos_buf, use, pos0 = self._rope_inputs(positions, at_pos, freq_base, rot_dim, freq_factors)
         centre = None if centre is None else self._f32(centre, "rope_kv_write")
         at = self._slot(start_row)                         # a recorded step's row: STEP[at - 1]
         group = n_heads // n_kv
