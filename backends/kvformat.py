@@ -91,6 +91,66 @@ def kv_dtype_name(k_dtype: str, v_dtype: str) -> str:
 
 
 @dataclass(frozen=True)
+class KvSpec:
+    """A cache's row formats: keys `k` and values `v` in every layer but the ranges of
+    `layers`, each (first, last, k, v) inclusive, sorted and disjoint. Spelled as
+    --kv-dtype takes it: "rq4_0", "q8_0/rq4_0", or with layer exceptions after colons,
+    "rq4_0:0=q8_0/rq4_0" (layer 0's keys q8_0) or "tq4:0-1=q8_0:23=q8_0"."""
+    k: str = "bf16"
+    v: str = "bf16"
+    layers: tuple = ()
+
+    @classmethod
+    def parse(cls, text, what: str = "KV dtype") -> "KvSpec":
+        if isinstance(text, KvSpec):
+            return text
+        head, *rest = str(text).strip().lower().split(":")
+        k, v = parse_kv_dtype(head, what)
+        layers = []
+        for part in rest:
+            span, eq, fmt = part.partition("=")
+            first, dash, last = span.partition("-")
+            if not (eq and first.isdigit() and (not dash or last.isdigit())):
+                raise ConfigError(f"{what}: a layer exception is LAYER=FORMAT or FIRST-LAST=FORMAT "
+                                  f"(e.g. rq4_0:0=q8_0/rq4_0), got {part!r} in {text!r}")
+            lo, hi = int(first), int(last if dash else first)
+            if hi < lo:
+                raise ConfigError(f"{what}: layer range {span} runs backwards in {text!r}")
+            layers.append((lo, hi, *parse_kv_dtype(fmt, what)))
+        layers.sort()
+        for a, b in zip(layers, layers[1:]):
+            if b[0] <= a[1]:
+                raise ConfigError(f"{what}: layer {b[0]} is named twice in {text!r}")
+        return cls(k, v, tuple(layers))
+
+    @property
+    def name(self) -> str:
+        """The canonical spelling (parse(spec.name) == spec)."""
+        parts = [kv_dtype_name(self.k, self.v)]
+        for lo, hi, k, v in self.layers:
+            parts.append(f"{lo}{'' if hi == lo else f'-{hi}'}={kv_dtype_name(k, v)}")
+        return ":".join(parts)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """Every row format the spec names, each once."""
+        return tuple(dict.fromkeys([self.k, self.v] + [d for *_, k, v in self.layers for d in (k, v)]))
+
+    def at(self, layer: int) -> tuple[str, str]:
+        """(keys, values) of one layer."""
+        for lo, hi, k, v in self.layers:
+            if lo <= layer <= hi:
+                return k, v
+        return self.k, self.v
+
+    def check_layers(self, n_layers: int) -> None:
+        """ConfigError unless every layer exception names a layer of an n_layers model."""
+        if self.layers and self.layers[-1][1] >= n_layers:
+            raise ConfigError(f"KV dtype {self.name} names layer {self.layers[-1][1]}, but the model has "
+                              f"{n_layers} layers (0-{n_layers - 1})")
+
+
+@dataclass(frozen=True)
 class KvFormat:
     """One storage format at one head_dim. `KvFormat.get(name, head_dim)` validates."""
     name: str

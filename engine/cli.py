@@ -31,7 +31,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", help="context size in tokens (env SHARPI_CTX)")
     p.add_argument("--prefill-chunk", dest="prefill_chunk", help="prompt tokens per prefill step")
     p.add_argument("--kv-dtype", dest="kv_dtype", help="KV cache rows: bf16 (default), q8_0, q4_0, tq4, tq3, rq4_0, "
-                   "or KEYS/VALUES such as q8_0/tq4 (env SHARPI_KV_DTYPE)")
+                   "or KEYS/VALUES such as q8_0/tq4, then layer exceptions such as rq4_0:0=q8_0/rq4_0 (layer 0's keys "
+                   "q8_0) (env SHARPI_KV_DTYPE)")
 
 
 def _add_snapkv_args(p: argparse.ArgumentParser) -> None:
@@ -200,7 +201,7 @@ def _kv_bytes_by_dtype(cfg) -> dict[str, int]:
     out = {}
     for dtype in KV_DTYPES:
         try:
-            out[dtype] = cfg.kv_bytes_per_token(dtype, dtype)
+            out[dtype] = cfg.kv_bytes_per_token(dtype)
         except EngineError:              # head_dim not a multiple of the format's block
             continue
     return out

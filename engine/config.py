@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields, replace
 
-from backends.kvformat import KV_DTYPES, kv_dtype_name, parse_kv_dtype
+from backends.kvformat import KV_DTYPES, KvSpec
 
 from .errors import ConfigError
 
@@ -73,11 +73,12 @@ def _float(lo: float = 0.0):
 
 
 def _kv_dtype(text, name):
-    """A KV dtype, or KEYS/VALUES ("q8_0/tq4"), normalised to its canonical spelling."""
-    return kv_dtype_name(*parse_kv_dtype(text, name))
+    """A KV dtype, KEYS/VALUES ("q8_0/tq4"), with layer exceptions ("rq4_0:0=q8_0/rq4_0"),
+    normalised to its canonical spelling."""
+    return KvSpec.parse(text, name).name
 
 
-_kv_dtype.range = "one of " + ", ".join(KV_DTYPES) + ", or KEYS/VALUES"
+_kv_dtype.range = "one of " + ", ".join(KV_DTYPES) + ", or KEYS/VALUES, then :LAYERS=FORMAT exceptions"
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ SETTINGS = (
     Spec("prefill_chunk", "SHARPI_PREFILL_CHUNK", "--prefill-chunk", _int(1), 256,
          "prompt tokens per prefill step"),
     Spec("kv_dtype", "SHARPI_KV_DTYPE", "--kv-dtype", _kv_dtype, "bf16",
-         "KV cache row format: bf16, q8_0, q4_0, tq4, tq3, rq4_0, or KEYS/VALUES such as q8_0/tq4"),
+         "KV cache row format: bf16, q8_0, q4_0, tq4, tq3, rq4_0, or KEYS/VALUES such as q8_0/tq4; "
+         "then :LAYERS=FORMAT for layers stored otherwise, as rq4_0:0=q8_0/rq4_0"),
     Spec("snapkv_budget", "SHARPI_SNAPKV_BUDGET", "--kv-budget", _optional_int(0), None,
          "SnapKV KV budget per layer: N>0 on, 0 off (also disables auto-on), unset = auto policy"),
     Spec("snapkv_window", "SHARPI_SNAPKV_WINDOW", "--kv-window", _int(1), 32,

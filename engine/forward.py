@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
-from backends.kvformat import parse_kv_dtype
+from backends.kvformat import KvSpec
 from backends.reference import read_rows
 
 from .errors import EngineError
@@ -190,13 +190,13 @@ class ForwardPass:
     def new_cache(self, kv_dtype: str | None = None, pool: PagePool | None = None) -> KvCache:
         """A cache for max_ctx positions; sliding-window layers get pages for their
         window plus one prefill chunk only. `kv_dtype`: "bf16", "tq4", "q8_0/tq4"
-        (keys/values), ... (backends/kvformat.py); None = self.kv_dtype. `pool`: take
-        pages from a shared PagePool (see new_pool) instead of a pool of its own."""
+        (keys/values), "rq4_0:0=q8_0/rq4_0" (layer 0 apart), ... (backends/kvformat.py);
+        None = self.kv_dtype. `pool`: take pages from a shared PagePool (see new_pool)
+        instead of a pool of its own."""
         c = self.cfg
-        k_dtype, v_dtype = parse_kv_dtype(kv_dtype or self.kv_dtype)
         return KvCache(self.backend, c.n_layers, c.n_kv_heads, c.head_dim, self.max_ctx, self.page_size,
                        windows=[c.window(i) for i in range(c.n_layers)], max_step=self.chunk,
-                       k_dtype=k_dtype, v_dtype=v_dtype, pool=pool)
+                       kv=KvSpec.parse(kv_dtype or self.kv_dtype), pool=pool)
 
     def new_pool(self, tokens: int, kv_dtype: str | None = None) -> PagePool:
         """A page pool for caches to share: for each full-attention layer, the pages of
@@ -208,7 +208,7 @@ class ForwardPass:
         pages = [layer_pages(tokens, self.page_size, c.window(i), self.chunk) * (caches if c.window(i) else 1)
                  for i in range(c.n_layers)]
         return PagePool(self.backend, pages, c.n_kv_heads, self.page_size, c.head_dim,
-                        *parse_kv_dtype(kv_dtype or self.kv_dtype))
+                        KvSpec.parse(kv_dtype or self.kv_dtype))
 
     # -- public steps -------------------------------------------------------------
     def prefill(self, ids, cache: KvCache, all_logits: bool = False, on_chunk=None,
@@ -296,7 +296,7 @@ class ForwardPass:
         check_rescorable(cache)
         n_rows = cache.layers[scored[0]].length
         votes = [self.backend.snapkv_votes(q_window[i], cache.layers[i].pool.k_pages, cache.layers[i].page_table(),
-                                           n_rows, self.scale, k_dtype=cache.k_dtype) for i in scored]
+                                           n_rows, self.scale, k_dtype=cache.layers[i].pool.k_dtype) for i in scored]
         t_scored = time.perf_counter()
         keeps = selector.keep_from_model_votes(votes, n_rows)
         bytes_before = cache.bytes
@@ -323,7 +323,7 @@ class ForwardPass:
             if seg not in hosts:
                 hosts[seg] = (self.backend.download(kv.pool.k_pages), self.backend.download(kv.pool.v_pages))
             rows = [read_rows(pages, kv.host_table, kv.length, dtype, self.cfg.head_dim)
-                    for pages, dtype in zip(hosts[seg], (cache.k_dtype, cache.v_dtype))]
+                    for pages, dtype in zip(hosts[seg], (kv.pool.k_dtype, kv.pool.v_dtype))]
             if not isinstance(keep, list):       # one set per KV head (a list: adaptive head budgets)
                 keep = np.broadcast_to(keep, (rows[0].shape[0], keep.shape[-1]))
             out.append(merged_rows(*rows, kv.row_bias, keep, n_merge))
@@ -502,8 +502,8 @@ class ForwardPass:
         rope_kv_write (RoPE, the keys' centre and the K/V write in one op): a key format it
         fuses, one row count for every KV head, and no centre to set from the rotated keys."""
         kv = cache.layers[li]
-        return (cache.k_dtype in getattr(self.backend, "rope_write_keys", ()) and not kv.ragged
-                and (cache.k_dtype == "bf16" or kv.logical_length > 0 or step))
+        return (kv.pool.k_dtype in getattr(self.backend, "rope_write_keys", ()) and not kv.ragged
+                and (kv.pool.k_dtype == "bf16" or kv.logical_length > 0 or step))
 
     def _attend(self, cache: KvCache, li: int, window: int, qkv, attn, capture, step: tuple | None = None,
                 positions=None) -> None:
@@ -515,11 +515,11 @@ class ForwardPass:
         q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
         n = qkv.shape[0]
         kv = cache.layers[li]
-        dtypes = {"k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype}   # the pool's row formats
+        dtypes = {"k_dtype": kv.pool.k_dtype, "v_dtype": kv.pool.v_dtype}   # the layer's row formats
         if capture is not None and not window:
             capture(b, li, qkv[:, :q_end], kv.logical_length)
         if positions is None:
-            centre = self._key_centre(kv, qkv[:, q_end:k_end], cache.k_dtype, step is None)
+            centre = self._key_centre(kv, qkv[:, q_end:k_end], kv.pool.k_dtype, step is None)
             if centre is not None:
                 b.add(qkv[:, q_end:k_end], centre, qkv[:, q_end:k_end])
         if kv.ragged:

@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from backends.base import check_kv_dtypes
-from backends.kvformat import KvFormat, kv_dtype_name, parse_kv_dtype
+from backends.kvformat import KvFormat, KvSpec
 
 from . import config as config_mod
 from . import inputs
@@ -34,7 +34,7 @@ def snapkv_from_settings(s: config_mod.Settings, cfg: ModelConfig, ctx: int) -> 
     cache really holds: sliding-window layers count their window, not the context)."""
     budget, notice = s.snapkv_budget, None
     if budget is None:
-        ring_mib = cfg.kv_bytes(ctx, min(s.prefill_chunk, ctx), PAGE_SIZE, *parse_kv_dtype(s.kv_dtype)) / 2**20
+        ring_mib = cfg.kv_bytes(ctx, min(s.prefill_chunk, ctx), PAGE_SIZE, s.kv_dtype) / 2**20
         if ring_mib <= s.snapkv_auto_mib:
             return None, None
         budget = AUTO_BUDGET
@@ -66,35 +66,37 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def kv_dtypes_for(kv_dtype: str, backend, cfg: ModelConfig) -> tuple[str, str]:
-    """"q8_0/tq4" -> ("q8_0", "tq4"), checked against the backend's `kv_dtypes` and the
-    model's head_dim (one-line ConfigError otherwise)."""
-    k_dtype, v_dtype = parse_kv_dtype(kv_dtype, "kv_dtype")
-    check_kv_dtypes(backend, k_dtype, v_dtype)
-    for dtype in (k_dtype, v_dtype):
+def kv_spec_for(kv_dtype, backend, cfg: ModelConfig) -> KvSpec:
+    """"q8_0/tq4" -> KvSpec("q8_0", "tq4"), checked against the backend's `kv_dtypes`,
+    the model's head_dim and its layer count (one-line ConfigError otherwise)."""
+    spec = KvSpec.parse(kv_dtype, "kv_dtype")
+    check_kv_dtypes(backend, *spec.dtypes)
+    for dtype in spec.dtypes:
         KvFormat.get(dtype, cfg.head_dim)
-    return k_dtype, v_dtype
+    spec.check_layers(cfg.n_layers)
+    return spec
 
 
 def check_context(cfg: ModelConfig, ctx: int, requested: bool, backend, weight_bytes: int,
                   page_size: int = PAGE_SIZE, chunk: int | None = None,
-                  k_dtype: str = "bf16", v_dtype: str = "bf16") -> None:
+                  kv_dtype="bf16") -> None:
     """Before anything is allocated: a context above the model's trained length is
     warned about (as llama.cpp does); a KV pool that cannot fit in memory is refused
     with the numbers. The pool is allocated for the whole context up front (prefill
     needs every prompt row before SnapKV compacts), so this is the peak. A backend
     with memory of its own (`check_fits`: CUDA) checks the weights plus the pool there.
     `chunk`: prefill chunk (sliding-window layers hold their window plus one chunk);
-    `k_dtype`, `v_dtype`: the KV row formats (their real bytes are counted)."""
-    kv_bytes = cfg.kv_bytes(ctx, chunk or ctx, page_size, k_dtype, v_dtype)
+    `kv_dtype`: the KV row formats (a KvSpec or its spelling; their real bytes are counted)."""
+    spec = KvSpec.parse(kv_dtype)
+    kv_bytes = cfg.kv_bytes(ctx, chunk or ctx, page_size, spec)
     check_fits = getattr(backend, "check_fits", None)
     if check_fits is not None:
         check_fits(weight_bytes, kv_bytes, ctx)
     what = f"a context of {ctx} tokens" if requested else f"the model's trained context of {ctx} tokens"
     avail = None if check_fits is not None else available_memory_bytes()
     if avail is not None and kv_bytes > avail:
-        raise EngineError(f"{what} needs a {_gib(kv_bytes)} {kv_dtype_name(k_dtype, v_dtype)} KV cache "
-                          f"({cfg.kv_bytes_per_token(k_dtype, v_dtype)} bytes per token) but only {_gib(avail)} of memory "
+        raise EngineError(f"{what} needs a {_gib(kv_bytes)} {spec.name} KV cache "
+                          f"({cfg.kv_bytes_per_token(spec)} bytes per token) but only {_gib(avail)} of memory "
                           f"is available: lower --ctx (SHARPI_CTX, ctx=)")
     if requested and ctx > cfg.context_length:
         notice(f"warning: the context of {ctx} tokens (--ctx) is above the model's trained context of {cfg.context_length} tokens; "
@@ -137,12 +139,12 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.backend = get_backend(settings.backend, settings.threads)
         # KV row formats of keys and values (backends/kvformat.py), checked against the backend
-        self.k_dtype, self.v_dtype = kv_dtypes_for(settings.kv_dtype, self.backend, self.config)
+        self.kv_spec = kv_spec_for(settings.kv_dtype, self.backend, self.config)
         self.ctx = settings.ctx or self.config.context_length   # positions the cache can hold
         chunk = min(settings.prefill_chunk, self.ctx)             # prompt tokens per prefill step
         check_context(self.config, self.ctx, settings.ctx is not None, self.backend,
                       sum(t.raw.nbytes for t in self.gguf.tensors.values()), chunk=chunk,
-                      k_dtype=self.k_dtype, v_dtype=self.v_dtype)
+                      kv_dtype=self.kv_spec)
         if snapkv is None:
             self.snapkv, note = snapkv_from_settings(settings, self.config, self.ctx)
         else:
@@ -157,8 +159,18 @@ class Model:
 
     @property
     def kv_dtype(self) -> str:
-        """The model's KV row format: "tq4", or "q8_0/tq4" (keys/values)."""
-        return kv_dtype_name(self.k_dtype, self.v_dtype)
+        """The model's KV row format: "tq4", "q8_0/tq4" (keys/values), or with layer
+        exceptions "rq4_0:0=q8_0/rq4_0"."""
+        return self.kv_spec.name
+
+    @property
+    def k_dtype(self) -> str:
+        """The keys' row format (of the layers kv_dtype names no exception for)."""
+        return self.kv_spec.k
+
+    @property
+    def v_dtype(self) -> str:
+        return self.kv_spec.v
 
     # -- tokens -----------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
@@ -200,7 +212,7 @@ class Model:
         """The row format a cache of `kv_dtype` gets here ("tq4", "q8_0/tq4"; None = the model's)."""
         if kv_dtype is None:
             return self.forward.kv_dtype
-        return kv_dtype_name(*kv_dtypes_for(kv_dtype, self.backend, self.config))
+        return kv_spec_for(kv_dtype, self.backend, self.config).name
 
     def _policy(self, snapkv) -> SnapKvConfig | None:
         """Per-call policy: None = the model's, False = off, a SnapKvConfig = that one."""

@@ -38,8 +38,8 @@ NEEDLE_ROWS = 30
 def last_query_mass(cache, capture, li: int, keep: np.ndarray, scale: float, n_rows: int) -> list[float]:
     """Per query head: attention mass of the last prompt query on the kept rows."""
     pool = cache.pool
-    k = read_rows(pool.backend.download(cache.layers[li].pool.k_pages), cache.layers[li].host_table, n_rows, cache.k_dtype,
-                  pool.head_dim)                                   # f64 [n_kv, n_rows, head_dim]
+    k = read_rows(pool.backend.download(cache.layers[li].pool.k_pages), cache.layers[li].host_table, n_rows,
+                  cache.layers[li].pool.k_dtype, pool.head_dim)   # f64 [n_kv, n_rows, head_dim]
     q = capture.q[li, :, -1]                                       # [n_heads, head_dim]
     group = q.shape[0] // pool.n_kv_heads
     out = []
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
               f"{sample.needle_token_pos}, expected {sample.expected}, prefill {seconds:.0f} s", flush=True)
         q = np.ascontiguousarray(capture.q[:, :, capture.window - base.window:])
         votes = {li: fw.backend.snapkv_votes(q[li], cache.layers[li].pool.k_pages, cache.layers[li].page_table(), L,
-                                             fw.scale, k_dtype=cache.k_dtype) for li in scored}
+                                             fw.scale, k_dtype=cache.layers[li].pool.k_dtype) for li in scored}
         for name, budgets, merge in runs:
             budgets = budgets * len(scored) if len(budgets) == 1 else budgets
             if len(budgets) != len(scored):

@@ -56,7 +56,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                       "full,snapkv-b1024-head-avg-k31-w32-s4,snapkv-bL/8-layer-max-k15-w32-s0")
     p.add_argument("--kv-dtypes", dest="kv_dtypes",
                    help="KV storage types every policy runs with, from bf16,q8_0,q4_0,tq4,tq3,rq4_0 or KEYS/VALUES "
-                        "pairs like q8_0/tq4 (default bf16; policies over another type are named +<type>)")
+                        "pairs like q8_0/tq4, with layer exceptions like rq4_0:0=q8_0/rq4_0 (default bf16; policies "
+                        "over another type are named +<type>)")
     p.add_argument("--samples", type=int, help="prompts per task and length; needle depths spread over them "
                                                "(default 11 = one per depth)")
     p.add_argument("--depths", help="needle depths in percent (default 0,10,...,100)")

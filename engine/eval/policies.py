@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from backends.kvformat import kv_dtype_name, parse_kv_dtype
+from backends.kvformat import KvSpec
 
 from ..errors import ConfigError, EngineError
 from ..snapkv import GRANULARITIES, POOLS, SnapKvConfig
@@ -74,7 +74,7 @@ class Policy:
 
     def with_kv_dtype(self, kv_dtype: str) -> "Policy":
         """This policy over a cache stored as `kv_dtype` (the name gains `+<dtype>`)."""
-        kv_dtype = kv_dtype_name(*parse_kv_dtype(kv_dtype))
+        kv_dtype = KvSpec.parse(kv_dtype).name
         base = self.name.split("+")[0]
         return replace(self, name=base if kv_dtype == "bf16" else f"{base}+{kv_dtype}", kv_dtype=kv_dtype)
 

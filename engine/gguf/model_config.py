@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
-from backends.kvformat import KvFormat
+from backends.kvformat import KvFormat, KvSpec
 from models import ArchSpec, get_arch
 
 from ..errors import ModelFileError, UnsupportedError
@@ -67,18 +67,21 @@ class ModelConfig:
         return self.n_kv_heads * (KvFormat.get(k_dtype, self.head_dim).row_bytes
                                   + KvFormat.get(v_dtype, self.head_dim).row_bytes)
 
-    def kv_bytes_per_token(self, k_dtype: str = "bf16", v_dtype: str = "bf16") -> int:
+    def kv_bytes_per_token(self, kv_dtype="bf16") -> int:
         """K and V bytes for one position across the layers that hold every position
-        (sliding-window layers hold a bounded window instead; see kv_bytes)."""
-        return self.n_global_layers * self.kv_row_bytes(k_dtype, v_dtype)
+        (sliding-window layers hold a bounded window instead; see kv_bytes), rows in the
+        formats of `kv_dtype` (a KvSpec or its spelling: "tq4", "q8_0/tq4", "rq4_0:0=q8_0")."""
+        spec = KvSpec.parse(kv_dtype)
+        return sum(self.kv_row_bytes(*spec.at(i)) for i in range(self.n_layers) if not self.window(i))
 
-    def kv_bytes(self, ctx: int, chunk: int, page_size: int, k_dtype: str = "bf16", v_dtype: str = "bf16") -> int:
+    def kv_bytes(self, ctx: int, chunk: int, page_size: int, kv_dtype="bf16") -> int:
         """Bytes of the KV page pool for a context of `ctx` positions prefilled in steps
-        of up to `chunk` tokens, rows in the given formats: what KvCache allocates and
-        can hold at most."""
+        of up to `chunk` tokens, rows in the formats of `kv_dtype`: what KvCache
+        allocates and can hold at most."""
         from ..kv.paged import layer_pages
-        pages = sum(layer_pages(ctx, page_size, self.window(i), chunk) for i in range(self.n_layers))
-        return pages * page_size * self.kv_row_bytes(k_dtype, v_dtype)
+        spec = KvSpec.parse(kv_dtype)
+        return sum(layer_pages(ctx, page_size, self.window(i), chunk) * page_size * self.kv_row_bytes(*spec.at(i))
+                   for i in range(self.n_layers))
 
 
 # Sanity bounds on metadata values (beyond them a file is corrupt, not just large).

@@ -2,7 +2,8 @@
 table per layer; a layer's pages all lie in one segment (buffer pair) of the pool.
 
 Rows are stored in the pool's KV dtypes (bf16 by default, or a quantized row format
-of backends/kvformat.py; keys and values may differ). The cache never looks inside
+of backends/kvformat.py; keys and values may differ, and named layers may differ from
+the rest: each segment holds layers of one format). The cache never looks inside
 a row: writes quantize, compaction and branching move whole rows and pages (scales
 included), and the byte counts are the formats' real row bytes.
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.kvformat import KvFormat, kv_dtype_name
+from backends.kvformat import KvFormat, KvSpec, kv_dtype_name
 
 from ..errors import EngineError
 from .merge import EMPTY_BIAS
@@ -48,39 +49,47 @@ class PagePool:
     buffers covers all of its rows. `pages`: an int (one segment for every layer), or
     the pages each layer can come to hold, layer by layer: consecutive layers are then
     grouped into as few segments as keep every buffer within the backend's largest KV
-    buffer (`backend.max_kv_buffer_bytes`, None for no limit: one segment).
+    buffer (`backend.max_kv_buffer_bytes`, None for no limit) and each segment's layers
+    in one pair of row formats. `kv`: the formats (a KvSpec or its spelling, "rq4_0",
+    "q8_0/rq4_0", "rq4_0:0=q8_0/rq4_0"); layer exceptions need per-layer `pages`.
     """
 
-    def __init__(self, backend, pages, n_kv_heads: int, page_size: int, head_dim: int,
-                 k_dtype: str = "bf16", v_dtype: str = "bf16"):
+    def __init__(self, backend, pages, n_kv_heads: int, page_size: int, head_dim: int, kv="bf16"):
         self.backend = backend
         self.n_kv_heads, self.page_size, self.head_dim = n_kv_heads, page_size, head_dim
-        self.k_format, self.v_format = KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim)
+        self.spec = KvSpec.parse(kv)
+        self.k_format, self.v_format = KvFormat.get(self.spec.k, head_dim), KvFormat.get(self.spec.v, head_dim)
         if isinstance(pages, (int, np.integer)):
-            self.n_layers, groups = None, [[int(pages)]]
+            if self.spec.layers:
+                raise ValueError("PagePool: layer exceptions to the KV dtype need the pages of each layer")
+            self.n_layers, groups = None, [(self.spec.k, self.spec.v, [int(pages)])]
         else:
-            self.n_layers, groups = len(pages), self._groups([int(p) for p in pages])
-        self.segments = [PageSegment(self, sum(g)) for g in groups]
-        self._segment_of = [s for s, g in enumerate(groups) for _ in g]
+            self.n_layers = len(pages)
+            self.spec.check_layers(self.n_layers)
+            groups = self._groups([int(p) for p in pages])
+        self.segments = [PageSegment(self, sum(g), k, v) for k, v, g in groups]
+        self._segment_of = [s for s, (_, _, g) in enumerate(groups) for _ in g]
 
-    def _groups(self, layer_pages: list[int]) -> list[list[int]]:
-        """Consecutive layers' page counts, grouped so each group's larger buffer fits."""
+    def _groups(self, layer_pages: list[int]) -> list[tuple[str, str, list[int]]]:
+        """Consecutive layers' page counts, grouped so each group has one pair of row
+        formats and its larger buffer fits: (keys, values, [pages of each layer])."""
         limit = getattr(self.backend, "max_kv_buffer_bytes", None)
-        page = self.n_kv_heads * self.page_size * max(self.k_format.row_bytes, self.v_format.row_bytes)
-        if not limit or sum(layer_pages) * page <= limit:
-            return [layer_pages]
-        groups = [[]]
-        for n in layer_pages:
-            if groups[-1] and (sum(groups[-1]) + n) * page > limit:
-                groups.append([])
-            groups[-1].append(n)      # a layer over the limit alone: the backend's allocation says so
+        groups = []
+        for i, n in enumerate(layer_pages):
+            k, v = self.spec.at(i)
+            page = self.n_kv_heads * self.page_size * max(KvFormat.get(k, self.head_dim).row_bytes,
+                                                          KvFormat.get(v, self.head_dim).row_bytes)
+            last = groups[-1] if groups else None
+            if last is None or last[:2] != (k, v) or (limit and (sum(last[2]) + n) * page > limit):
+                groups.append((k, v, []))   # a layer over the limit alone: the backend's allocation says so
+            groups[-1][2].append(n)
         return groups
 
     def empty_like(self) -> "PagePool":
         """A new pool with the same segments and layer layout, every page free."""
         other = object.__new__(PagePool)
         other.__dict__.update(self.__dict__)
-        other.segments = [PageSegment(other, s.n_pages) for s in self.segments]
+        other.segments = [PageSegment(other, s.n_pages, s.k_dtype, s.v_dtype) for s in self.segments]
         return other
 
     def segment(self, layer: int) -> "PageSegment":
@@ -100,6 +109,7 @@ class PagePool:
 
     @property
     def k_dtype(self) -> str:
+        """The keys' format (of every layer the spec names no exception for)."""
         return self.k_format.name
 
     @property
@@ -107,25 +117,37 @@ class PagePool:
         return self.v_format.name
 
     @property
+    def kv_dtype(self) -> str:
+        """The formats' spelling: "tq4", "q8_0/tq4", "rq4_0:0=q8_0/rq4_0"."""
+        return self.spec.name
+
+    @property
     def page_bytes(self) -> int:
-        """K + V bytes of one page in their formats (quantized rows' scales included)."""
+        """K + V bytes of one page in the k_dtype/v_dtype formats (quantized rows' scales
+        included; a segment of a layer exception has its own page_bytes)."""
         return self.n_kv_heads * self.page_size * (self.k_format.row_bytes + self.v_format.row_bytes)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of every page of the pool, each segment in its formats."""
+        return sum(s.n_pages * s.page_bytes for s in self.segments)
 
 
 class PageSegment:
     """Pages of a PagePool in one pair of backend buffers:
-    k_pages: backend storage [n_pages, n_kv_heads, page_size, row_width] of format k_format
-    v_pages: the same of v_format (see backends/kvformat.py; bf16: uint16 [.., head_dim])
+    k_pages: backend storage [n_pages, n_kv_heads, page_size, row_width] of format k_dtype
+    v_pages: the same of v_dtype (see backends/kvformat.py; bf16: uint16 [.., head_dim])
     Page ids are the segment's own (0 .. n_pages - 1). (No reference back to the pool: a
     cycle would keep a dropped cache's buffers until Python's cycle collector ran.)"""
 
-    def __init__(self, pool: PagePool, n_pages: int):
+    def __init__(self, pool: PagePool, n_pages: int, k_dtype: str, v_dtype: str):
         self.n_pages = n_pages
         self.backend, self.n_kv_heads, self.page_size = pool.backend, pool.n_kv_heads, pool.page_size
-        self.k_dtype, self.v_dtype, self.page_bytes = pool.k_dtype, pool.v_dtype, pool.page_bytes
+        self.k_dtype, self.v_dtype = k_dtype, v_dtype
+        self.page_bytes = pool.n_kv_heads * pool.page_size * (KvFormat.get(k_dtype, pool.head_dim).row_bytes
+                                                              + KvFormat.get(v_dtype, pool.head_dim).row_bytes)
         self.k_pages, self.v_pages = pool.backend.alloc_kv_pool(n_pages, pool.n_kv_heads, pool.page_size,
-                                                                pool.head_dim, k_dtype=pool.k_dtype,
-                                                                v_dtype=pool.v_dtype)
+                                                                pool.head_dim, k_dtype=k_dtype, v_dtype=v_dtype)
         self._free = list(range(n_pages - 1, -1, -1))   # stack: lowest page id handed out first
         self._head_view = None
 
@@ -629,21 +651,21 @@ class KvCache:
     one forward step appends (the prefill chunk). The pool holds exactly the pages
     the layers can ever hold together: the whole context for each full-attention
     layer, `layer_pages(..., window, max_step)` for each sliding-window layer.
-    `k_dtype`, `v_dtype`: the row formats of keys and values (backends/kvformat.py)."""
+    `kv`: the row formats of keys and values (a KvSpec or its spelling: "q8_0/rq4_0",
+    "rq4_0:0=q8_0/rq4_0"; backends/kvformat.py)."""
 
     def __init__(self, backend, n_layers: int, n_kv_heads: int, head_dim: int, max_rows: int,
                  page_size: int = 64, windows=None, max_step: int | None = None,
-                 k_dtype: str = "bf16", v_dtype: str = "bf16", pool: PagePool | None = None):
+                 kv="bf16", pool: PagePool | None = None):
         self.windows = tuple(int(w) for w in windows) if windows is not None else (0,) * n_layers
         if len(self.windows) != n_layers:
             raise ValueError(f"KvCache: {len(self.windows)} windows for {n_layers} layers")
         self.max_step = max_step
         if pool is None:             # a pool of its own, exactly what the cache can ever hold
             pool = PagePool(backend, [layer_pages(max_rows, page_size, w, max_step) for w in self.windows],
-                            n_kv_heads, page_size, head_dim, k_dtype, v_dtype)
-        elif (pool.n_kv_heads, pool.head_dim, pool.page_size, pool.k_dtype, pool.v_dtype) != (
-                n_kv_heads, head_dim, page_size, KvFormat.get(k_dtype, head_dim).name,
-                KvFormat.get(v_dtype, head_dim).name):
+                            n_kv_heads, page_size, head_dim, kv)
+        elif (pool.n_kv_heads, pool.head_dim, pool.page_size, pool.spec) != (
+                n_kv_heads, head_dim, page_size, KvSpec.parse(kv)):
             raise ValueError("KvCache: the shared pool's heads, head_dim, page size or row formats differ")
         elif pool.n_layers not in (None, n_layers):
             raise ValueError(f"KvCache: the shared pool is laid out for {pool.n_layers} layers, not {n_layers}")
@@ -694,7 +716,7 @@ class KvCache:
     def _twin(self, pool: PagePool) -> "KvCache":
         p = self.pool
         return KvCache(p.backend, len(self.layers), p.n_kv_heads, p.head_dim, self.max_rows, p.page_size,
-                       self.windows, self.max_step, p.k_dtype, p.v_dtype, pool=pool)
+                       self.windows, self.max_step, p.spec, pool=pool)
 
     def _used_pages(self, segment: int) -> np.ndarray:
         """int32 sorted ids of the pages the layers of one pool segment hold."""
@@ -768,6 +790,7 @@ class KvCache:
 
     @property
     def k_dtype(self) -> str:
+        """The keys' format (of the layers with no exception; a layer's: layers[i].pool)."""
         return self.pool.k_dtype
 
     @property
@@ -776,8 +799,9 @@ class KvCache:
 
     @property
     def kv_dtype(self) -> str:
-        """"tq4", or "q8_0/tq4" when keys and values differ (the --kv-dtype spelling)."""
-        return kv_dtype_name(self.k_dtype, self.v_dtype)
+        """"tq4", "q8_0/tq4" when keys and values differ, "rq4_0:0=q8_0/rq4_0" with a
+        layer exception (the --kv-dtype spelling)."""
+        return self.pool.kv_dtype
 
     @property
     def logical_length(self) -> int:
@@ -804,6 +828,7 @@ class KvCache:
             "kv_dtype": self.kv_dtype, "k_dtype": self.k_dtype, "v_dtype": self.v_dtype,
             "eviction": self.eviction,
             "layers": [{"length": l.length, "logical_length": l.logical_length, "pages": l.n_pages,
-                        "bytes": l.bytes, "keep": l.last_keep, "head_rows": l.head_rows, "window": l.window,
+                        "bytes": l.bytes, "kv_dtype": kv_dtype_name(l.pool.k_dtype, l.pool.v_dtype),
+                        "keep": l.last_keep, "head_rows": l.head_rows, "window": l.window,
                         "first_row": l.first_row} for l in self.layers],
         }

@@ -15,7 +15,7 @@ from .. import config as config_mod
 from .. import inputs
 from ..errors import EngineError
 from ..generate import SamplingParams
-from ..model import kv_dtypes_for
+from ..model import kv_spec_for
 from ..snapkv import SnapKvConfig, check_values
 from .limits import Limits
 from .protocol import KV_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest
@@ -248,7 +248,7 @@ def _job(model, req, ids: list[int], max_tokens: int | None, logprobs: int | Non
     if req.kv_dtype is not None:
         try:
             kv_dtype = config_mod.parse_setting("kv_dtype", req.kv_dtype, "kv_dtype")
-            kv_dtypes_for(kv_dtype, model.backend, model.config)
+            kv_spec_for(kv_dtype, model.backend, model.config)
         except EngineError as e:
             raise ApiError(400, str(e), "kv_dtype") from None
     return Job(ids=ids, params=params, snapkv=snapkv_policy(model, req), kv_dtype=kv_dtype, logprobs=logprobs,

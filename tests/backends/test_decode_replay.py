@@ -77,6 +77,7 @@ def check_same(on, off, ids, n, snapkv=False, kv_dtype=None):
     ("llama-q8", "bf16", 60, 8),              # rows 60 .. 68: a new page (64 rows) while replaying
     ("llama-q4_k-gqa4", "q8_0/tq4", 120, 6),  # tq values: the combine always runs
     ("llama-q4_k-gqa4", "rq4_0", 130, 4),     # rotated rows, 3 splits of the attended rows
+    ("llama-q4_k-gqa4", "rq4_0:0=q8_0/rq4_0", 100, 5),   # layer 0 in other formats (RoPE fused there only)
 ])
 def test_replayed_decode_equals_fresh_launches(backend, tiny, name, kv_dtype, prompt, n):
     on, off = pair(tiny[name], backend, prefill_chunk=64)

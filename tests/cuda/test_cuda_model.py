@@ -62,7 +62,8 @@ def test_tiny_logits_and_greedy_tokens(executor, tiny_models, name):
     check_logits_and_tokens(cpu, cuda, PROMPT[:150], 8)
 
 
-@pytest.mark.parametrize("name,kv_dtype", [("llama-q4_k-gqa4", "q8_0/tq4"), ("llama-q8", "tq3")])
+@pytest.mark.parametrize("name,kv_dtype", [("llama-q4_k-gqa4", "q8_0/tq4"), ("llama-q8", "tq3"),
+                                           ("llama-q4_k-gqa4", "rq4_0:0=q8_0/rq4_0")])   # layer 0 apart
 def test_tiny_quantized_kv_cache(executor, tiny_models, name, kv_dtype):
     """A quantized KV cache end to end (keys and values of different formats; tq3 at
     head_dim 16): logits near the CPU backend's with the same cache dtype (each backend

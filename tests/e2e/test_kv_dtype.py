@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import engine
-from backends.kvformat import KvFormat, parse_kv_dtype
+from backends.kvformat import KvFormat, KvSpec, parse_kv_dtype
 from engine.errors import ConfigError
 from engine.snapkv import SnapKvConfig
 from _backends import available_backends, nmse
@@ -43,7 +43,7 @@ def has_vulkan() -> bool:
 
 
 def load(path, backend, kv_dtype="bf16", **kw):
-    if backend == "cpu" and not set(parse_kv_dtype(kv_dtype)) <= set(cpu_kv_dtypes()):
+    if backend == "cpu" and not set(KvSpec.parse(kv_dtype).dtypes) <= set(cpu_kv_dtypes()):
         pytest.skip(f"the CPU backend does not implement KV dtype {kv_dtype} yet (kv_dtypes {cpu_kv_dtypes()})")
     if backend == "vulkan" and not has_vulkan():
         pytest.skip("no Vulkan device / kp")
@@ -82,6 +82,44 @@ def test_logits_near_bf16_and_bytes_down(models, name, kv_dtype, backend):
     st = m.cache_stats(cache)
     assert st["kv_dtype"] == kv_dtype and cache.length == len(PROMPT) + 1
     assert st["bytes"] == cache.bytes == round(want_cache.bytes * row_ratio(kv_dtype))
+
+
+@pytest.mark.parametrize("name,backend", [("llama-q8", "reference"), ("qwen2-q4_1", "cpu"), ("gemma3-q8", "cpu"),
+                                          ("llama-q8", "vulkan")])
+def test_each_layer_runs_in_its_own_formats(models, name, backend):
+    """A layer exception ("tq4:0=q8_0": layer 0 in q8_0, the rest in tq4) is what each
+    layer's writes, attention, SnapKV votes and merges use: exceptions covering every
+    layer give the plain format's logits bit for bit, two spellings of the same layers'
+    formats agree bit for bit, and a mix equals neither plain format. Its bytes are each
+    layer's own, in the stats too."""
+    plain = {d: load(models[name], backend, d) for d in ("q8_0", "tq4")}
+    n = plain["tq4"].config.n_layers
+    snap = policy(merge=8)
+
+    def run(m):
+        m.forward.page_size = 16               # small pages, so compaction frees some
+        cache, logits = m.prefill(PROMPT, snapkv=snap)
+        return cache, logits, m.forward.decode(int(np.argmax(logits)), cache)
+
+    def same(a, b):
+        np.testing.assert_array_equal(a[1], b[1])
+        np.testing.assert_array_equal(a[2], b[2])
+
+    want = {d: run(m) for d, m in plain.items()}
+    everywhere = load(models[name], backend, f"tq4:0-{n - 1}=q8_0")
+    assert everywhere.kv_dtype == f"tq4:0-{n - 1}=q8_0"
+    same(run(everywhere), want["q8_0"])
+    a, b = load(models[name], backend, "tq4:0=q8_0"), load(models[name], backend, f"q8_0:1-{n - 1}=tq4")
+    got = run(a)
+    same(got, run(b))
+    assert not np.array_equal(got[1], want["q8_0"][1]) and not np.array_equal(got[1], want["tq4"][1])
+    cache = got[0]
+    assert [s.k_dtype for s in cache.pool.segments] == ["q8_0", "tq4"]
+    q8, t4 = (plain[d].new_cache().pool.page_bytes for d in ("q8_0", "tq4"))
+    assert [layer.pool.page_bytes for layer in cache.layers] == [q8] + [t4] * (n - 1)
+    assert cache.bytes == sum(layer.bytes for layer in cache.layers)
+    st = a.cache_stats(cache)
+    assert st["kv_dtype"] == "tq4:0=q8_0" and [l["kv_dtype"] for l in st["layers"]] == ["q8_0"] + ["tq4"] * (n - 1)
 
 
 @pytest.mark.parametrize("name,backend", [("llama-q8", "reference"), ("gemma3-q8", "reference"),
@@ -175,6 +213,10 @@ def test_per_call_kv_dtype_and_branching(models):
         m.prefill(PROMPT[:4], cache=m.new_cache(), kv_dtype="tq4")
     with pytest.raises(ConfigError, match="kv_dtype must be one of"):
         m.new_cache(kv_dtype="fp8")
+    with pytest.raises(ConfigError, match=r"names layer 2, but the model has 2 layers \(0-1\)"):
+        m.new_cache(kv_dtype="tq4:2=q8_0")
+    with pytest.raises(ConfigError, match="names layer 7"):
+        engine.load(models["llama-q8"], backend="reference", kv_dtype="tq4:0-7=q8_0")
 
 
 def test_settings_and_checks(models, tiny_llama, monkeypatch):
@@ -187,22 +229,21 @@ def test_settings_and_checks(models, tiny_llama, monkeypatch):
     monkeypatch.delenv("SHARPI_KV_DTYPE")
     with pytest.raises(ConfigError, match="q8_0 needs a head_dim divisible by 32, got 16"):
         engine.load(tiny_llama, backend="reference", kv_dtype="q8_0")       # head_dim 16
-    from engine.model import kv_dtypes_for
+    from engine.model import kv_spec_for
 
     class Bf16Only:                     # a backend that implements bf16 rows only
         name, kv_dtypes = "bf16-only", ("bf16",)
     cfg = engine.load(models["llama-q8"], backend="reference").config
     with pytest.raises(ConfigError, match=r"KV dtype q8_0 is not supported on the bf16-only backend \(supported: bf16\)"):
-        kv_dtypes_for("q8_0/tq4", Bf16Only(), cfg)
-    assert kv_dtypes_for("bf16", Bf16Only(), cfg) == ("bf16", "bf16")
+        kv_spec_for("q8_0/tq4", Bf16Only(), cfg)
+    assert kv_spec_for("bf16", Bf16Only(), cfg) == KvSpec("bf16", "bf16")
 
 
 def test_memory_numbers_count_the_dtype(models):
     cfg = engine.load(models["llama-q8"], backend="reference").config
     for kv_dtype in TOLERANCE:
-        k, v = parse_kv_dtype(kv_dtype)
-        assert cfg.kv_bytes(512, 64, 64, k, v) == round(cfg.kv_bytes(512, 64, 64) * row_ratio(kv_dtype))
-        assert cfg.kv_bytes_per_token(k, v) == round(cfg.kv_bytes_per_token() * row_ratio(kv_dtype))
+        assert cfg.kv_bytes(512, 64, 64, kv_dtype) == round(cfg.kv_bytes(512, 64, 64) * row_ratio(kv_dtype))
+        assert cfg.kv_bytes_per_token(kv_dtype) == round(cfg.kv_bytes_per_token() * row_ratio(kv_dtype))
 
 
 def test_auto_on_and_memory_check_count_the_dtype(smollm2_path, monkeypatch):
@@ -221,4 +262,4 @@ def test_auto_on_and_memory_check_count_the_dtype(smollm2_path, monkeypatch):
             assert f"the {kv_dtype} KV cache for 16384 tokens" in notice
     monkeypatch.setattr("engine.model.available_memory_bytes", lambda: 2**20)
     with pytest.raises(engine.EngineError, match=r"needs a 96 MiB tq4 KV cache \(6120 bytes per token\)"):
-        check_context(cfg, 16384, True, object(), 0, chunk=256, k_dtype="tq4", v_dtype="tq4")
+        check_context(cfg, 16384, True, object(), 0, chunk=256, kv_dtype="tq4")

@@ -598,7 +598,7 @@ def test_scheduler_batches_running_requests(tiny_llama, logprobs):
 
     model = engine.load(tiny_llama, snapkv_budget=0)
     evict = SnapKvConfig(budget=24, window=8, sinks=2, min_tokens=16)
-    reqs = [(list(range(5, 70)), evict, None), ([40, 41, 42], None, "tq4"), (list(range(3, 40)), None, None)]
+    reqs = [(list(range(5, 70)), evict, None), ([40, 41, 42], None, "tq4:1=tq3"), (list(range(3, 40)), None, None)]
     want = [model.generate(ids, max_tokens=6, ignore_eos=True, snapkv=snap or False, kv_dtype=dt).text
             for ids, snap, dt in reqs]
     batches = []
@@ -638,7 +638,7 @@ def test_scheduler_batches_running_requests(tiny_llama, logprobs):
         assert not any(argmax for n, argmax in batches if n == 3)
     s = sched.state()
     assert s["kv_bytes_held"] == 0 and s["completed"] == 3
-    assert set(s["kv_pools"]) == {"bf16", "tq4"} and all(p["pages_used"] == 0 for p in s["kv_pools"].values())
+    assert set(s["kv_pools"]) == {"bf16", "tq4:1=tq3"} and all(p["pages_used"] == 0 for p in s["kv_pools"].values())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -764,6 +764,7 @@ def test_bad_requests_get_openai_shaped_400s(served):
         (json.dumps(dict(ok, kv_allocation="ragged")).encode(), "kv_allocation"),
         (json.dumps(dict(ok, kv_budegt=100)).encode(), "kv_budegt"),
         (json.dumps(dict(ok, kv_dtype="q2")).encode(), "kv_dtype"),
+        (json.dumps(dict(ok, kv_dtype="tq4:30=q8_0")).encode(), "kv_dtype"),  # layers 0-29 only
         (json.dumps(dict(ok, prompt="word " * (CTX + 10))).encode(), "prompt"),   # longer than the context
     ]
     for body, param in cases:

@@ -76,3 +76,6 @@ def test_kv_dtype_setting():
         config.resolve(cli={"kv_dtype": "fp8"}, env={})
     with pytest.raises(ConfigError, match="SHARPI_KV_DTYPE"):
         config.resolve(env={"SHARPI_KV_DTYPE": "q8_0/tq4/bf16"})
+    assert config.resolve(cli={"kv_dtype": "RQ4_0:0-0=q8_0/rq4_0"}, env={}).kv_dtype == "rq4_0:0=q8_0/rq4_0"
+    with pytest.raises(ConfigError, match="--kv-dtype: layer 1 is named twice"):
+        config.resolve(cli={"kv_dtype": "tq4:0-1=q8_0:1=bf16"}, env={})

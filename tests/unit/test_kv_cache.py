@@ -519,9 +519,7 @@ KV_DTYPES_TESTED = ["bf16", "q8_0", "q4_0", "tq4", "tq3", "rq4_0", "q8_0/tq4"]
 
 
 def quantized_cache(kv_dtype: str, n_layers: int = 2, page_size: int = 4, max_rows: int = 64) -> KvCache:
-    k_dtype, v_dtype = parse_kv_dtype(kv_dtype)
-    return KvCache(ReferenceBackend(), n_layers, H, QD, max_rows=max_rows, page_size=page_size,
-                   k_dtype=k_dtype, v_dtype=v_dtype)
+    return KvCache(ReferenceBackend(), n_layers, H, QD, max_rows=max_rows, page_size=page_size, kv=kv_dtype)
 
 
 def fill_f32(cache: KvCache, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -613,7 +611,7 @@ def test_copy_branches_quantized_pages_independently(kv_dtype):
 
 def test_unsupported_kv_dtype_is_refused_by_the_pool():
     with pytest.raises(ConfigError, match="q8_0 needs a head_dim divisible by 32"):
-        KvCache(ReferenceBackend(), 1, H, 16, max_rows=8, k_dtype="q8_0")
+        KvCache(ReferenceBackend(), 1, H, 16, max_rows=8, kv="q8_0")
 
 
 def test_caches_on_a_shared_pool_take_pages_as_they_grow_and_release_them():

@@ -17,7 +17,7 @@ REF = ReferenceBackend()
 
 
 def filled(n: int, rng, kv_dtype: str = "bf16") -> KvCache:
-    cache = KvCache(REF, 1, H, D, max_rows=256, page_size=16, k_dtype=kv_dtype, v_dtype=kv_dtype)
+    cache = KvCache(REF, 1, H, D, max_rows=256, page_size=16, kv=kv_dtype)
     layer = cache.layers[0]
     layer.reserve(n)
     k = (rng.standard_normal((n, H * D)) * 2).astype(np.float32)

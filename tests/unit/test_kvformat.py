@@ -5,7 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize
 
-from backends.kvformat import (KV_DTYPES, KvFormat, _pack, _unpack, boundaries, codebook, kv_dtype_name,
+from backends.kvformat import (KV_DTYPES, KvFormat, KvSpec, _pack, _unpack, boundaries, codebook, kv_dtype_name,
                                parse_kv_dtype, rotation, walsh_hadamard)
 from engine.errors import ConfigError
 
@@ -215,6 +215,35 @@ def test_parse_kv_dtype(text, want):
 def test_parse_kv_dtype_rejects(text):
     with pytest.raises(ConfigError, match="KV dtype must be one of"):
         parse_kv_dtype(text)
+
+
+@pytest.mark.parametrize("text,name,layers", [
+    ("rq4_0", "rq4_0", ["rq4_0"] * 4),
+    (" RQ4_0:0=Q8_0/rq4_0 ", "rq4_0:0=q8_0/rq4_0", [("q8_0", "rq4_0")] + ["rq4_0"] * 3),
+    ("tq4:3=q8_0:0-1=bf16/tq4", "tq4:0-1=bf16/tq4:3=q8_0", [("bf16", "tq4")] * 2 + ["tq4", "q8_0"]),
+    ("q8_0/tq4:2-2=tq3", "q8_0/tq4:2=tq3", [("q8_0", "tq4")] * 2 + ["tq3", ("q8_0", "tq4")])])
+def test_kv_spec_names_each_layers_formats(text, name, layers):
+    spec = KvSpec.parse(text)
+    assert spec.name == name and KvSpec.parse(name) == spec
+    assert [spec.at(i) for i in range(4)] == [(d, d) if isinstance(d, str) else d for d in layers]
+    spec.check_layers(4)
+    assert set(spec.dtypes) == {d for i in range(4) for d in spec.at(i)}
+
+
+@pytest.mark.parametrize("text,match", [
+    ("rq4_0:0", "a layer exception is LAYER=FORMAT"), ("rq4_0:a=q8_0", "a layer exception is"),
+    ("rq4_0:=q8_0", "a layer exception is"), ("rq4_0:0-=q8_0", "a layer exception is"),
+    ("rq4_0:3-1=q8_0", "runs backwards"), ("rq4_0:0-2=q8_0:2=bf16", "layer 2 is named twice"),
+    ("rq4_0:0=fp8", "must be one of"), ("fp8:0=q8_0", "must be one of")])
+def test_kv_spec_rejects(text, match):
+    with pytest.raises(ConfigError, match=match):
+        KvSpec.parse(text)
+
+
+def test_kv_spec_layers_must_exist():
+    KvSpec.parse("tq4:23=q8_0").check_layers(24)
+    with pytest.raises(ConfigError, match=r"names layer 24, but the model has 24 layers \(0-23\)"):
+        KvSpec.parse("tq4:20-24=q8_0").check_layers(24)
 
 
 def test_kv_dtype_name():
