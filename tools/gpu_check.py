@@ -757,7 +757,7 @@ def tiny_cases(quick: bool) -> list[tuple[str, dict, str]]:
                 ("qwen2-Q4_1-snapkv", dict(base["qwen2"], qtype=Q.Q4_1), "snapkv"),
                 ("qwen2-Q4_1-decode_batch", dict(base["qwen2"], qtype=Q.Q4_1), "decode_batch")]
     cases = [(f"{arch}-{q.name}", dict(kw, qtype=q), "logits") for arch, kw in base.items() for q in SUPPORTED]
-    for kv in ("q8_0", "q4_0", "tq4", "tq3", "rq4_0", "q8_0/tq4"):
+    for kv in ("q8_0", "q4_0", "tq4", "tq3", "rq4_0", "q8_0/tq4", "rq4_0:0=q8_0/rq4_0"):
         cases.append((f"llama-Q8_0-kv-{kv}", dict(base["llama"], qtype=Q.Q8_0), f"kv:{kv}"))
     # SnapKV on the models whose every layer is compacted (check_snapkv reads each layer's keep
     # sets; gemma3's sliding-window layers keep none); adaptive needs more than one KV head.
