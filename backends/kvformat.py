@@ -41,6 +41,7 @@ against, and the tables (rotation, codebook) the kernels upload.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -102,18 +103,20 @@ class KvSpec:
 
     @classmethod
     def parse(cls, text, what: str = "KV dtype") -> "KvSpec":
+        """The spec a spelling names, exceptions sorted, those equal to the rest dropped
+        and neighbours in the same formats joined; one-line ConfigError when malformed."""
         if isinstance(text, KvSpec):
             return text
         head, *rest = str(text).strip().lower().split(":")
         k, v = parse_kv_dtype(head, what)
         layers = []
         for part in rest:
-            span, eq, fmt = part.partition("=")
-            first, dash, last = span.partition("-")
-            if not (eq and first.isdigit() and (not dash or last.isdigit())):
+            span, _, fmt = part.partition("=")
+            m = re.fullmatch(r"([0-9]{1,6})(?:-([0-9]{1,6}))?", span) if _ else None
+            if m is None:
                 raise ConfigError(f"{what}: a layer exception is LAYER=FORMAT or FIRST-LAST=FORMAT "
                                   f"(e.g. rq4_0:0=q8_0/rq4_0), got {part!r} in {text!r}")
-            lo, hi = int(first), int(last if dash else first)
+            lo, hi = int(m[1]), int(m[2] or m[1])
             if hi < lo:
                 raise ConfigError(f"{what}: layer range {span} runs backwards in {text!r}")
             layers.append((lo, hi, *parse_kv_dtype(fmt, what)))
@@ -121,7 +124,28 @@ class KvSpec:
         for a, b in zip(layers, layers[1:]):
             if b[0] <= a[1]:
                 raise ConfigError(f"{what}: layer {b[0]} is named twice in {text!r}")
-        return cls(k, v, tuple(layers))
+        return cls._joined(k, v, layers)
+
+    @classmethod
+    def _joined(cls, k: str, v: str, layers) -> "KvSpec":
+        out = []
+        for lo, hi, lk, lv in layers:
+            if (lk, lv) == (k, v):
+                continue
+            if out and out[-1][1] + 1 == lo and out[-1][2:] == (lk, lv):
+                out[-1] = (out[-1][0], hi, lk, lv)
+            else:
+                out.append((lo, hi, lk, lv))
+        return cls(k, v, tuple(out))
+
+    def for_layers(self, n_layers: int) -> "KvSpec":
+        """The canonical spec of the same formats on an n_layers model: the rest in the
+        formats most layers have (a tie: the lowest layer's), so every spelling of one
+        layout has one name ("q8_0/rq4_0:1-23=rq4_0" on 24 layers is "rq4_0:0=q8_0/rq4_0")."""
+        self.check_layers(n_layers)
+        per = [self.at(i) for i in range(n_layers)]
+        k, v = max(dict.fromkeys(per), key=per.count)
+        return self._joined(k, v, [(i, i, *f) for i, f in enumerate(per)])
 
     @property
     def name(self) -> str:

@@ -182,6 +182,7 @@ def run_bench(args, settings) -> int:
     if settings.ctx is None:
         settings = settings.with_overrides(ctx=need_ctx)
     model = Model(path, settings)
+    dtypes = [model.kv_dtype_of(t) for t in dtypes] or [model.kv_dtype]   # checked now, canonical
     if need_ctx > model.ctx:
         raise EngineError(f"longest case needs {need_ctx} positions but --ctx is {model.ctx}")
     use_llama_cpp = args.llama_cpp and llama_cpp_available()
@@ -194,7 +195,6 @@ def run_bench(args, settings) -> int:
     if use_llama_cpp and llama_rows is None:
         print("llama.cpp: the installed build has no GPU offload; its columns are left out", file=sys.stderr)
         use_llama_cpp = False
-    dtypes = dtypes or [model.kv_dtype]
     if use_llama_cpp:
         print(f"llama.cpp: {cache_type} KV cache, flash attention {'on' if flash_attn else 'off'}, {threads} threads")
     warm = bench_prompt(model.tokenizer, min(64, min(lengths)))     # fits the context the cases need

@@ -68,12 +68,12 @@ def available_memory_bytes() -> int | None:
 
 def kv_spec_for(kv_dtype, backend, cfg: ModelConfig) -> KvSpec:
     """"q8_0/tq4" -> KvSpec("q8_0", "tq4"), checked against the backend's `kv_dtypes`,
-    the model's head_dim and its layer count (one-line ConfigError otherwise)."""
-    spec = KvSpec.parse(kv_dtype, "kv_dtype")
+    the model's head_dim and its layer count (one-line ConfigError otherwise), in its
+    canonical spelling for the model (KvSpec.for_layers)."""
+    spec = KvSpec.parse(kv_dtype, "kv_dtype").for_layers(cfg.n_layers)
     check_kv_dtypes(backend, *spec.dtypes)
     for dtype in spec.dtypes:
         KvFormat.get(dtype, cfg.head_dim)
-    spec.check_layers(cfg.n_layers)
     return spec
 
 

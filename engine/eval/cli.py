@@ -275,6 +275,8 @@ def cmd_eval(args) -> int:
     settings = settings.with_overrides(snapkv_budget=0)
     model_ctx = settings.ctx or model_config(GgufFile(path)).context_length
     model = Model(path, settings.with_overrides(ctx=plan.context(model_ctx)))
+    for p in plan.policies:                  # each KV type checked against the model before any prefill
+        model.kv_dtype_of(p.kv_dtype)
     runner = Runner(model, plan)
     partial = os.path.join(out, "samples.partial.jsonl")
     done = _resumed_rows(partial, plan, args.seed) if args.resume else []

@@ -60,6 +60,8 @@ import threading
 import time
 from collections import deque
 
+from backends.kvformat import kv_dtype_name
+
 from ..errors import DeviceError, DeviceFault, DeviceOutOfMemory, EngineError
 from ..kv.paged import KvCacheError
 from ..grammar import fill_masks
@@ -68,6 +70,7 @@ from .sequence import Failed, Job, Sequence
 
 HORIZON = 1    # generated tokens a running request's reservation covers: its next step
 RETRY_AFTER_S = 1    # Retry-After of a request that failed for device memory
+MAX_KV_POOLS = 4     # KV row layouts (a request's kv_dtype) the server holds page pools for at once
 log = logging.getLogger("engine.serve")
 
 
@@ -78,6 +81,11 @@ class QueueFull(Exception):
     def __init__(self, message: str, code: str = "queue_full"):
         super().__init__(message)
         self.code = code
+
+
+class PoolsBusy(EngineError):
+    """A request asks for a KV row layout the server has no pool for, and every pool it
+    holds (MAX_KV_POOLS) has pages in use (503: retry later)."""
 
 
 class Handle:
@@ -189,8 +197,10 @@ class Scheduler:
                         "preemptions": h.sequence.preemptions if h.sequence else 0,
                         "cancelled": h.cancelled} for h in self._running]
             waiting = len(self._waiting)
-            pools = {name: {"pages": p.n_pages, "pages_used": p.n_pages - p.free_pages,
-                            "page_bytes": p.page_bytes} for name, p in self._pools.items()}
+            pools = {name: {"pages": p.n_pages, "pages_used": p.n_pages - p.free_pages, "bytes": p.bytes,
+                            "segments": [{"kv_dtype": kv_dtype_name(g.k_dtype, g.v_dtype), "pages": g.n_pages,
+                                          "pages_used": g.n_pages - g.free_pages, "page_bytes": g.page_bytes}
+                                         for g in p.segments]} for name, p in self._pools.items()}
             held = sum(h.sequence.cache.bytes for h in self._running
                        if h.sequence is not None and h.sequence.cache is not None)
             kept = {"caches": len(self._kept), "tokens": [len(ids) for ids, _ in self._kept],
@@ -247,10 +257,31 @@ class Scheduler:
                     free()
 
     def _pool(self, kv_dtype: str | None):
+        """(lock held) The pool of a KV row layout, made on first use; at most
+        MAX_KV_POOLS at once (a client names the layout: each pool is a whole
+        --kv-pool-tokens of pages), idle ones dropped to make room, else PoolsBusy."""
         name = self.model.kv_dtype_of(kv_dtype)
         if name not in self._pools:
+            if len(self._pools) >= MAX_KV_POOLS:
+                self._drop_idle_pools()
+            if len(self._pools) >= MAX_KV_POOLS:
+                raise PoolsBusy(f"the server holds KV pools for {MAX_KV_POOLS} row formats "
+                                f"({', '.join(self._pools)}), all in use: retry later, or ask for one of them")
             self._pools[name] = self.model.new_pool(self.pool_tokens, name)
         return self._pools[name]
+
+    def _drop_idle_pools(self) -> None:
+        """(lock held) Drop every pool no admitted or preempted request has a cache on,
+        its kept caches released."""
+        busy = {id(h.sequence.cache.pool) for h in itertools.chain(self._running, self._waiting)
+                if h.sequence is not None and h.sequence.cache is not None}
+        for name, pool in list(self._pools.items()):
+            if id(pool) not in busy:
+                for _, cache in self._kept:
+                    if cache.pool is pool:
+                        cache.release()
+                self._kept = [(ids, c) for ids, c in self._kept if c.pool is not pool]
+                del self._pools[name]
 
     def _admit(self) -> list:
         """(lock held) Admit waiting requests in order while they fit: a running slot and
@@ -555,6 +586,8 @@ def _failure(e: BaseException) -> Failed:
         return Failed(503, str(e), "device_out_of_memory", RETRY_AFTER_S)
     if isinstance(e, DeviceFault):
         return Failed(503, str(e), "device_fault")
+    if isinstance(e, PoolsBusy):
+        return Failed(503, str(e), "kv_pools_busy", RETRY_AFTER_S)
     if isinstance(e, DeviceError):
         return Failed(500, str(e), "device_error")
     if isinstance(e, EngineError):

@@ -206,3 +206,17 @@ def test_resume_runs_only_the_samples_missing(tiny_llama, tmp_path):
         partial.write_text(json.dumps(other) + "\n")
         with pytest.raises(EngineError, match="another plan"):
             args.func(_parse(argv + ["--resume"]))
+
+
+def test_a_kv_type_the_model_cannot_hold_fails_before_any_prefill(tiny_llama, tmp_path, monkeypatch):
+    """A policy's KV type naming a layer the model lacks is a one-line error at once,
+    not after the full cache's prefill of the first prompt."""
+    from engine.eval.runner import Runner
+
+    def no_prefill(*a, **k):
+        raise AssertionError("prefill ran")
+    monkeypatch.setattr(Runner, "_prefill", no_prefill)
+    args = _parse(["eval", str(tiny_llama), "--backend", "reference", "--tasks", "passkey", "--lengths", "300",
+                   "--samples", "1", "--policies", "full,full+tq4:5=tq3", "--out", str(tmp_path), "--no-progress"])
+    with pytest.raises(EngineError, match=r"names layer 5, but the model has 2 layers"):
+        args.func(args)

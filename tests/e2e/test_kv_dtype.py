@@ -90,36 +90,38 @@ def test_each_layer_runs_in_its_own_formats(models, name, backend):
     """A layer exception ("tq4:0=q8_0": layer 0 in q8_0, the rest in tq4) is what each
     layer's writes, attention, SnapKV votes and merges use: exceptions covering every
     layer give the plain format's logits bit for bit, two spellings of the same layers'
-    formats agree bit for bit, and a mix equals neither plain format. Its bytes are each
-    layer's own, in the stats too."""
-    plain = {d: load(models[name], backend, d) for d in ("q8_0", "tq4")}
-    n = plain["tq4"].config.n_layers
+    formats agree bit for bit (caches made from the spellings as given, each with other
+    default formats), and a mix equals neither plain format. Its bytes are each layer's
+    own, in the stats too; the model names every spelling of a layout one way."""
+    m = load(models[name], backend)
+    m.forward.page_size = 16                   # small pages, so compaction frees some
+    n = m.config.n_layers
     snap = policy(merge=8)
 
-    def run(m):
-        m.forward.page_size = 16               # small pages, so compaction frees some
-        cache, logits = m.prefill(PROMPT, snapkv=snap)
+    def run(spelling):
+        cache, logits = m.prefill(PROMPT, cache=m.forward.new_cache(spelling), snapkv=snap)
         return cache, logits, m.forward.decode(int(np.argmax(logits)), cache)
 
     def same(a, b):
         np.testing.assert_array_equal(a[1], b[1])
         np.testing.assert_array_equal(a[2], b[2])
 
-    want = {d: run(m) for d, m in plain.items()}
-    everywhere = load(models[name], backend, f"tq4:0-{n - 1}=q8_0")
-    assert everywhere.kv_dtype == f"tq4:0-{n - 1}=q8_0"
-    same(run(everywhere), want["q8_0"])
-    a, b = load(models[name], backend, "tq4:0=q8_0"), load(models[name], backend, f"q8_0:1-{n - 1}=tq4")
-    got = run(a)
-    same(got, run(b))
+    want = {d: run(d) for d in ("q8_0", "tq4")}
+    same(run(f"tq4:0-{n - 1}=q8_0"), want["q8_0"])
+    got = run("tq4:0=q8_0")
+    same(got, run(f"q8_0:1-{n - 1}=tq4"))
     assert not np.array_equal(got[1], want["q8_0"][1]) and not np.array_equal(got[1], want["tq4"][1])
     cache = got[0]
     assert [s.k_dtype for s in cache.pool.segments] == ["q8_0", "tq4"]
-    q8, t4 = (plain[d].new_cache().pool.page_bytes for d in ("q8_0", "tq4"))
+    q8, t4 = (want[d][0].pool.page_bytes for d in ("q8_0", "tq4"))
     assert [layer.pool.page_bytes for layer in cache.layers] == [q8] + [t4] * (n - 1)
     assert cache.bytes == sum(layer.bytes for layer in cache.layers)
-    st = a.cache_stats(cache)
+    st = m.cache_stats(cache)
     assert st["kv_dtype"] == "tq4:0=q8_0" and [l["kv_dtype"] for l in st["layers"]] == ["q8_0"] + ["tq4"] * (n - 1)
+    canonical = "q8_0:1=tq4" if n == 2 else "tq4:0=q8_0"     # the rest: what most layers have
+    for spelling in ("tq4:0=q8_0", f"q8_0:1-{n - 1}=tq4", f"tq4:0=q8_0:1-{n - 1}=tq4"):
+        assert m.kv_dtype_of(spelling) == canonical
+    assert m.kv_dtype_of(f"tq4:0-{n - 1}=q8_0") == "q8_0"
 
 
 @pytest.mark.parametrize("name,backend", [("llama-q8", "reference"), ("gemma3-q8", "reference"),

@@ -639,6 +639,57 @@ def test_scheduler_batches_running_requests(tiny_llama, logprobs):
     s = sched.state()
     assert s["kv_bytes_held"] == 0 and s["completed"] == 3
     assert set(s["kv_pools"]) == {"bf16", "tq4:1=tq3"} and all(p["pages_used"] == 0 for p in s["kv_pools"].values())
+    mixed = s["kv_pools"]["tq4:1=tq3"]          # layer 1 in a segment of its own
+    assert [g["kv_dtype"] for g in mixed["segments"]] == ["tq4", "tq3"]
+    assert mixed["bytes"] == sum(g["pages"] * g["page_bytes"] for g in mixed["segments"])
+
+
+def test_kv_pools_are_capped_and_idle_ones_dropped(tiny_llama):
+    """Each KV row layout a request names has a pool of its own, of --kv-pool-tokens
+    pages; the server holds at most MAX_KV_POOLS: a request for another layout drops
+    the pools no request is using (their kept caches released), and while every pool
+    is in use it fails at once with 503 kv_pools_busy (retry), the others unharmed."""
+    from engine.generate import SamplingParams
+    from engine.serve.scheduler import MAX_KV_POOLS, Scheduler
+    from engine.serve.sequence import Failed, Finished, Job
+
+    model = engine.load(tiny_llama, snapkv_budget=0)
+    layouts = ["bf16", "tq4", "tq3", "tq4:1=tq3", "tq3:1=tq4"]      # head_dim 16: the tq formats
+    assert len(layouts) == MAX_KV_POOLS + 1
+
+    def run(sched, jobs, start=False):
+        events = [None] * len(jobs)
+        done = threading.Semaphore(0)
+        for i, (ids, dt) in enumerate(jobs):
+            def emit(event, i=i):
+                if isinstance(event, (Finished, Failed)):
+                    events[i] = event
+                    done.release()
+            sched.submit(Job(ids, SamplingParams(max_tokens=4, ignore_eos=True), None, dt), emit)
+        if start:
+            sched.start()
+        try:
+            assert all(done.acquire(timeout=WAIT_S) for _ in jobs)
+        finally:
+            if start:
+                sched.stop()
+        return events
+
+    sched = Scheduler(model, max_queue=8, max_running=5)
+    sched.start()
+    try:
+        for i, dt in enumerate(layouts):      # one at a time: a new layout drops the idle pools
+            assert isinstance(run(sched, [(list(range(3, 30 + i)), dt)])[0], Finished)
+            assert len(sched.state()["kv_pools"]) <= MAX_KV_POOLS
+        s = sched.state()
+        assert set(s["kv_pools"]) == {"tq3:1=tq4"} and s["prompt_cache"]["caches"] == 1
+    finally:
+        sched.stop()
+    # all five admitted together (submitted before the worker starts): four pools in use
+    got = run(Scheduler(model, max_queue=8, max_running=5), [(list(range(3, 40)), dt) for dt in layouts], start=True)
+    assert all(isinstance(e, Finished) for e in got[:-1])
+    assert isinstance(got[-1], Failed) and got[-1].status == 503 and got[-1].code == "kv_pools_busy"
+    assert got[-1].retry_after and "retry later" in got[-1].message
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

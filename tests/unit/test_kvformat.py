@@ -234,10 +234,22 @@ def test_kv_spec_names_each_layers_formats(text, name, layers):
     ("rq4_0:0", "a layer exception is LAYER=FORMAT"), ("rq4_0:a=q8_0", "a layer exception is"),
     ("rq4_0:=q8_0", "a layer exception is"), ("rq4_0:0-=q8_0", "a layer exception is"),
     ("rq4_0:3-1=q8_0", "runs backwards"), ("rq4_0:0-2=q8_0:2=bf16", "layer 2 is named twice"),
-    ("rq4_0:0=fp8", "must be one of"), ("fp8:0=q8_0", "must be one of")])
+    ("rq4_0:0=fp8", "must be one of"), ("fp8:0=q8_0", "must be one of"), ("rq4_0:\u00b2=q8_0", "a layer exception is"),
+    ("rq4_0:1234567=q8_0", "a layer exception is")])
 def test_kv_spec_rejects(text, match):
     with pytest.raises(ConfigError, match=match):
         KvSpec.parse(text)
+
+
+@pytest.mark.parametrize("text,n,name", [
+    ("q8_0/rq4_0:1-23=rq4_0", 24, "rq4_0:0=q8_0/rq4_0"), ("rq4_0:0=rq4_0", 24, "rq4_0"),
+    ("rq4_0:0=q8_0:1=q8_0", 5, "rq4_0:0-1=q8_0"), ("rq4_0:0=q8_0:1=q8_0", 4, "q8_0:2-3=rq4_0"),
+    ("rq4_0:0-3=q8_0", 4, "q8_0"),
+    ("tq4:0=q8_0:2=q8_0", 5, "tq4:0=q8_0:2=q8_0"), ("tq4:1=q8_0", 2, "tq4:1=q8_0"), ("q8_0:0=tq4", 2, "tq4:1=q8_0")])
+def test_kv_spec_has_one_name_per_layout(text, n, name):
+    spec = KvSpec.parse(text)
+    assert spec.for_layers(n).name == name
+    assert [spec.at(i) for i in range(n)] == [KvSpec.parse(name).at(i) for i in range(n)]
 
 
 def test_kv_spec_layers_must_exist():
