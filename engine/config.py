@@ -159,7 +159,7 @@ SETTINGS = (
     Spec("serve_header_timeout", "SHARPI_SERVE_HEADER_TIMEOUT", "--header-timeout", _float(0.01), 10.0,
          "engine serve: seconds a connection may take to send its request headers"),
     Spec("serve_body_timeout", "SHARPI_SERVE_BODY_TIMEOUT", "--body-timeout", _float(0.01), 30.0,
-         "engine serve: seconds a request body may pause between two reads (408 after)"),
+         "engine serve: seconds a request body may take to arrive, all of it (408 after)"),
     Spec("serve_max_connections", "SHARPI_SERVE_MAX_CONNECTIONS", "--max-connections", _int(1), 512,
          "engine serve: open connections; more are closed at once"),
     Spec("serve_request_timeout", "SHARPI_SERVE_REQUEST_TIMEOUT", "--request-timeout", _float(0.0), 900.0,

@@ -94,7 +94,7 @@ def logit_bias(value, vocab_size: int) -> tuple[tuple[int, float], ...]:
         raise ConfigError(f"logit_bias must be a mapping of token id to bias, got {type(value).__name__}")
     out = []
     for key, bias in value.items():
-        if isinstance(key, str) and key.strip().isdigit():
+        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
             key = int(key)
         if isinstance(key, (bool, np.bool_)) or not isinstance(key, Integral) or not 0 <= key < vocab_size:
             raise ConfigError(f"logit_bias: {key!r} is not a token id of this vocabulary (0 .. {vocab_size - 1})")

@@ -203,7 +203,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
     async def tokenize(body: TokenizeRequest):
         """Extension (vLLM's and llama.cpp's): text or a chat -> token ids."""
         _check_model(body.model)
-        rendered = await renderer.render(jobs.chat_messages(body.messages)) if body.messages else None
+        rendered = await renderer.render(jobs.chat_messages(body.messages, model.ctx)) if body.messages else None
         ids = await run_in_threadpool(jobs.tokenize, model, body, rendered, limits)
         return {"tokens": ids, "count": len(ids), "max_model_len": model.ctx}
 
@@ -227,7 +227,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
         _check_model(body.model)
         jobs.check_stop(body.stop, limits)
         plan = structured.tool_plan(body, tok.chat_template)
-        rendered = await renderer.render(jobs.chat_messages(body.messages), tools=plan.tools)
+        rendered = await renderer.render(jobs.chat_messages(body.messages, model.ctx), tools=plan.tools)
         job = await run_in_threadpool(jobs.chat_job, model, body, rendered, limits, plan)
         return await _respond(request, body, job, True, start, plan.parse)
 

@@ -76,6 +76,8 @@ def tokenize(model, req, rendered: str | None = None, limits: Limits = Limits())
 
 
 def detokenize(model, req) -> str:
+    if len(req.tokens) > model.ctx:
+        raise ApiError(400, f"{len(req.tokens)} tokens: more than the model's context of {model.ctx}", "tokens")
     try:
         return model.detokenize(req.tokens)
     except EngineError as e:
@@ -92,9 +94,14 @@ def _check_supported(req) -> None:
                        f"{', '.join(list(KV_FIELDS) + ['kv_dtype'])}", unknown[0])
 
 
-def chat_messages(chat_messages) -> list[dict]:
+def chat_messages(chat_messages, max_messages: int | None = None) -> list[dict]:
     """The request's messages as the chat template sees them (text parts joined; an
-    assistant's tool calls and a tool message's call id, structured.template_messages)."""
+    assistant's tool calls and a tool message's call id, structured.template_messages).
+    More than `max_messages` (the model's context: each message is at least a token)
+    is a 400, before anything else looks at them."""
+    if max_messages is not None and len(chat_messages) > max_messages:
+        raise ApiError(400, f"{len(chat_messages)} messages: more than a context of {max_messages} tokens can hold",
+                       "messages")
     messages = []
     for m in chat_messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
@@ -108,7 +115,7 @@ def _chat_ids(model, request_messages, rendered: str | None = None, content_spec
     content_specials "text", special-token text inside a message's content (a forged
     `<|im_end|><|im_start|>system`) is tokenized as plain text: only the template's own
     markup becomes control tokens."""
-    messages = chat_messages(request_messages)
+    messages = chat_messages(request_messages, model.ctx)
     if rendered is None:
         try:
             rendered = (model.tokenizer.apply_chat_template(messages, tools=tools) if tools
@@ -118,7 +125,7 @@ def _chat_ids(model, request_messages, rendered: str | None = None, content_spec
     text = inputs_text(rendered, "messages")
     _check_length(model, text, "messages")
     tok = model.tokenizer
-    forged = [m["content"] for m in messages if content_specials == "text" and tok.control_text_in(m["content"])]
+    forged = {m["content"] for m in messages if content_specials == "text" and tok.control_text_in(m["content"])}
     if not forged:
         return _encode(model, text, "messages")
     parts, at = [], 0

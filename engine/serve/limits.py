@@ -3,10 +3,11 @@
     Limits           the server's limits (from the settings, engine/config.py `serve_*`)
     RequestGuard     ASGI middleware: the Host allow-list, then the body read here, at most
                      max_body_bytes (413, by Content-Length before reading when it is sent),
-                     each read within body_timeout (408), then replayed to the app
+                     the whole of it within body_timeout (408), then replayed to the app
     GuardedH11       uvicorn's h11 protocol with a header deadline (a connection that has not
                      sent its request headers within header_timeout is closed) and a
-                     connection cap (one over max_connections is closed at once)
+                     connection cap (over max_connections, the connection waiting longest
+                     for its headers or still sending its body is closed)
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import dataclasses
 import ipaddress
 import json
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config import Settings
@@ -84,9 +86,10 @@ class RequestGuard:
             return await _answer(send, 413, f"the request body is larger than the server's limit of "
                                             f"{limit} bytes (--max-body-mb)", "body_too_large")
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.limits.body_timeout   # for the whole body
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.limits.body_timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
             except asyncio.TimeoutError:
                 return await _answer(send, 408, f"the request body did not arrive within "
                                                 f"{self.limits.body_timeout:g} s (--body-timeout)", "body_timeout")
@@ -117,8 +120,9 @@ class GuardedH11(H11Protocol):
     """uvicorn's h11 protocol, plus: request headers must arrive within `header_timeout`
     of the connection's start (or of the previous response), and at most `max_connections`
     connections are held: over the cap, the connection that has waited longest for its
-    request headers is closed to make room (so idle or half-open sockets cannot lock
-    clients out); only when every connection is mid-request is the new one refused. The
+    request headers, or the one whose body has been arriving longest, is closed to make
+    room (so idle, half-open or slowly sending sockets cannot lock clients out); only when
+    every connection has its request and is being answered is the new one refused. The
     values come from the Config (`config.header_timeout`, `config.max_connections`, set
     by `uvicorn_config`)."""
 
@@ -128,6 +132,7 @@ class GuardedH11(H11Protocol):
         self._max_connections = getattr(config, "max_connections", None)
         self._header_task = None
         self._waiting_since: float | None = None     # loop time since when no request headers came
+        self._request_since: float | None = None     # loop time the current request's headers came
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -135,14 +140,23 @@ class GuardedH11(H11Protocol):
             # a closed connection stays in `connections` until its connection_lost runs
             live = [c for c in self.connections if c.transport is not None and not c.transport.is_closing()]
             if len(live) > self._max_connections:
-                waiting = [c for c in live if c is not self and getattr(c, "_waiting_since", None) is not None]
+                waiting = [(since, c) for c in live if c is not self and (since := c._idle_since()) is not None]
                 if not waiting:
                     transport.close()
                     return
-                oldest = min(waiting, key=lambda c: c._waiting_since)
+                oldest = min(waiting, key=lambda w: w[0])[1]
                 oldest._disarm()
                 oldest.transport.close()
         self._arm()
+
+    def _idle_since(self) -> float | None:
+        """Since when this connection has held its place without a request to answer:
+        waiting for headers, or still sending its body (None: being answered)."""
+        if self._waiting_since is not None:
+            return self._waiting_since
+        if self._request_since is not None and self.conn.their_state is h11.SEND_BODY:
+            return self._request_since
+        return None
 
     def _arm(self) -> None:
         self._disarm()
@@ -166,6 +180,7 @@ class GuardedH11(H11Protocol):
         super().handle_events()
         if self.cycle is not before and self.cycle is not None:
             self._disarm()                       # a request's headers have arrived
+            self._request_since = self.loop.time()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -215,46 +215,60 @@ class Scheduler:
         if bind is not None:
             bind()
         while True:
-            with self._cv:
-                while not self._stopping and not self._waiting and not self._running and not self.draining:
-                    self._cv.wait()
-                if self._stopping:
-                    self._drop_all()
+            try:
+                if not self._iteration():
                     return
-                draining = self.draining
-                if draining:
-                    self._retire_cancelled()
-                    shed = list(self._waiting)      # waiting ones: not started, answered now
-                    self._waiting.clear()
-                    self.counts["failed"] += len(shed)
-                    over = not self._running or time.monotonic() >= self._drain_deadline
-            if draining:
-                for h in shed:
-                    h.emit(_SHUTTING_DOWN)
-                if over:
-                    self._end_all(_SHUTTING_DOWN, self.on_drained)
-                    return
-            with self._cv:
-                self._retire_cancelled()
-                self._make_room()
-                admitted = self._admit()
-                running = list(self._running)
-            for h, failure in admitted:         # could never be admitted: answered outside the lock
-                h.emit(failure)
-            if self.fault is None:
-                try:
-                    self._step(running)
-                except Exception as e:   # a bug in the loop itself: fail the requests, keep serving
-                    for h in running:
-                        self._fail(h, e)
-            if self.fault is not None:
+            except Exception as e:     # a bug outside a step's guard: nothing held can be trusted
+                log.exception("engine serve: the worker failed")
+                if self.fault is None:
+                    self.fault = f"the server's worker failed ({type(e).__name__}: {e}): restart it"
                 self._end_after_fault()
                 return
-            if self._free_memory:           # the failed step's arrays are gone by now
-                self._free_memory = False
-                free = getattr(self.model.backend, "free_cached_memory", None)
-                if free is not None:
-                    free()
+
+    def _iteration(self) -> bool:
+        """One turn of the worker: wait for work, admit, step, free memory after a
+        failed step; False when the worker is done."""
+        with self._cv:
+            while not self._stopping and not self._waiting and not self._running and not self.draining:
+                self._cv.wait()
+            if self._stopping:
+                self._drop_all()
+                return False
+            draining = self.draining
+            if draining:
+                self._retire_cancelled()
+                shed = list(self._waiting)      # waiting ones: not started, answered now
+                self._waiting.clear()
+                self.counts["failed"] += len(shed)
+                over = not self._running or time.monotonic() >= self._drain_deadline
+        if draining:
+            for h in shed:
+                h.emit(_SHUTTING_DOWN)
+            if over:
+                self._end_all(_SHUTTING_DOWN, self.on_drained)
+                return False
+        with self._cv:
+            self._retire_cancelled()
+            self._make_room()
+            admitted = self._admit()
+            running = list(self._running)
+        for h, failure in admitted:         # could never be admitted: answered outside the lock
+            h.emit(failure)
+        if self.fault is None:
+            try:
+                self._step(running)
+            except Exception as e:   # a bug in the loop itself: fail the requests, keep serving
+                for h in running:
+                    self._fail(h, e)
+        if self.fault is not None:
+            self._end_after_fault()
+            return False
+        if self._free_memory:           # the failed step's arrays are gone by now
+            self._free_memory = False
+            free = getattr(self.model.backend, "free_cached_memory", None)
+            if free is not None:
+                free()
+        return True
 
     def _pool(self, kv_dtype: str | None):
         """(lock held) The pool of a KV row layout, made on first use; at most

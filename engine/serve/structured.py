@@ -16,7 +16,6 @@ Every refusal is an ApiError(400) naming its field.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 from ..errors import EngineError
@@ -130,30 +129,29 @@ def _arguments(arguments):
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):    # not JSON, or nested past the parser's depth
             return arguments
     return arguments
 
 
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
-
-
 def parse_calls(text: str) -> tuple[str | None, list[dict]]:
     """Output text -> (content, calls): every well-formed block (a JSON object with a
-    string "name") becomes a call; the text around them, and any block that is not
-    well-formed, stays content (None when nothing is left)."""
-    calls, rest, at = [], [], 0
-    for m in _BLOCK.finditer(text):
+    string "name" between OPEN and the next CLOSE) becomes a call; the text around them,
+    and any block that is not well-formed, stays content (None when nothing is left).
+    One pass over the text, whatever it holds (an OPEN never closed is content)."""
+    calls, rest, at, pos = [], [], 0, 0
+    while (start := text.find(OPEN, pos)) >= 0 and (end := text.find(CLOSE, start + len(OPEN))) >= 0:
+        pos = end + len(CLOSE)
         try:
-            obj = json.loads(m.group(1))
-        except ValueError:
+            obj = json.loads(text[start + len(OPEN):end])
+        except (ValueError, RecursionError):
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue
         args = obj.get("arguments", obj.get("parameters", {}))
         calls.append(tool_call(obj["name"], json.dumps(args, ensure_ascii=False)))
-        rest.append(text[at:m.start()])
-        at = m.end()
+        rest.append(text[at:start])
+        at = pos
     rest.append(text[at:])
     content = "".join(rest).strip() if calls else text
     return (content or None), calls

@@ -644,6 +644,41 @@ def test_scheduler_batches_running_requests(tiny_llama, logprobs):
     assert mixed["bytes"] == sum(g["pages"] * g["page_bytes"] for g in mixed["segments"])
 
 
+def test_a_worker_failure_outside_a_step_ends_requests_and_marks_the_fault(tiny_llama, monkeypatch):
+    """A bug in the worker's own bookkeeping (here: making room before admitting) does
+    not leave a dead thread behind a healthy-looking server: the requests held fail with
+    503, the fault is set (GET /health says so), on_fault is called (engine serve exits
+    1) and new requests are refused."""
+    from engine.generate import SamplingParams
+    from engine.serve.scheduler import QueueFull, Scheduler
+    from engine.serve.sequence import Failed, Finished, Job
+
+    model = engine.load(tiny_llama, snapkv_budget=0)
+    sched = Scheduler(model, max_queue=4, max_running=2)
+    faults, events, done = [], [], threading.Semaphore(0)
+    sched.on_fault = faults.append
+
+    def emit(event):
+        if isinstance(event, (Finished, Failed)):
+            events.append(event)
+            done.release()
+
+    def broken(self):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(Scheduler, "_make_room", broken)
+    sched.submit(Job([5, 6, 7], SamplingParams(max_tokens=2), None, None), emit)
+    sched.start()
+    try:
+        assert done.acquire(timeout=WAIT_S)
+        wait_until(lambda: faults, "on_fault")
+    finally:
+        sched.stop()
+    assert isinstance(events[0], Failed) and events[0].status == 503 and "boom" in events[0].message
+    assert faults == [sched.fault] and "the server's worker failed (RuntimeError: boom)" in sched.fault
+    with pytest.raises(QueueFull):
+        sched.submit(Job([5], SamplingParams(max_tokens=1), None, None), emit)
+
+
 def test_kv_pools_are_capped_and_idle_ones_dropped(tiny_llama):
     """Each KV row layout a request names has a pool of its own, of --kv-pool-tokens
     pages; the server holds at most MAX_KV_POOLS: a request for another layout drops
@@ -804,6 +839,7 @@ def test_bad_requests_get_openai_shaped_400s(served):
         (json.dumps(dict(ok, logit_bias={"abc": 1})).encode(), "logit_bias"),
         (json.dumps(dict(ok, logit_bias={"5": 101})).encode(), "logit_bias"),
         (json.dumps(dict(ok, logit_bias={"99999999": 1})).encode(), "logit_bias"),
+        (json.dumps(dict(ok, logit_bias={"\u00b2": 1})).encode(), "logit_bias"),     # a digit, not ASCII
         (json.dumps(dict(ok, stop=[""])).encode(), "stop"),
         (json.dumps(dict(ok, prompt=[1, 10 ** 9])).encode(), "prompt"),
         (json.dumps(dict(ok, prompt=["a", "b"])).encode(), "prompt"),
@@ -828,6 +864,17 @@ def test_bad_requests_get_openai_shaped_400s(served):
     assert answer["error"]["code"] == "context_length_exceeded"
     status, answer = served.post_raw("/v1/chat/completions", json.dumps({"messages": []}).encode())
     assert status == 400 and answer["error"]["param"] == "messages"
+    many = [{"role": "x", "content": "b"}] * (CTX + 1)                  # more messages than the context holds
+    for route in ("/v1/chat/completions", "/tokenize"):
+        status, answer = served.post_raw(route, json.dumps({"messages": many}).encode())
+        assert status == 400 and answer["error"]["param"] == "messages" and "1025 messages" in answer["error"]["message"]
+    status, answer = served.post_raw("/detokenize", json.dumps({"tokens": [5] * (CTX + 1)}).encode())
+    assert status == 400 and answer["error"]["param"] == "tokens"
+    hostile = [{"role": "assistant", "content": "",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100000}}]},
+               {"role": "user", "content": "hi"}]
+    status, answer = served.post_raw("/v1/chat/completions", json.dumps({"messages": hostile, "max_tokens": 1}).encode())
+    assert status in (200, 400), answer                                 # arguments too deep stay a string
     c = served.client()
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=2,

@@ -257,6 +257,44 @@ def test_half_open_connections_are_closed_and_capped(tiny_llama):
                 c.close()
 
 
+def test_slow_bodies_get_408_and_give_way_to_real_requests(tiny_llama):
+    """A body trickling in (a byte every 0.2 s, each pause within --body-timeout) gets
+    408 once --body-timeout has passed since its headers, not when it finally ends; and
+    connections still sending their bodies count as waiting for the connection cap: a
+    new client closes the one that has been sending longest instead of being refused."""
+    with served(tiny_llama, limits=Limits(body_timeout=1.0, header_timeout=60, max_connections=4)) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 40\r\n\r\n")
+            t0, answer = time.monotonic(), b""
+            sock.settimeout(0.2)
+            for _ in range(40):                      # 8 s of trickle if nothing stopped it
+                try:
+                    sock.sendall(b" ")
+                    answer += sock.recv(65536)
+                except socket.timeout:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                if b"}" in answer:
+                    break
+        assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer, answer[:200]
+        assert time.monotonic() - t0 < 4
+    with served(tiny_llama, limits=Limits(body_timeout=60, header_timeout=60, max_connections=4)) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        socks = []
+        try:
+            for _ in range(4):                       # the cap, every one mid-body
+                c = socket.create_connection((host, int(port)), timeout=WAIT_S)
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+                socks.append(c)
+            wait_until(lambda: request(s.url, "/health", timeout=5)[0] == 200, "a client past the cap to be served")
+        finally:
+            for c in socks:
+                c.close()
+
+
 def test_a_request_past_its_timeout_is_ended(tiny_llama):
     """--request-timeout: a plain request gets 504, a stream an error event and [DONE]."""
     with served(tiny_llama, limits=Limits(request_timeout=0.5)) as s:

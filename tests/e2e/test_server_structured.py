@@ -249,6 +249,13 @@ def test_parse_calls():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"x": 1}),
                                                                                                 ("g", {})]
     assert parse_calls("<tool_call>\nnot json\n</tool_call>") == ("<tool_call>\nnot json\n</tool_call>", [])
+    # a block that never closes is content; JSON nested past the parser's depth is content, not a 500
+    opened = "<tool_call>" * 20000 + '{"name": "f"}'
+    assert parse_calls(opened) == (opened, [])
+    deep = "<tool_call>" + "[" * 100000 + "</tool_call>"
+    assert parse_calls(deep) == (deep, [])
+    content, calls = parse_calls('a <tool_call>{"name": "f"}</tool_call> b <tool_call> c')
+    assert content == "a  b <tool_call> c" and calls[0]["function"]["name"] == "f"
     s = CallStream()
     sent = "".join(s.feed(p) for p in ["Hi <", "tool", "_call>\n{\"name\": ", "\"f\", \"arguments\": {}}\n</tool_call>"])
     rest, calls = s.finish()
