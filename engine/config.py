@@ -160,6 +160,9 @@ SETTINGS = (
          "engine serve: seconds a connection may take to send its request headers"),
     Spec("serve_body_timeout", "SHARPI_SERVE_BODY_TIMEOUT", "--body-timeout", _float(0.01), 30.0,
          "engine serve: seconds a request body may take to arrive, all of it (408 after)"),
+    Spec("serve_write_timeout", "SHARPI_SERVE_WRITE_TIMEOUT", "--write-timeout", _float(0.01), 60.0,
+         "engine serve: seconds one write of a response may wait for a client that does not read "
+         "(the request is cancelled and the connection closed after)"),
     Spec("serve_max_connections", "SHARPI_SERVE_MAX_CONNECTIONS", "--max-connections", _int(1), 512,
          "engine serve: open connections; more are closed at once"),
     Spec("serve_request_timeout", "SHARPI_SERVE_REQUEST_TIMEOUT", "--request-timeout", _float(0.0), 900.0,
@@ -204,6 +207,7 @@ class Settings:
     serve_template_timeout: float = 5.0
     serve_header_timeout: float = 10.0
     serve_body_timeout: float = 30.0
+    serve_write_timeout: float = 60.0
     serve_max_connections: int = 512
     serve_request_timeout: float = 900.0
     serve_shutdown_timeout: float = 30.0

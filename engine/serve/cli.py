@@ -21,7 +21,7 @@ from ..errors import DeviceFault, EngineError
 
 # engine/config.py settings that are flags of `engine serve`
 SERVE_SETTINGS = ("serve_max_body_mb", "serve_max_stop", "serve_max_stop_chars", "serve_template_timeout",
-                  "serve_header_timeout", "serve_body_timeout", "serve_max_connections", "serve_request_timeout",
+                  "serve_header_timeout", "serve_body_timeout", "serve_write_timeout", "serve_max_connections", "serve_request_timeout",
                   "serve_shutdown_timeout", "serve_content_specials")
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 

@@ -3,7 +3,9 @@
     Limits           the server's limits (from the settings, engine/config.py `serve_*`)
     RequestGuard     ASGI middleware: the Host allow-list, then the body read here, at most
                      max_body_bytes (413, by Content-Length before reading when it is sent),
-                     the whole of it within body_timeout (408), then replayed to the app
+                     the whole of it within body_timeout (408), then replayed to the app;
+                     a response write that waits past write_timeout for a client that
+                     does not read ends the request (its stream's cleanup cancels it)
     GuardedH11       uvicorn's h11 protocol with a header deadline (a connection that has not
                      sent its request headers within header_timeout is closed) and a
                      connection cap (over max_connections, the connection waiting longest
@@ -15,12 +17,15 @@ import asyncio
 import dataclasses
 import ipaddress
 import json
+import logging
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config import Settings
 from .protocol import error
+
+log = logging.getLogger("engine.serve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +37,7 @@ class Limits:
     template_timeout: float = Settings.serve_template_timeout
     header_timeout: float = Settings.serve_header_timeout
     body_timeout: float = Settings.serve_body_timeout
+    write_timeout: float = Settings.serve_write_timeout
     max_connections: int = Settings.serve_max_connections
     request_timeout: float = Settings.serve_request_timeout          # 0: none
     shutdown_timeout: float = Settings.serve_shutdown_timeout
@@ -42,6 +48,7 @@ class Limits:
         return cls(max_body_bytes=int(s.serve_max_body_mb * (1 << 20)), max_stop=s.serve_max_stop,
                    max_stop_chars=s.serve_max_stop_chars, template_timeout=s.serve_template_timeout,
                    header_timeout=s.serve_header_timeout, body_timeout=s.serve_body_timeout,
+                   write_timeout=s.serve_write_timeout,
                    max_connections=s.serve_max_connections, request_timeout=s.serve_request_timeout,
                    shutdown_timeout=s.serve_shutdown_timeout, content_specials=s.serve_content_specials)
 
@@ -61,6 +68,10 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+class _ClientStalled(Exception):
+    """A response write waited past write_timeout: the client does not read."""
+
+
 class RequestGuard:
     """ASGI middleware in front of the app (see the module's docstring). `allowed_hosts`:
     Host header names accepted (None: any), against DNS rebinding of a keyless server."""
@@ -71,6 +82,20 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        timeout = self.limits.write_timeout
+
+        async def timed_send(message):
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except asyncio.TimeoutError:
+                raise _ClientStalled from None
+        try:
+            return await self._guarded(scope, receive, timed_send)
+        except _ClientStalled:      # the app's cleanup ran (a stream's request is cancelled); uvicorn closes
+            log.warning("engine serve: a client read nothing for %g s (--write-timeout): its request ended",
+                        timeout)
+
+    async def _guarded(self, scope, receive, send):
         headers = dict(scope["headers"])
         if self.allowed_hosts is not None:
             host = headers.get(b"host", b"").decode("latin-1")

@@ -295,6 +295,53 @@ def test_slow_bodies_get_408_and_give_way_to_real_requests(tiny_llama):
                 c.close()
 
 
+def test_a_client_that_does_not_read_ends_its_request():
+    """A response write that waits past --write-timeout (a client that reads nothing:
+    its socket's buffers full) ends the request: the app's send raises, so a stream's
+    cleanup runs (it cancels the request in the server), and the guard returns; a
+    client that reads is not timed out however long the response runs."""
+    from engine.serve.limits import RequestGuard
+
+    cleaned = []
+
+    async def app(scope, receive, send):
+        async def chunks():
+            try:
+                for i in range(1000):
+                    yield b"data: %d\n\n" % i
+            finally:
+                cleaned.append(True)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        gen = chunks()
+        try:
+            async for chunk in gen:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            await gen.aclose()
+        await send({"type": "http.response.body", "body": b""})
+
+    async def run(stalls_after):
+        sent = []
+
+        async def send(message):
+            if len(sent) >= stalls_after:
+                await asyncio.Event().wait()          # never drains
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+        guard = RequestGuard(app, Limits(write_timeout=0.2))
+        t0 = time.monotonic()
+        await asyncio.wait_for(guard({"type": "http", "method": "GET", "headers": []}, receive, send), 10)
+        return sent, time.monotonic() - t0
+
+    sent, took = asyncio.run(run(stalls_after=3))
+    assert len(sent) == 3 and cleaned == [True] and took < 5
+    cleaned.clear()
+    sent, _ = asyncio.run(run(stalls_after=10 ** 6))
+    assert len(sent) == 1002 and cleaned == [True]
+
+
 def test_a_request_past_its_timeout_is_ended(tiny_llama):
     """--request-timeout: a plain request gets 504, a stream an error event and [DONE]."""
     with served(tiny_llama, limits=Limits(request_timeout=0.5)) as s:
