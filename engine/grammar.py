@@ -126,13 +126,14 @@ class Constraint:
             self._fresh = True
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
-        """logits f32 [vocab] -> a copy with the disallowed tokens at -inf."""
+        """logits f32 [vocab] -> a copy with the disallowed tokens at -inf. GrammarError
+        (the request's grammar, a 400) when the matcher fails or allows no token."""
         self.compute_mask()
         if self.matcher.is_error():
-            raise RuntimeError(f"grammar matcher failed: {_one_line(self.matcher.get_error())}")
+            raise GrammarError(f"the grammar failed while decoding: {_one_line(self.matcher.get_error())}")
         allowed = np.unpackbits(self.mask.view(np.uint8), count=logits.shape[-1], bitorder="little")   # u8 [vocab]
         if not allowed.any():
-            raise RuntimeError("grammar matcher allows no token")
+            raise GrammarError("the grammar allows no token of this vocabulary here")
         with np.errstate(divide="ignore"):      # log(1) = 0, log(0) = -inf: branch-free, ~4x np.where
             return np.log(allowed.astype(np.float32)) + logits
 

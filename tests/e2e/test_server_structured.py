@@ -242,6 +242,33 @@ def test_bad_requests_are_400(smollm2, qwen):
 
 
 # -- parsing (no model) -----------------------------------------------------------------------------
+def test_a_grammar_that_allows_no_token_is_the_requests_error():
+    """A matcher that fails or allows no token mid-answer is the request's grammar's
+    doing: GrammarError (an EngineError, so the server answers 400), not a 500."""
+    import numpy as np
+
+    from engine.grammar import Constraint, GrammarError
+
+    class Matcher:
+        def __init__(self, error):
+            self.error = error
+
+        def is_error(self):
+            return self.error is not None
+
+        def get_error(self):
+            return self.error
+    c = object.__new__(Constraint)
+    c.mask, c._fresh = np.zeros((1, 4), dtype=np.int32), True
+    for error, match in ((None, "allows no token"), ("lexer: too many items", "failed while decoding")):
+        c.matcher = Matcher(error)
+        with pytest.raises(GrammarError, match=match):
+            c.apply(np.zeros(128, dtype=np.float32))
+    c.matcher, c.mask[0, 0] = Matcher(None), 1 << 5
+    out = c.apply(np.zeros(128, dtype=np.float32))
+    assert out[5] == 0 and np.isneginf(np.delete(out, 5)).all()
+
+
 def test_parse_calls():
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "g"}\n</tool_call>'
     content, calls = parse_calls(text)
