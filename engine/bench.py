@@ -173,6 +173,9 @@ def run_bench(args, settings) -> int:
         raise EngineError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
     if not lengths or min(lengths) < 1:
         raise EngineError("--lengths needs at least one positive length")
+    if args.decode_tokens < 1:
+        raise EngineError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
+    llama_cpp_cache_types(args.llama_cache_type)  # a bad --llama-cpp-cache-type fails now, not after loading
     dtypes = [t.strip() for t in str(args.kv_dtypes or "").split(",") if t.strip()]
     output_dir(args.out)                         # a bad --out fails now, not after the run
     path = model_path_or_default(args.model)
@@ -251,8 +254,9 @@ def run_bench(args, settings) -> int:
     }
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"bench-{model.backend.name}.json")
+    text = json.dumps(report, indent=1, default=str)
     with open(out + ".tmp", "w") as f:
-        json.dump(report, f, indent=1, default=str)
+        f.write(text)
     os.replace(out + ".tmp", out)
     d = report["decode_steps"]
     if d["launches_per_token"] is not None:

@@ -82,6 +82,7 @@ def cmd_run(args) -> int:
     if args.prompt is not None and args.file is not None:
         raise EngineError("pass either -p TEXT or -f FILE, not both")
     prompt = inputs.prompt_file(args.file) if args.file is not None else inputs.text(args.prompt, "-p prompt")
+    _check_sampling(args)
     model = _load(args)
     stats: dict = {}
     out = sys.stdout
@@ -103,6 +104,23 @@ def cmd_run(args) -> int:
     if args.stats:
         _print_stats(stats)
     return 0
+
+
+RUN_FLAGS = {"max_tokens": "-n/--max-tokens", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
+             "seed": "--seed", "stop strings": "--stop strings", "presence_penalty": "--presence-penalty",
+             "frequency_penalty": "--frequency-penalty"}
+
+
+def _check_sampling(args) -> None:
+    """engine run's sampling flags checked before the model loads, errors naming the flags."""
+    from .generate import SamplingParams
+    try:
+        SamplingParams(max_tokens=args.n, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                       seed=args.seed, stop=tuple(args.stop or ()), presence_penalty=args.presence_penalty,
+                       frequency_penalty=args.frequency_penalty)
+    except EngineError as e:
+        name = next((k for k in RUN_FLAGS if str(e).startswith(k)), None)
+        raise EngineError(str(e) if name is None else RUN_FLAGS[name] + str(e)[len(name):]) from None
 
 
 class PrefillProgress(ProgressLine):
@@ -247,8 +265,8 @@ def cmd_pull(args) -> int:
     names = list(args.names) + [e.name for e in CATALOG if args.setup and e.setup and e.name not in args.names]
     if not names:
         raise EngineError("engine pull: name a model (`engine models` lists them) or pass --setup")
-    for name in names:
-        entry = entry_named(name)
+    entries = [entry_named(name) for name in names]      # every name known before any download
+    for name, entry in zip(names, entries):
         progress, t0 = PullProgress(name), time.perf_counter()
         try:
             path, new = pull(name, progress=progress)

@@ -125,6 +125,8 @@ def resolve(args) -> dict:
         budgets = _ints(d["budgets"], "--budgets")
         if min(budgets) < 1:
             raise EngineError("--budgets must be positive")
+        if (d["fraction"] or 0) < 0 or (d["ablation_budget"] or 0) < 0:
+            raise EngineError("--budget-fraction and --ablation-budget must be >= 0 (0: none)")
         pols = P.default_policies(budgets, d["ablation_budget"] or None, d["fraction"] or None)
     if d["kv_dtypes"] is not None:               # every policy over each listed KV type
         dtypes = [t.strip() for t in str(d["kv_dtypes"]).split(",") if t.strip()]
@@ -139,11 +141,14 @@ def resolve(args) -> dict:
     if int(d["samples"]) < 1:
         raise EngineError("--samples must be >= 1")
     depths = _floats(d["depths"], "--depths")
-    if min(depths) < 0 or max(depths) > 100:
+    if not all(0 <= x <= 100 for x in depths):       # (NaN too)
         raise EngineError("--depths are percentages in 0..100")
     if args.max_new_tokens < 1 or args.fidelity_tokens < 1:
         raise EngineError("--max-new-tokens and --fidelity-tokens must be >= 1")
     return {"tasks": tasks, "lengths": lengths, "policies": pols, "samples": int(d["samples"]), "depths": depths}
+
+
+ROW_KEYS = ("task", "length", "index", "policy", "prompt_tokens")   # what every sample row holds
 
 
 def _load_rows(path: str) -> tuple[dict, list[dict]]:
@@ -163,6 +168,12 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
         raise EngineError(f"--render: {path} is not an eval results.json or samples jsonl ({e})") from None
     if not rows:
         raise EngineError(f"--render: {path} holds no samples")
+    if not isinstance(rows, list) or not isinstance(meta, dict):
+        raise EngineError(f"--render: {path} is not an eval results.json or samples jsonl (its layout)")
+    for i, r in enumerate(rows):
+        missing = [k for k in ROW_KEYS if k not in r] if isinstance(r, dict) else list(ROW_KEYS)
+        if missing:
+            raise EngineError(f"--render: {path} sample {i} is not an eval sample (missing {', '.join(missing)})")
     return meta or _meta_from_rows(rows, "(partial run)"), rows
 
 
@@ -239,7 +250,11 @@ def cmd_render(args) -> int:
     if args.baseline is not None:                    # else a results.json keeps its own
         meta["baselines"] = _baselines(args.baseline, list(meta["policies"]))
     out = output_dir(args.out or os.path.dirname(os.path.abspath(args.render[0])))
-    paths = report.write_all(out, meta, rows, sorted(meta["lengths"]), list(meta["tasks"]))
+    try:
+        paths = report.write_all(out, meta, rows, sorted(meta["lengths"]), list(meta["tasks"]))
+    except (KeyError, TypeError, ValueError) as e:  # a file edited by hand: nothing written (write_all)
+        raise EngineError(f"--render: {', '.join(args.render)} cannot be rendered "
+                          f"({type(e).__name__}: {e})") from None
     _print_summary(report.summarize(rows, list(meta["policies"])))
     print(f"wrote {paths['json']}, {paths['markdown']} and 3 plots from {len(rows)} rows")
     return 0
@@ -264,11 +279,11 @@ def cmd_eval(args) -> int:
 
     r = resolve(args)
     baselines = _baselines(args.baseline, [p.name for p in r["policies"]])
+    path = model_path_or_default(args.model)
     out = output_dir(args.out or "results/eval")    # a bad --out fails now, not after the run
     plan = EvalPlan(tasks=r["tasks"], lengths=r["lengths"], policies=r["policies"], samples=r["samples"],
                     depths=r["depths"], seed=args.seed, max_new_tokens=args.max_new_tokens,
                     fidelity_tokens=args.fidelity_tokens)
-    path = model_path_or_default(args.model)
     cli = {k: getattr(args, k) for k in ("backend", "threads") if getattr(args, k, None) is not None}
     settings = config_mod.resolve(cli=cli)
     # Eviction is applied by the runner per policy; the model itself never evicts.

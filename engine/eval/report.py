@@ -366,9 +366,11 @@ def write_all(out_dir: str, meta: dict, rows: list[dict], lengths: list[int], ta
              "heatmap": os.path.join(out_dir, "accuracy_heatmap.png"),
              "budget": os.path.join(out_dir, "accuracy_vs_budget.png"),
              "bytes": os.path.join(out_dir, "kv_bytes_vs_accuracy.png")}
+    text = markdown(meta, summary, lengths, tasks)      # before anything is written: a failure leaves all as it was
     write_json(paths["json"], meta, rows, summary)
-    with open(paths["markdown"], "w") as f:
-        f.write(markdown(meta, summary, lengths, tasks))
+    with open(paths["markdown"] + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(paths["markdown"] + ".tmp", paths["markdown"])
     plot_heatmaps(paths["heatmap"], rows, names, lengths)
     plot_accuracy_vs_budget(paths["budget"], rows, meta, lengths)
     plot_bytes_vs_accuracy(paths["bytes"], summary)

@@ -94,6 +94,13 @@ def cmd_serve(args) -> int:
     keys = _api_keys(args)
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise EngineError("--ssl-keyfile and --ssl-certfile go together: pass both")
+    if args.ssl_certfile:                      # read now: uvicorn would fail later with a traceback
+        import ssl
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except (OSError, ssl.SSLError) as e:
+            raise EngineError(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: "
+                              f"{e.strerror or e}") from None
     allowed_hosts = _allowed_hosts(args, keys)
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     if args.kv_eviction == "none":
@@ -212,8 +219,11 @@ def _api_keys(args) -> list[str]:
 
 
 def _allowed_hosts(args, keys) -> set[str] | None:
-    if args.allowed_hosts:
+    if args.allowed_hosts is not None:
         names = {h.strip().lower().strip("[]") for h in args.allowed_hosts.split(",") if h.strip()}
+        if not names:
+            raise EngineError(f"--allowed-hosts {args.allowed_hosts!r} names no host (every request would get 421): "
+                              f"name them, or * for any")
         return None if "*" in names else names
     from .limits import is_loopback
     if not keys and is_loopback(args.host):    # a keyless loopback server: DNS rebinding

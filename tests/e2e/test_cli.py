@@ -24,6 +24,15 @@ def test_run_streams_and_stats(tiny_llama):
     assert again.stdout == r.stdout            # seeded sampling is reproducible
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["-n", "-1"], "error: -n/--max-tokens must be a non-negative integer, got -1"),
+    (["--temp", "nan"], "error: --temp must be a finite number >= 0, got nan"),
+    (["--top-p", "0"], "error: --top-p must be in (0, 1], got 0.0")])
+def test_run_flags_are_checked_before_the_model_loads(flags, message):
+    r = cli("run", "/no/such/model.gguf", "-p", "hi", *flags)       # the flag's error, not the missing file's
+    assert r.returncode == 1 and r.stderr == message + "\n"
+
+
 def test_chat_template_and_stop(tiny_llama):
     r = cli("run", str(tiny_llama), "--chat", "-p", "hi", "-n", "3", "--stop", "zzz")
     assert r.returncode == 0, r.stderr

@@ -53,6 +53,10 @@ def test_bad_arguments_are_one_line_errors():
         resolve(_parse(["eval", "--policies", "full,snapkv-1024"]))
     with pytest.raises(EngineError, match="--lengths"):
         resolve(_parse(["eval", "--lengths", "1k"]))
+    with pytest.raises(EngineError, match="--depths are percentages"):
+        resolve(_parse(["eval", "--depths", "nan"]))
+    with pytest.raises(EngineError, match="--budget-fraction and --ablation-budget must be >= 0"):
+        resolve(_parse(["eval", "--budget-fraction", "-1"]))
     r = resolve(_parse(["eval", "--quick"]))
     assert r["lengths"] == [1024] and [p.name for p in r["policies"]][0] == "full"
     assert not any(t.startswith("code") for t in r["tasks"])          # the code questions are asked for
@@ -177,6 +181,26 @@ def test_runner_branches_each_kv_dtype_from_its_own_prefill(tmp_path):
     f = {n: rows[("fidelity", n)] for n in names}
     assert f["full"]["kl"] == 0.0 and f["full"]["top1"] == 1.0       # the reference itself
     assert 0.0 < f["full+q8_0"]["kl"] < f[names[2]]["kl"]            # quantizing costs a little, evicting more
+
+
+def test_render_refuses_what_is_not_an_eval_and_writes_nothing(tmp_path):
+    """--render of a file that is not an eval's (hand-edited, another tool's): one line,
+    and the folder's existing summary is left as it was."""
+    for i, text in enumerate(['{"a": 1}', "[1, 2]", '{"meta": {}, "samples": [{"x": 1}]}', '{"meta": [], "samples": [1]}']):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(text)
+        args = _parse(["eval", "--render", str(bad), "--out", str(tmp_path / "r")])
+        with pytest.raises(EngineError, match="--render: .* (is not an eval|not an eval sample)"):
+            args.func(args)
+    src = tmp_path / "ok"
+    src.mkdir()
+    row = {"task": "passkey", "length": 300, "index": 0, "policy": "full", "prompt_tokens": 300}
+    (src / "results.json").write_text(json.dumps({"meta": {"policies": {"full": {}}, "lengths": [300]}, "samples": [row]}))
+    (src / "summary.md").write_text("old")
+    args = _parse(["eval", "--render", str(src / "results.json")])
+    with pytest.raises(EngineError, match="cannot be rendered"):
+        args.func(args)
+    assert (src / "summary.md").read_text() == "old"
 
 
 def test_resume_runs_only_the_samples_missing(tiny_llama, tmp_path):

@@ -515,7 +515,10 @@ def test_a_second_signal_exits_at_once(tiny_llama, tmp_path):
 @pytest.mark.parametrize("flags, needle", [
     (["--api-key", ""], "error: --api-key: a key must be non-empty"),
     (["--ssl-keyfile", "k.pem"], "error: --ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", "/no/k.pem", "--ssl-certfile", "/no/c.pem"],
+     "error: --ssl-certfile /no/c.pem / --ssl-keyfile /no/k.pem: No such file or directory"),
     (["--max-body-mb", "0"], "error: --max-body-mb must be a finite number >= 0.001"),
+    (["--allowed-hosts", ","], "error: --allowed-hosts ',' names no host"),
 ])
 def test_start_up_refusals(tiny_llama, flags, needle):
     r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", str(tiny_llama), "--port", "0", *flags],

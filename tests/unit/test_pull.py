@@ -139,6 +139,9 @@ def test_unknown_names_and_no_name_are_one_line(capsys):
                           "qwen2.5-coder-1.5b, smollm2, gemma3") and err.count("\n") == 1
     assert cli.main(["pull"]) == 1
     assert "pass --setup" in capsys.readouterr().err
+    assert cli.main(["pull", "smollm2", "no-such-model"]) == 1        # every name checked before any pull
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("error: unknown model 'no-such-model'")
 
 
 def test_models_lists_installed_and_installable(tmp_path, monkeypatch, capsys):
