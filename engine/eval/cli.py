@@ -79,8 +79,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "prompt, as with the full cache (retrieval lost/gained with Tango's interval; fidelity "
                         "KL ratio), for example uniform against adaptive budgets at the same budget")
     p.add_argument("--resume", action="store_true",
-                   help="continue a run cut short: keep the samples in OUT/samples.partial.jsonl (written by "
-                        "the same command) and run only the rest")
+                   help="continue a run cut short: keep the rows in OUT/samples.partial.jsonl (the same seed, "
+                        "tasks, lengths and depths; policies of this plan) and run only the rest, a policy added "
+                        "since included (only its KV type's prefill on the samples done)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_eval)
     return p
@@ -213,9 +214,10 @@ def _union(paths: list[str]) -> tuple[dict, list[dict]]:
 
 
 def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
-    """--resume: the rows of the whole samples in `partial` (none if it does not exist),
-    checked to come from this plan: same seed, tasks, lengths and needle depths, and every
-    sample with exactly the plan's policies (a sample cut short mid-write is dropped and runs again)."""
+    """--resume: the rows in `partial` (none if it does not exist), checked to come from
+    this plan: same seed, tasks, lengths and needle depths, policies of the plan. A
+    sample holding only some of the plan's policies (cut short mid-write, or a policy
+    added to the plan since) runs only the others (Runner.run)."""
     if not os.path.exists(partial):
         return []
     _, rows = _load_rows(partial)
@@ -228,9 +230,10 @@ def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
             raise EngineError(f"--resume: {partial} was written by another plan (sample {r['task']} "
                               f"{r['length']} #{r['index']}, seed {r.get('seed')}, depth {r['depth']}, policy {r['policy']}); "
                               f"run the same command, or drop --resume to start again")
-        by_sample.setdefault((r["task"], r["length"], r["index"]), []).append(r)
-    return [r for group in by_sample.values() if sorted(x["policy"] for x in group) == sorted(names)
-            for r in group]
+        group = by_sample.setdefault((r["task"], r["length"], r["index"]), [])
+        if all(x["policy"] != r["policy"] for x in group):      # a row written twice counts once
+            group.append(r)
+    return [r for group in by_sample.values() for r in group]
 
 
 def _baselines(text: str | None, policies: list[str]) -> list[str]:

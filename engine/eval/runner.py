@@ -150,15 +150,20 @@ class Runner:
     def run(self, progress: bool = True, partial_path: str | None = None,
             done: Sequence[dict] = ()) -> list[dict]:
         """Every case x policy -> one row per (sample, policy). With `partial_path`, rows
-        are also appended there as JSON lines as each sample finishes. `done`: rows of
-        samples already run (a resumed run); their cases are skipped and the rows kept.
-        If `partial_path` holds anything but `done`, it is rewritten to hold exactly it."""
+        are also appended there as JSON lines as each sample finishes. `done`: rows
+        already run (a resumed run), kept: a sample with every policy is skipped, one with
+        some runs only the others (their KV types' prefills; the bf16 one only when it has
+        a missing policy or the task needs its logits). If `partial_path` holds anything
+        but `done`, it is rewritten to hold exactly it."""
         import json
 
         from tqdm import tqdm
 
-        finished = {(r["task"], r["length"], r["index"]) for r in done}
-        cases = [c for c in self.plan.cases() if c[:3] not in finished]
+        known: dict[tuple, list[dict]] = {}
+        for r in done:
+            known.setdefault((r["task"], r["length"], r["index"]), []).append(r)
+        names = {p.name for p in self.plan.policies}
+        cases = [c for c in self.plan.cases() if not names <= {r["policy"] for r in known.get(c[:3], ())}]
         t0 = time.perf_counter()
         rows: list[dict] = list(done)
         if partial_path and done:               # drop a sample cut short mid-write
@@ -169,7 +174,7 @@ class Runner:
         for task, length, index, depth in bar:
             bar.set_postfix_str(f"{task} {length}")
             ts = time.perf_counter()
-            new = self.run_sample(task, length, index, depth)
+            new = self.run_sample(task, length, index, depth, known.get((task, length, index), ()))
             rows += new
             if partial_path:
                 with open(partial_path, "a") as f:
@@ -185,19 +190,26 @@ class Runner:
         return T.make_sample(task, self.model.tokenizer, self.target_for(task, length), depth,
                              self.plan.seed, index, self.plan.fidelity_tokens)
 
-    def run_sample(self, task: str, length: int, index: int, depth: float) -> list[dict]:
+    def run_sample(self, task: str, length: int, index: int, depth: float, known: Sequence[dict] = ()) -> list[dict]:
+        """The rows of one sample's policies but those `known` has rows of."""
         sample = self.make_sample(task, length, index, depth)
         L = sample.n_tokens
-        groups: dict[str, list[Policy]] = {"bf16": []}        # kv dtype -> its policies; bf16 first,
-        for p in self.plan.policies:
+        have = {r["policy"] for r in known}
+        todo = [p for p in self.plan.policies if p.name not in have]
+        # kv dtype -> its policies; bf16 first, run for the KV bytes of the full cache and the
+        # fidelity reference, unless known rows give those
+        groups: dict[str, list[Policy]] = {"bf16": []} if task == "fidelity" or not known else {}
+        for p in todo:
             groups.setdefault(p.kv_dtype, []).append(p)
         base = {"task": task, "length": length, "prompt_tokens": L, "index": index, "seed": sample.seed,
                 "depth": depth, "depth_actual": sample.depth_actual, "key": sample.key,
                 "expected": sample.expected}
+        if known:
+            base["kv_bytes_full"] = known[0]["kv_bytes_full"]
         self.timings.samples += 1
         rows: dict[str, dict] = {}
         reference = None                 # the bf16 full cache's teacher-forced logits (fidelity)
-        for dtype, policies in groups.items():      # always run: the reference for KV bytes and KL
+        for dtype, policies in groups.items():
             compacting = [p for p in policies if p.compacts(L)]
             cache, capture, logits, prefill_s = self._prefill(sample, dtype, compacting)
             if dtype == "bf16":
@@ -210,7 +222,7 @@ class Runner:
             for p in policies:
                 r = out.get(p.name) or dict(out["full"], budget=p.budget_for(L))   # not compacted: the full answer
                 rows[p.name] = {**r, "prefill_s": prefill_s}
-        return [{**base, "policy": p.name, **rows[p.name]} for p in self.plan.policies]
+        return [{**base, "policy": p.name, **rows[p.name]} for p in todo]
 
     def _prefill(self, sample: T.Sample, kv_dtype: str, compacting: list[Policy]):
         """One full-cache prefill of the sample into a `kv_dtype` cache, capturing the

@@ -244,3 +244,36 @@ def test_a_kv_type_the_model_cannot_hold_fails_before_any_prefill(tiny_llama, tm
                    "--samples", "1", "--policies", "full,full+tq4:5=tq3", "--out", str(tmp_path), "--no-progress"])
     with pytest.raises(EngineError, match=r"names layer 5, but the model has 2 layers"):
         args.func(args)
+
+
+def test_resume_with_a_policy_added_runs_only_its_prefill(tiny_llama, tmp_path, monkeypatch):
+    """A policy added to a resumed plan runs on the samples already done with only its KV
+    type's prefill (the full cache's rows and bytes are kept), and the rows equal a fresh
+    run's of the whole plan."""
+    from engine.eval.runner import Runner
+
+    base = ["eval", str(tiny_llama), "--backend", "reference", "--tasks", "passkey,niah", "--lengths", "300",
+            "--samples", "2", "--no-progress"]
+    args = _parse(base + ["--policies", "full,snapkv-b64-head-avg-k5-w16-s4+tq4", "--out", str(tmp_path / "fresh")])
+    assert args.func(args) == 0
+    fresh = json.loads((tmp_path / "fresh" / "results.json").read_text())["samples"]
+    out = tmp_path / "grown"
+    args = _parse(base + ["--policies", "full", "--out", str(out)])
+    assert args.func(args) == 0
+    first = json.loads((out / "results.json").read_text())["samples"]
+    (out / "samples.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first[:3]))   # 3 of 4
+    prefills = []
+    real = Runner._prefill
+
+    def counted(self, sample, kv_dtype, compacting):
+        prefills.append(kv_dtype)
+        return real(self, sample, kv_dtype, compacting)
+    monkeypatch.setattr(Runner, "_prefill", counted)
+    args = _parse(base + ["--policies", "full,snapkv-b64-head-avg-k5-w16-s4+tq4", "--out", str(out), "--resume"])
+    assert args.func(args) == 0
+    assert sorted(prefills) == ["bf16"] + ["tq4"] * 4        # the sample missing its full row runs both
+    got = json.loads((out / "results.json").read_text())["samples"]
+    key = lambda r: (r["task"], r["index"], r["policy"])     # noqa: E731
+    drop = ("prefill_s", "evict_s", "decode_s")
+    assert sorted(({k: v for k, v in r.items() if k not in drop} for r in got), key=key) == \
+        sorted(({k: v for k, v in r.items() if k not in drop} for r in fresh), key=key)
