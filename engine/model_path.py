@@ -22,15 +22,16 @@ def target_path(entry: CatalogEntry) -> pathlib.Path | None:
 
 
 def installed_path(entry: CatalogEntry) -> pathlib.Path | None:
-    """The installed file of a catalogued model, or None. An assembled file counts only
-    at its catalogued size (a cheap check; its SHA-256 was checked when it was assembled)."""
+    """The installed file of a catalogued model, or None. A file counts only at its
+    catalogued size (a cheap check; an assembled file's SHA-256 was checked when it was
+    assembled)."""
     if isinstance(entry.source, WheelFile):
         try:
             dist = importlib.metadata.distribution(entry.source.distribution)
         except importlib.metadata.PackageNotFoundError:
             return None
         path = pathlib.Path(dist.locate_file(entry.source.member))
-        return path if path.is_file() else None
+        return path if path.is_file() and path.stat().st_size == entry.size else None
     path = target_path(entry)
     return path if path.is_file() and path.stat().st_size == entry.size else None
 
@@ -71,7 +72,7 @@ def model_path_or_default(path=None):
     from .errors import EngineError
     if path is not None:
         name = str(path)
-        if name in BY_NAME and not pathlib.Path(name).exists():
+        if name in BY_NAME and not pathlib.Path(name).is_file():
             found = named_model_path(name)
             if found is None:
                 raise EngineError(f"model '{name}' is not installed: run {_install_hint(BY_NAME[name])}")

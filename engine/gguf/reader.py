@@ -27,6 +27,7 @@ _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4)
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
           10: "<u8", 11: "<i8", 12: "<f8"}
 STRING, ARRAY, BOOL = 8, 9, 7
+MAX_NESTING = 8      # arrays of arrays deeper than this: a malformed file (none is nested at all)
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,9 @@ class _Cursor:
         self.pos = end
         return text
 
-    def value(self, vtype: int):
-        """One metadata value as a plain Python value (nested arrays: None)."""
+    def value(self, vtype: int, depth: int = 0):
+        """One metadata value as a plain Python value (nested arrays: None; nested past
+        MAX_NESTING: malformed, not a recursion error)."""
         if vtype == STRING:
             return self.string()
         if vtype == ARRAY:
@@ -82,9 +84,11 @@ class _Cursor:
                 self.need(8 * count, f"an array of {count} strings")
                 return [self.string() for _ in range(count)]
             if etype == ARRAY:                   # at least a 4-byte type and an 8-byte count each
+                if depth >= MAX_NESTING:
+                    raise _Malformed(f"arrays nested more than {MAX_NESTING} deep")
                 self.need(12 * count, f"an array of {count} arrays")
                 for _ in range(count):
-                    self.value(ARRAY)
+                    self.value(ARRAY, depth + 1)
                 return None                      # nested arrays are not used by any key we read
             if etype not in _NUMPY:
                 raise _Malformed(f"unknown GGUF array element type {etype}")
@@ -107,6 +111,8 @@ class GgufFile:
             raise ModelFileError(f"model file not found: {path}")
         if os.path.isdir(path):
             raise ModelFileError(f"model path is a directory, not a GGUF file: {path}")
+        if not os.path.isfile(path):                 # a FIFO or device would block or never end
+            raise ModelFileError(f"model path is not a regular file: {path}")
         try:
             with open(path, "rb") as f:
                 magic = f.read(4)
@@ -114,8 +120,8 @@ class GgufFile:
                     raise ModelFileError(f"not a GGUF file (bad magic {magic!r}): {path}")
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             mm = np.frombuffer(self._map, dtype=np.uint8)
-        except OSError as e:
-            raise ModelFileError(f"cannot read model file {path}: {e.strerror or e}") from None
+        except (OSError, ValueError) as e:          # ValueError: emptied after its magic was read
+            raise ModelFileError(f"cannot read model file {path}: {getattr(e, 'strerror', None) or e}") from None
         self.path = path
         try:
             self.metadata, infos, data_start, self.alignment = self._parse(memoryview(mm))

@@ -97,3 +97,22 @@ def test_absurd_counts_and_types_are_malformed(tmp_path, tiny_llama):
     first_key_len = struct.unpack_from("<Q", open(tiny_llama, "rb").read(), 24)[0]
     with pytest.raises(ModelFileError, match="truncated or malformed"):
         GgufFile(_patched(tmp_path, tiny_llama, 32 + first_key_len, "<I", 77))   # value type of the first key
+
+
+def test_arrays_nested_past_any_use_are_malformed_not_a_recursion_error(tmp_path):
+    """One key whose value is arrays of arrays 3000 deep (36 KB): a one-line ModelFileError."""
+    key = b"deep"
+    body = struct.pack("<Q", len(key)) + key + struct.pack("<I", 9)
+    body += struct.pack("<IQ", 9, 1) * 3000 + struct.pack("<IQ", 4, 0)
+    p = tmp_path / "deep.gguf"
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
+    with pytest.raises(ModelFileError, match="truncated or malformed.*nested more than 8 deep"):
+        GgufFile(str(p))
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused_without_reading(tmp_path):
+    import os
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)                           # reading it would block for ever
+    with pytest.raises(ModelFileError, match="model path is not a regular file"):
+        GgufFile(str(fifo))

