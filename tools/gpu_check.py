@@ -25,6 +25,8 @@ import argparse
 import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
+import io
 import json
 import os
 import pathlib
@@ -34,6 +36,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -43,10 +46,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ONE_CALL_COMMAND = 'python3 tools/gpu_check.py run --bundle gpu_bundle --out "$OUT"'
 ONE_CALL_CARRY = ["gpu_bundle"]
 DEFAULT_BUNDLE = "gpu_bundle"
+WORK_DIR = ".gpu_check_work"     # run's scratch (git-ignored), removed at its end
 LIMIT_MIB = 62.0                 # the whole call: tracked + untracked files + bundle (the tool allows 64)
 ALLOWANCE_MIB = 7.0              # counted for wheels, Vulkan loader and kp when prepare --no-download skips them
 BUDGET_S = 450.0                 # run's whole budget (the device tool allows 600 s a command)
 SKIPPED = 3                      # a step's exit status meaning "skipped"; its last line says why
+SANITIZER_ERRORS = 86            # compute-sanitizer's exit status when it found errors (not a parity failure's 1)
 
 # What the device image lacks (it has Python 3.12, numpy 2, cupy-cuda13x, numba, jinja2, pytest,
 # hypothesis, torch): import name -> distribution, pinned to this venv's version when prepared.
@@ -57,6 +62,7 @@ WHEELS = {"gguf": "gguf", "yaml": "pyyaml", "tokenizers": "tokenizers", "psutil"
 PIP_PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                 "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
                 "--platform", "manylinux_2_28_x86_64", "--no-deps"]
+SPIRV_TAR = "spirv.tar.xz"       # every shader variant compiled here: the device has no glslangValidator
 NVIDIA_ICD = {"file_format_version": "1.0.0", "ICD": {"library_path": "libGLX_nvidia.so.0", "api_version": "1.3"}}
 
 
@@ -150,8 +156,8 @@ def _build_kp_py312(dest: pathlib.Path) -> str:
     if py is None:
         return "not built: no CPython 3.12 with its headers on this machine"
     key = hashlib.sha256(b"".join(f.read_bytes() for f in (REPO / "tools" / f"kp-{KP_VERSION}.patch",
-                                                          REPO / "backends" / "vulkan" / "native" / "kp_barrier.cpp",
-                                                          pathlib.Path(__file__)))).hexdigest()[:16]
+                                                          REPO / "backends" / "vulkan" / "native" / "kp_barrier.cpp"))
+                          + inspect.getsource(_build_kp_py312).encode()).hexdigest()[:16]   # its recipe, not this file
     built = KP_CACHE / key
     if not all(any(built.glob(f"{m}.cpython-312-*.so")) for m in ("kp", "_kp_barrier")):
         venv, vpy = KP_CACHE / "venv", KP_CACHE / "venv" / "bin" / "python"
@@ -188,7 +194,48 @@ def _build_kp_py312(dest: pathlib.Path) -> str:
     dest.mkdir(parents=True)
     for f in sorted(built.glob("*.so")):
         shutil.copyfile(f, dest / f.name)
-    return f"kp {KP_VERSION} + _kp_barrier for CPython 3.12 (pybind11 >= 2.12: numpy 2), built with {py}"
+    libs = _copy_linked_libs(sorted(dest.glob("*.so")), dest)
+    return (f"kp {KP_VERSION} + _kp_barrier for CPython 3.12 (pybind11 >= 2.12: numpy 2), built with {py}"
+            + (f"; with {', '.join(libs)}" if libs else ""))
+
+
+# what any Linux a CUDA image runs on has; anything else kp links is carried beside it
+BASE_LIBS = ("linux-vdso", "ld-linux", "libc.so", "libm.so", "libstdc++.so", "libgcc_s.so", "libpthread.so",
+             "libdl.so", "librt.so", "libvulkan.so")
+
+
+def _copy_linked_libs(modules: list[pathlib.Path], dest: pathlib.Path) -> list[str]:
+    """Copy the shared libraries the modules link beyond BASE_LIBS (kp: libfmt) into dest."""
+    copied = []
+    for m in modules:
+        for line in subprocess.run(["ldd", str(m)], capture_output=True, text=True).stdout.splitlines():
+            name, _, rest = line.strip().partition(" => ")
+            path = rest.split(" (")[0].strip()
+            if name and path.startswith("/") and not name.startswith(BASE_LIBS) and name not in copied:
+                shutil.copyfile(path, dest / name)
+                copied.append(name)
+    return copied
+
+
+def _spirv_tar(dest: pathlib.Path) -> str:
+    """Every Vulkan shader variant as SPIR-V (compiled here, or from this machine's cache)
+    in one .tar.xz named by the backend's cache keys, unless dest holds exactly those."""
+    sys.path.insert(0, str(REPO))
+    from backends.vulkan import shaders
+    keys = {shaders._key(n, d): (n, d) for n, d in shaders.variants()}
+    if dest.is_file():
+        with tarfile.open(dest) as t:
+            if set(t.getnames()) == set(keys):
+                return f"{len(keys)} variants (kept)"
+    tmp = dest.with_suffix(".tmp")
+    with tarfile.open(tmp, "w:xz") as t:
+        for key, (name, defines) in sorted(keys.items()):
+            data = shaders.spirv(name, defines)
+            info = tarfile.TarInfo(key)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            t.addfile(info, io.BytesIO(data))
+    os.replace(tmp, dest)
+    return f"{len(keys)} variants"
 
 
 def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
@@ -221,6 +268,7 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
         vulkan = _download_vulkan_loader(bundle / "vulkan")
         kp = _build_kp_py312(bundle / "vulkan" / "py312")
     (bundle / "vulkan" / "nvidia_icd.json").write_text(json.dumps(NVIDIA_ICD, indent=1) + "\n")
+    spirv = _spirv_tar(bundle / "vulkan" / SPIRV_TAR)
     have_wheels = sorted(p.name for p in (bundle / "wheels").glob("*.whl"))
     have_loader = (bundle / "vulkan" / "libvulkan.so.1").is_file()
     sizes = call_size(bundle)
@@ -233,6 +281,7 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
         "wheel_requirements": wheels or [f"{d} (not downloaded)" for d in WHEELS.values()],
         "vulkan_loader": vulkan or ("libvulkan.so.1 (kept)" if have_loader else "not downloaded"),
         "kp": kp or ("kept" if any((bundle / "vulkan" / "py312").glob("kp.*.so")) else "not built"),
+        "spirv": spirv,
         "call_bytes": sizes, "allowance_bytes": allowance, "call_total_bytes": total,
         "limit_bytes": LIMIT_MIB * 2**20, "one_call": {"command": ONE_CALL_COMMAND, "carry": ONE_CALL_CARRY},
     }
@@ -243,7 +292,7 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
         print(f"  models/{m['file']:<28} {mib(m['bytes'])}  {m['about']}")
     for w in manifest["wheels"]:
         print(f"  wheels/{w['file'][:60]:<60} {mib(w['bytes'])}")
-    print(f"  vulkan/: {manifest['vulkan_loader']}; py312/: {manifest['kp']}")
+    print(f"  vulkan/: {manifest['vulkan_loader']}; py312/: {manifest['kp']}; {SPIRV_TAR}: {spirv}")
     print(f"whole call: tracked {mib(sizes['tracked'])} + untracked {mib(sizes['untracked'])} + bundle "
           f"{mib(sizes['bundle'])}" + (f" + allowance {mib(allowance)}" if allowance else "")
           + f" = {mib(total)} (limit {LIMIT_MIB:.0f} MiB)")
@@ -272,38 +321,61 @@ def _me(*args) -> list[str]:
 
 def _sanitizer() -> str | None:
     found = shutil.which("compute-sanitizer")
-    for p in ([found] if found else []) + sorted(map(str, pathlib.Path("/usr/local").glob("cuda*/bin/compute-sanitizer"))):
+    more = [str(p) for pattern in ("/usr/local/cuda*/bin/compute-sanitizer", "/usr/local/cuda*/compute-sanitizer/compute-sanitizer",
+                                   "/opt/nvidia/*/compute-sanitizer*/compute-sanitizer")
+            for p in sorted(pathlib.Path("/").glob(pattern.lstrip("/")))]
+    more += [str(p) for d in map(pathlib.Path, sys.path) if d.is_dir()
+             for p in sorted(d.glob("nvidia/cu*/bin/compute-sanitizer"))]
+    for p in ([found] if found else []) + more:
         if p and os.access(p, os.X_OK):
             return p
     return None
 
 
-def _vulkan_env(bundle: pathlib.Path, pythonpath: str = "") -> tuple[dict, list[str]]:
-    """LD_LIBRARY_PATH / VK_ICD_FILENAMES additions for the Vulkan steps, and what was found;
-    where this Python has no kp, the bundle's build for it first on PYTHONPATH (`pythonpath`:
-    the steps' own) and its _kp_barrier copied into backends/vulkan/."""
-    env, notes = {}, []
+def _vulkan_env(bundle: pathlib.Path, pythonpath: str = "", work: pathlib.Path | None = None) -> tuple[dict, list[str]]:
+    """LD_LIBRARY_PATH / VK_ICD_FILENAMES / SNAPKV_SPIRV_CACHE additions for the Vulkan steps,
+    and what was found; where this Python has no kp, the bundle's build for it first on
+    PYTHONPATH (`pythonpath`: the steps' own), the libraries it needs on LD_LIBRARY_PATH and
+    its _kp_barrier copied into backends/vulkan/; the carried SPIR-V unpacked into `work`
+    (the device has no shader compiler)."""
+    env, notes, libs = {}, [], []
     tag = f"py{sys.version_info.major}{sys.version_info.minor}"
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     if importlib.util.find_spec("kp") is not None:
         notes.append("kp importable")
     elif (bundle / "vulkan" / tag / f"kp{suffix}").is_file():
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bundle / "vulkan" / tag), pythonpath]))
+        libs.append(str(bundle / "vulkan" / tag))        # libfmt and whatever else kp links beyond the base system
         barrier, target = bundle / "vulkan" / tag / f"_kp_barrier{suffix}", REPO / "backends" / "vulkan" / f"_kp_barrier{suffix}"
         if barrier.is_file() and not target.exists():
             shutil.copyfile(barrier, target)
         notes.append(f"kp from the bundle (vulkan/{tag}: built for this Python against pybind11 >= 2.12)")
     else:
         notes.append(f"no kp for Python {platform.python_version()} (none installed, none in the bundle)")
-    ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout if shutil.which("ldconfig") else ""
+    ldconfig_exe = shutil.which("ldconfig") or next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig")
+                                                     if os.access(p, os.X_OK)), None)
+    ldconfig = subprocess.run([ldconfig_exe, "-p"], capture_output=True, text=True).stdout if ldconfig_exe else ""
     if "libvulkan.so.1" in ldconfig:
         notes.append("system Vulkan loader present")
     elif (bundle / "vulkan" / "libvulkan.so.1").is_file():
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(bundle / "vulkan"), os.environ.get("LD_LIBRARY_PATH")]))
+        libs.append(str(bundle / "vulkan"))
         notes.append("no system Vulkan loader: using the bundle's libvulkan.so.1")
     else:
         notes.append("no Vulkan loader (system or bundle)")
-    icds = [str(p) for d in ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d") for p in sorted(pathlib.Path(d).glob("*.json"))]
+    if libs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [*libs, os.environ.get("LD_LIBRARY_PATH")]))
+    tar = bundle / "vulkan" / SPIRV_TAR
+    if work is not None and tar.is_file():
+        cache = work / "spirv"
+        if not cache.is_dir():
+            cache.mkdir(parents=True)
+            with tarfile.open(tar) as t:
+                t.extractall(cache, filter="data")
+        env["SNAPKV_SPIRV_CACHE"] = str(cache)
+        notes.append(f"SPIR-V from the bundle ({len(list(cache.glob('*.spv')))} variants)")
+    icd_dirs = ["/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d",
+                *(f"{d}/vulkan/icd.d" for d in os.environ.get("XDG_DATA_DIRS", "").split(":") if d)]
+    icds = [str(p) for d in dict.fromkeys(icd_dirs) for p in sorted(pathlib.Path(d).glob("*.json"))]
     nvidia_json = [p for p in icds if "nvidia" in p.lower()]
     notes.append(f"ICD files: {', '.join(icds) or 'none'}")
     if not nvidia_json and "libGLX_nvidia.so.0" in ldconfig:
@@ -325,7 +397,7 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
     gemma_global = str(work / "gemma3-2l-v2k-global.gguf")
     bench_model = smol if dry else str(work / "smollm2-30l-bench.gguf")
     cores = os.cpu_count() or 1
-    vk_env, _ = _vulkan_env(bundle, _pythonpath(work, dry))
+    vk_env, _ = _vulkan_env(bundle, _pythonpath(work, dry), work)
     sanitizer = _sanitizer()
     no_san = "dry run: CUDA runs on the CPU harness" if dry else (None if sanitizer else "compute-sanitizer not found")
     if dry:
@@ -344,53 +416,63 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         bench = ["--lengths", "128,2048,32768", "--kv-budget", "2048"]
         fresh_bench = ["--lengths", "128,2048", "--kv-budget", "2048"]
         vk_bench = ["--lengths", "128,2048,8192", "--kv-budget", "2048"]
-    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15", "tests/cuda",
-              "tests/backends", "-k", pytest_k]
+    pytest = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-o", "faulthandler_timeout=60", "-p",
+              "no:cacheprovider", "--durations=15", "tests/cuda", "tests/backends", "-k", pytest_k]
     if not dry and (importlib.util.find_spec("xdist") or any((bundle / "wheels").glob("pytest_xdist-*.whl"))):
         pytest += ["-n", str(min(cores, 16))]
     engine_cli = [sys.executable, "-m", "engine.cli", "bench", "--no-llama-cpp"]
+
+    def sanitizer_step(tool: str, timeout: float) -> Step:
+        return Step(f"sanitizer-{tool}", f"compute-sanitizer --tool {tool} over a short tiny-model run",
+                    None if no_san else [sanitizer, "--tool", tool, "--error-exitcode", str(SANITIZER_ERRORS),
+                                         "--print-limit", "20", *_me("parity", "--backend", "cuda", "--short", "--no-pool")],
+                    timeout, needs=("install",), skip_reason=no_san)
+    derive = _me("derive", "--bundle", str(bundle), "--to", str(work))
+    # Most telling first: a kill at the budget leaves what ran (each step a process of its own,
+    # so a fault or crash in one cannot spoil the next).
     steps = [
         Step("install", "carried wheels into a scratch site (only the missing ones)",
              _me("install", "--bundle", str(bundle), "--site", str(work / "site")) + (["--all"] if dry else []), 60),
         Step("env", "machine, driver, CUDA, NVRTC, compute capability, packages (after install: the "
              "backends package imports gguf)", _me("env"), 60),
-        Step("compile", "cold NVRTC compile of every kernel variant for the live arch: registers, spills",
-             _me("compile", *compile_), 150, tail_lines=90),
-        Step("derive", "models made on the spot: Gemma all-global variant" + ("" if dry else ", SmolLM2 blocks x15 for bench"),
-             _me("derive", "--bundle", str(bundle), "--to", str(work)) + (["--no-bench-model"] if dry else []), 90,
-             needs=("install",)),
+        Step("derive-bench", "SmolLM2 blocks x15: the bench model (real shapes and depth)",
+             None if dry else derive + ["--only", "bench"], 60, needs=("install",),
+             skip_reason="dry run: the bench uses the cut SmolLM2" if dry else None),
         Step("parity-cuda-smollm2", "cut SmolLM2 (real weights): CPU vs CUDA logits, greedy tokens, SnapKV",
-             _me("parity", "--backend", "cuda", smol, *parity), 120, needs=("install",)),
-        Step("parity-cuda-gemma3", "cut Gemma 3 (local layers past the window, and all global): CPU vs CUDA",
-             _me("parity", "--backend", "cuda", gemma, gemma_global, *gemma_prompt), 150, needs=("derive",)),
-        Step("tiny-cuda", "tiny random models: every architecture, weight type, KV format; SnapKV, decode_batch",
-             _me("tiny", "--backend", "cuda") + (["--quick"] if dry else []), 150, needs=("install",)),
-        Step("pytest-cuda", f"pytest tests/cuda tests/backends -k {pytest_k!r} on the "
-             f"{'CPU harness' if dry else 'device'}", pytest, 150, needs=("install",)),
+             _me("parity", "--backend", "cuda", smol, *parity), 150, needs=("install",)),
         Step("bench-cuda", "engine bench --backend cuda (with and without SnapKV)",
-             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench], 180,
-             needs=("derive",)),
+             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench], 150,
+             needs=("install",) if dry else ("derive-bench",)),
+        sanitizer_step("memcheck", 75),
+        Step("tiny-cuda-quick", "tiny random models, one of each: architectures, a KV format pair, SnapKV, decode_batch",
+             _me("tiny", "--backend", "cuda", "--quick"), 90, needs=("install",)),
+        Step("derive-gemma", "Gemma 3 all-global variant of the cut model",
+             derive + ["--only", "gemma"], 60, needs=("install",)),
+        Step("parity-cuda-gemma3", "cut Gemma 3 (local layers past the window, and all global): CPU vs CUDA",
+             _me("parity", "--backend", "cuda", gemma, gemma_global, *gemma_prompt), 120, needs=("derive-gemma",)),
+        Step("vulkan-env", "Vulkan loader, ICD, kp import, devices, SPIR-V", _me("vulkan-env", *([] if dry else ["--gpu"])),
+             60, env=vk_env, needs=("install",)),
+        Step("parity-vulkan-smollm2", "cut SmolLM2: CPU vs Vulkan logits, greedy tokens, SnapKV",
+             _me("parity", "--backend", "vulkan", smol, *parity), 150, env=vk_env, needs=("vulkan-env",)),
         Step("bench-cuda-fresh", "engine bench --backend cuda with SHARPI_DECODE_REPLAY=off (every kernel "
              "launched from Python each token): decode against bench-cuda's replayed steps",
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-fresh"), *fresh_bench],
-             90, env={"SHARPI_DECODE_REPLAY": "off"}, needs=("derive",)),
-    ]
-    for tool, t in (("memcheck", 90), ("racecheck", 90), ("synccheck", 60)):
-        steps.append(Step(f"sanitizer-{tool}", f"compute-sanitizer --tool {tool} over a short tiny-model run",
-                          None if no_san else [sanitizer, "--tool", tool, "--error-exitcode", "1", "--print-limit", "20",
-                                               *_me("parity", "--backend", "cuda", "--short", "--no-pool")],
-                          t, needs=("install",), skip_reason=no_san))
-    steps += [
-        Step("vulkan-env", "Vulkan loader, ICD, kp import, devices", _me("vulkan-env"), 60, env=vk_env,
-             needs=("install",)),
-        Step("parity-vulkan-smollm2", "cut SmolLM2: CPU vs Vulkan logits, greedy tokens, SnapKV",
-             _me("parity", "--backend", "vulkan", smol, *parity), 180, env=vk_env, needs=("vulkan-env",)),
-        Step("parity-vulkan-gemma3", "cut Gemma 3: CPU vs Vulkan",
-             _me("parity", "--backend", "vulkan", gemma, gemma_global, *gemma_prompt), 150, env=vk_env,
-             needs=("vulkan-env", "derive")),
+             90, env={"SHARPI_DECODE_REPLAY": "off"}, needs=("install",) if dry else ("derive-bench",)),
         Step("bench-vulkan", "engine bench --backend vulkan",
              engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench], 150,
-             env=vk_env, needs=("vulkan-env", "derive")),
+             env=vk_env, needs=("vulkan-env",) if dry else ("vulkan-env", "derive-bench")),
+        Step("parity-vulkan-gemma3", "cut Gemma 3: CPU vs Vulkan",
+             _me("parity", "--backend", "vulkan", gemma, gemma_global, *gemma_prompt), 120, env=vk_env,
+             needs=("vulkan-env", "derive-gemma")),
+        Step("tiny-cuda", "tiny random models: every architecture, weight type, KV format; SnapKV, decode_batch",
+             None if dry else _me("tiny", "--backend", "cuda", "--rest"), 150, needs=("install",),
+             skip_reason="dry run: tiny-cuda-quick only" if dry else None),
+        sanitizer_step("racecheck", 75),
+        sanitizer_step("synccheck", 60),
+        Step("pytest-cuda", f"pytest tests/cuda tests/backends -k {pytest_k!r} on the "
+             f"{'CPU harness' if dry else 'device'}", pytest, 150, needs=("install",)),
+        Step("compile", "NVRTC compile of every kernel variant for the live arch: registers, spills",
+             _me("compile", *compile_), 150, tail_lines=90),
     ]
     return steps
 
@@ -412,20 +494,36 @@ def _run_step(step: Step, env: dict, log: pathlib.Path, timeout: float) -> tuple
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    p.wait(timeout=5)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            return "timeout", None
+            rc = None
+            _signal_group(p.pid, signal.SIGABRT)   # PYTHONFAULTHANDLER: every thread's stack into the log
+            try:
+                p.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(p.pid, signal.SIGKILL)       # whatever it left running (workers, a sanitizer target)
+        if p.poll() is None:
+            p.wait(timeout=10)
+    if rc is None:
+        return "timeout", None
     if rc == SKIPPED:
         return "skipped", rc
     return ("ok" if rc == 0 else "failed"), rc
+
+
+def _signal_group(pid: int, sig) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _last_json(text: str) -> dict | None:
+    """The JSON object the env step printed last (whatever warnings came before it)."""
+    start = text.rfind("\n{")
+    try:
+        return json.loads(text[start + 1:]) if start >= 0 else None
+    except ValueError:
+        return None
 
 
 def write_report(out: pathlib.Path, report: dict) -> None:
@@ -471,7 +569,8 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
-    work = pathlib.Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    (REPO / WORK_DIR).mkdir(exist_ok=True)   # not /tmp: it may be noexec, and the wheels hold .so files
+    work = pathlib.Path(tempfile.mkdtemp(prefix="run-", dir=REPO / WORK_DIR))
     manifest = {}
     if (bundle / "manifest.json").is_file():
         manifest = json.loads((bundle / "manifest.json").read_text())
@@ -488,9 +587,9 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
             break
         only = only + sorted(more)
     env = dict(os.environ, PYTHONPATH=_pythonpath(work, dry),
-               SHARPI_CUDA_EXECUTOR="cpu-harness" if dry else "device", PYTHONUNBUFFERED="1")
+               SHARPI_CUDA_EXECUTOR="cpu-harness" if dry else "device", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.pop("SHARPI_BACKEND", None)
-    _, vk_notes = _vulkan_env(bundle, env["PYTHONPATH"])
+    _, vk_notes = _vulkan_env(bundle, env["PYTHONPATH"], work)
     report = {"dry_run": dry, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "budget_s": budget_s,
               "python": sys.version.split()[0], "executor": env["SHARPI_CUDA_EXECUTOR"], "vulkan_notes": vk_notes,
               "bundle": {k: manifest.get(k) for k in ("models", "wheels", "call_total_bytes", "vulkan_loader")},
@@ -521,12 +620,13 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
             if status == "skipped":
                 rec["reason"] = (rec["tail"].splitlines() or ["?"])[-1][:300]
             if status == "timeout":
-                rec["reason"] = f"after {rec['timeout_s']:.0f} s"
+                rec["reason"] = f"after {rec['timeout_s']:.0f} s (stacks in its log: SIGABRT, faulthandler)"
+            elif status == "failed" and rc is not None and rc < 0:
+                rec["reason"] = f"killed by {signal.Signals(-rc).name}"
+            elif status == "failed" and rc == SANITIZER_ERRORS and step.name.startswith("sanitizer-"):
+                rec["reason"] = "sanitizer errors (see its log)"
             if step.name == "env" and status == "ok":
-                try:
-                    report["environment"] = json.loads(log.read_text().split("\n", 1)[1])
-                except (ValueError, IndexError):
-                    pass
+                report["environment"] = _last_json(log.read_text(errors="replace"))
         results[step.name] = rec
         report["duration_s"] = round(time.monotonic() - t0, 1)
         write_report(out, report)
@@ -553,13 +653,25 @@ def cmd_env(a) -> int:
             pass
     info["packages"] = pk
     if shutil.which("nvidia-smi"):
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm",
-                            "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        info["nvidia_smi"] = (q.stdout or q.stderr).strip()
-        full = subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=30).stdout
-        info["nvidia_smi_q"] = [ln.strip() for ln in full.splitlines()
-                                if any(k in ln for k in ("Driver Version", "CUDA Version", "Product Name",
-                                                         "Product Architecture", "MIG Mode", "Current  ", "Persistence"))][:12]
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+            info["nvidia_smi"] = (q.stdout or q.stderr).strip()
+            full = subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=30).stdout
+            info["nvidia_smi_q"] = [ln.strip() for ln in full.splitlines()
+                                    if any(k in ln for k in ("Driver Version", "CUDA Version", "Product Name",
+                                                             "Product Architecture", "MIG Mode", "Current  ",
+                                                             "Persistence"))][:12]
+        except subprocess.TimeoutExpired:
+            info["nvidia_smi"] = "nvidia-smi did not answer within 30 s"
+    try:
+        info["glibc"] = platform.libc_ver()[1]
+        san = _sanitizer()
+        if san:
+            info["compute_sanitizer_version"] = subprocess.run([san, "--version"], capture_output=True, text=True,
+                                                               timeout=30).stdout.strip().splitlines()[-1:]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        info["compute_sanitizer_version"] = f"{type(e).__name__}: {e}"
     try:
         import cupy
         rt = cupy.cuda.runtime
@@ -570,7 +682,9 @@ def cmd_env(a) -> int:
                           "compute_capability": f"{p['major']}{p['minor']}", "sms": p["multiProcessorCount"],
                           "total_bytes": p["totalGlobalMem"]}
     except Exception as e:               # noqa: BLE001 - reported, not raised: a dry run has no GPU
+        import traceback
         info["cuda"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        info["cuda_traceback"] = traceback.format_exc().splitlines()[-8:]
     try:
         sys.path.insert(0, str(REPO))
         from backends.cuda import nvrtc
@@ -628,9 +742,10 @@ def cmd_derive(a) -> int:
     models, to = pathlib.Path(a.bundle, "models"), pathlib.Path(a.to)
     to.mkdir(parents=True, exist_ok=True)
     gemma = models / CUTS[1].file
-    print(cut_gguf(gemma, to / "gemma3-2l-v2k-global.gguf", range(CUTS[1].layers),
-                   metadata={"gemma3.attention.sliding_window": 0}))
-    if not a.no_bench_model:   # SmolLM2's real depth and shapes from the two carried blocks: speed, not outputs
+    if a.only in (None, "gemma"):
+        print(cut_gguf(gemma, to / "gemma3-2l-v2k-global.gguf", range(CUTS[1].layers),
+                       metadata={"gemma3.attention.sliding_window": 0}))
+    if a.only in (None, "bench"):   # SmolLM2's real depth and shapes from the two carried blocks: speed, not outputs
         print(cut_gguf(models / CUTS[0].file, to / "smollm2-30l-bench.gguf", [i % CUTS[0].layers for i in range(30)],
                        metadata={"llama.context_length": 32768}))   # the 32K row; past 8192 untrained: speed only
     return 0
@@ -771,11 +886,16 @@ def cmd_tiny(a) -> int:
     _tests_on_path()
     import engine
     from _model_checks import check_adaptive, check_decode_batch, check_logits_and_tokens, check_snapkv
+    from engine.errors import DeviceFault
     from tiny_gguf import write_tiny_gguf
     prompt = list(range(3, 200, 2)) * 3
     tmp = _scratch()
     failed, written = 0, {}
-    for name, kw, check in tiny_cases(a.quick):
+    cases = tiny_cases(a.quick)
+    if a.rest:
+        quick = {name for name, _, _ in tiny_cases(True)}
+        cases = [c for c in cases if c[0] not in quick]
+    for i, (name, kw, check) in enumerate(cases):
         t0 = time.perf_counter()
         try:
             key = json.dumps({k: str(v) for k, v in kw.items()}, sort_keys=True)
@@ -798,12 +918,18 @@ def cmd_tiny(a) -> int:
                 check_decode_batch(cpu, dev, [prompt[:80], prompt[5:15], prompt[20:60]])
             status = "ok"
         except Exception as e:           # noqa: BLE001 - every case runs; failures are counted and shown
+            import traceback
             failed += 1
             msg = str(e).strip().splitlines()
             status = f"FAILED {type(e).__name__}: {msg[0][:200] if msg else ''}"
+            traceback.print_exc()
+            if isinstance(e, DeviceFault):   # the CUDA context is gone: every later case would fail with it
+                print(f"{name:<32} {check:<14} {time.perf_counter() - t0:6.1f} s  {status}", flush=True)
+                print(f"stopped: a device fault; {len(cases) - i - 1} case(s) not run "
+                      f"({', '.join(c[0] for c in cases[i + 1:])})")
+                return 1
         print(f"{name:<32} {check:<14} {time.perf_counter() - t0:6.1f} s  {status}", flush=True)
-    n = len(tiny_cases(a.quick))
-    print(f"{n - failed} passed, {failed} failed")
+    print(f"{len(cases) - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 
@@ -830,6 +956,16 @@ def cmd_vulkan_env(a) -> int:
     if not devices:
         print("Vulkan: not run: kp imports but finds no Vulkan device")
         return SKIPPED
+    if a.gpu and not any(d["type"] in ("discrete", "integrated") for d in devices):
+        print("Vulkan: not run: no GPU among the Vulkan devices (a CPU driver only: the NVIDIA ICD is missing)")
+        return SKIPPED
+    from backends.vulkan import shaders
+    if not (shaders.compiler_available() or shaders.all_cached()):
+        print(f"Vulkan: not run: no glslangValidator and SPIR-V for only some variants in {shaders._cache_dir()} "
+              f"(SNAPKV_SPIRV_CACHE={os.environ.get('SNAPKV_SPIRV_CACHE', '')})")
+        return SKIPPED
+    print(f"SPIR-V: {'glslangValidator' if shaders.compiler_available() else 'every variant cached'} "
+          f"({shaders._cache_dir()})")
     return 0
 
 
@@ -862,7 +998,8 @@ def main(argv=None) -> int:
                    help="cupy without its memory pool: one cudaMalloc per array, so memcheck sees each array's end")
     p = sub.add_parser("tiny", help="tiny random models: architectures x weight types x KV formats")
     p.add_argument("--backend", default="cuda")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="one case of each kind")
+    p.add_argument("--rest", action="store_true", help="every case but the --quick ones")
     sub.add_parser("env", help="machine facts as JSON")
     p = sub.add_parser("install", help="unpack the missing carried wheels")
     p.add_argument("--bundle", default=DEFAULT_BUNDLE)
@@ -874,8 +1011,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("derive", help="models made from the carried ones")
     p.add_argument("--bundle", default=DEFAULT_BUNDLE)
     p.add_argument("--to", required=True)
-    p.add_argument("--no-bench-model", action="store_true")
-    sub.add_parser("vulkan-env", help="Vulkan loader, ICD, kp, devices (exit 3: not usable)")
+    p.add_argument("--only", choices=("gemma", "bench"), help="one of the two models (default both)")
+    p = sub.add_parser("vulkan-env", help="Vulkan loader, ICD, kp, devices, SPIR-V (exit 3: not usable)")
+    p.add_argument("--gpu", action="store_true", help="not usable without a GPU among the devices")
     a = ap.parse_args(argv)
 
     if a.cmd == "prepare":
@@ -887,6 +1025,7 @@ def main(argv=None) -> int:
             prepare(bundle, download=not a.no_download)
         if not (bundle / "models").is_dir():
             print(f"gpu_check: no bundle at {bundle} (python tools/gpu_check.py prepare)", file=sys.stderr)
+            return 2
         only = [s.strip() for s in a.steps.split(",")] if a.steps else None
         return run(bundle, pathlib.Path(a.out).resolve(), dry, a.budget_s, only)
     return {"parity": cmd_parity, "tiny": cmd_tiny, "env": cmd_env, "install": cmd_install, "compile": cmd_compile,

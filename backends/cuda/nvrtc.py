@@ -323,10 +323,11 @@ def _compile_job(job):
         return e
 
 
-def compile_all(jobs, pool_after_s: float = 90.0, workers: int = 2) -> dict:
+def compile_all(jobs, pool_after_s: float = 90.0, workers: int | None = None) -> dict:
     """{(file, defines, arch): CompileResult or CompileError} for every job. Compiles
     in this process; when the first jobs predict more than `pool_after_s` in all,
-    the rest go to a pool of `workers` processes."""
+    the rest go to a pool of `workers` processes (default: the cores, at most 16)."""
+    workers = workers or min(os.cpu_count() or 2, 16)
     jobs = list(dict.fromkeys((f, tuple(d), a) for f, d, a in jobs))
     load()
     out, t0 = {}, time.perf_counter()

@@ -130,9 +130,11 @@ def test_dry_run_writes_a_complete_report(smollm2_path, tmp_path):
         assert s["status"] in ("ok", "skipped"), (name, s)
         if s["status"] == "skipped":
             assert s["reason"], name
-    for name in ("env", "install", "compile", "derive", "parity-cuda-smollm2", "parity-cuda-gemma3", "tiny-cuda",
-                 "pytest-cuda", "bench-cuda", "bench-cuda-fresh"):
+    for name in ("env", "install", "compile", "derive-gemma", "parity-cuda-smollm2", "parity-cuda-gemma3",
+                 "tiny-cuda-quick", "pytest-cuda", "bench-cuda", "bench-cuda-fresh"):
         assert steps[name]["status"] == "ok", name
+    assert report["environment"]["executor"] == "cpu-harness"             # the env step's JSON, parsed
+    assert any(n.startswith("SPIR-V from the bundle (") for n in report["vulkan_notes"])                            # the device has no shader compiler
     assert all(steps[f"sanitizer-{t}"]["status"] == "skipped" for t in ("memcheck", "racecheck", "synccheck"))
     parity = [json.loads(line) for line in steps["parity-cuda-gemma3"]["tail"].splitlines() if line.startswith("{")]
     assert [r["layer_windows"] for r in parity] == [[512, 512], [0, 0]] and all(r["ok"] for r in parity)
