@@ -134,11 +134,10 @@ class StopMatcher:
     def feed(self, text: str) -> tuple[str, bool]:
         """New text -> (text safe to emit, stopped)."""
         self.pending += text
-        for s in self.stops:
-            at = self.pending.find(s)
-            if at >= 0:
-                out, self.pending = self.pending[:at], ""
-                return out, True
+        found = [at for s in self.stops if (at := self.pending.find(s)) >= 0]
+        if found:                        # the earliest stop in the text, whatever its place in the list
+            out, self.pending = self.pending[:min(found)], ""
+            return out, True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
@@ -160,7 +159,7 @@ def generate_stream(model, params: SamplingParams, cache, first_logits,
     time. Fills `stats` (tokens, timings, finish reason) as it goes."""
     tok = model.tokenizer
     sampler = Sampler(params)
-    decoder = tok.stream()
+    decoder = tok.stream(skip_special=True, continuation=True)
     stopper = StopMatcher(params.stop)
     tokens: list[int] = []
     stats.update(tokens=tokens, finish_reason="length")
@@ -184,7 +183,7 @@ def generate_stream(model, params: SamplingParams, cache, first_logits,
         if i + 1 == params.max_tokens:
             break
         if cache.logical_length >= cache.max_rows:
-            stats["finish_reason"] = "context"
+            stats["finish_reason"] = "length"     # the context is full (as the server and OpenAI say)
             break
         if sampler.greedy:
             best = model.forward.decode_argmax(token, cache)

@@ -184,10 +184,12 @@ class Model:
 
     def _prompt_ids(self, prompt, chat: bool) -> list[int]:
         """Text, chat messages or token ids -> checked ids (ConfigError for a malformed prompt)."""
+        add_bos = None
         if chat:
             prompt = self.render_chat(prompt)
+            add_bos = self.tokenizer.chat_add_bos(prompt)
         if prompt is None or isinstance(prompt, (str, bytes, bytearray)):
-            ids = self.tokenizer.encode(inputs.text(prompt, "prompt"))
+            ids = self.tokenizer.encode(inputs.text(prompt, "prompt"), add_bos=add_bos)
         else:
             ids = inputs.token_ids(prompt, self.config.vocab_size, "prompt token ids")
         if not ids:

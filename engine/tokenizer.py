@@ -28,7 +28,12 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 EOG_TEXTS = frozenset({
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
     "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>",
+    # fill-in-the-middle padding, repository and file separators end generation too (llama.cpp:
+    # a code model's completion stops at the next file, not in it)
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
+    "<reponame>", "<|file_sep|>", "<file_sep>",
 })
+EOG_ID_KEYS = ("eot_token_id", "eom_token_id", "fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")
 
 # Pre-tokenizer regexes, from llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe). Applied in
 # sequence: each one splits the pieces the previous one produced; unmatched text stays a piece.
@@ -129,8 +134,7 @@ class Tokenizer:
         template = meta.get("tokenizer.chat_template")
         self.chat_template: str | None = template if isinstance(template, str) else None
 
-        eog = {i for i in (self.eos_id, special_id("eot_token_id", None), special_id("eom_token_id", None))
-               if i is not None}
+        eog = {i for i in (self.eos_id, *(special_id(k, None) for k in EOG_ID_KEYS)) if i is not None}
         for text in EOG_TEXTS & self.token_to_id.keys():
             eog.add(self.token_to_id[text])
             self.types[self.token_to_id[text]] = CONTROL  # llama.cpp forces these to CONTROL
@@ -310,8 +314,17 @@ class Tokenizer:
         stream = StreamDecoder(self, skip_special)
         return "".join(stream.push(i) for i in ids) + stream.flush()
 
-    def stream(self, skip_special: bool = False) -> "StreamDecoder":
-        return StreamDecoder(self, skip_special)
+    def stream(self, skip_special: bool = False, continuation: bool = False) -> "StreamDecoder":
+        """An incremental decoder. `continuation`: the ids continue text already decoded
+        (a generated answer): its first piece keeps its leading space, which SPM strips
+        only at a text's start; `skip_special`: control and unknown tokens decode to nothing."""
+        return StreamDecoder(self, skip_special, continuation)
+
+    def chat_add_bos(self, text: str) -> bool | None:
+        """add_bos for a rendered chat prompt: False when the template already wrote the
+        BOS (no double BOS, as vLLM and llama.cpp's server), else the model's default."""
+        bos = self.pieces[self.bos_id] if self.bos_id is not None else None
+        return False if bos and text.startswith(bos) else None
 
     # ---- chat template --------------------------------------------------------------------
 
@@ -328,16 +341,18 @@ class Tokenizer:
                                          bos_token=bos, eos_token=eos, **extra)
         except jinja2.TemplateError as e:
             raise EngineError(f"chat template failed: {e}") from None
+        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as e:   # the template's own bug
+            raise EngineError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 
 class StreamDecoder:
     """Feed ids one at a time; get back the newly completed text (incomplete UTF-8 is held)."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, continuation: bool = False):
         self._tok = tokenizer
         self._skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._first = True
+        self._first = not continuation
 
     def push(self, token_id: int) -> str:
         data = self._tok._piece(token_id, self._skip_special, self._first)
@@ -355,8 +370,8 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
-    def tojson(value, indent=None):
-        return json.dumps(value, ensure_ascii=False, indent=indent)
+    def tojson(value, indent=None, separators=None, sort_keys=False):   # HF's signature
+        return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt):
         return datetime.datetime.now().strftime(fmt)

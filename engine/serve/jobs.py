@@ -126,8 +126,9 @@ def _chat_ids(model, request_messages, rendered: str | None = None, content_spec
     _check_length(model, text, "messages")
     tok = model.tokenizer
     forged = {m["content"] for m in messages if content_specials == "text" and tok.control_text_in(m["content"])}
+    add_bos = tok.chat_add_bos(text)           # the template's own BOS, not a second one
     if not forged:
-        return _encode(model, text, "messages")
+        return _encode(model, text, "messages", add_bos=add_bos)
     parts, at = [], 0
     for content in (m["content"] for m in messages):
         if not content:
@@ -143,7 +144,7 @@ def _chat_ids(model, request_messages, rendered: str | None = None, content_spec
         at = found + len(content)
     parts.append((text[at:], True))
     try:
-        return tok.encode_parts(parts)
+        return tok.encode_parts(parts, add_bos=add_bos)
     except EngineError as e:
         raise ApiError(400, str(e), "messages") from None
 

@@ -91,7 +91,7 @@ class Sequence:
         self.finished: Finished | None = None   # set when the sequence ends
         self._sampler = Sampler(job.params)
         self._stopper = StopMatcher(job.params.stop)
-        self._decoder = model.tokenizer.stream()
+        self._decoder = model.tokenizer.stream(skip_special=True, continuation=True)   # as vLLM: no control tokens
         self._eot = model.tokenizer.eot_ids
         self._steps = None                      # the prefill generator while the prompt runs
         self.cached_tokens = 0                  # prompt tokens reused from an earlier request's cache

@@ -39,6 +39,14 @@ def test_bad_arguments(model, call, needle):
     assert "\n" not in str(e.value)
 
 
+def test_the_earliest_stop_in_the_text_cuts_whatever_the_list_order():
+    """OpenAI: the text never holds a stop sequence; with stop=["\n", "."] and one piece
+    "Hello.\n", the cut is at "." (llama.cpp cuts at the earliest too)."""
+    from engine.generate import StopMatcher
+    assert StopMatcher(["\n", "."]).feed("Hello.\n") == ("Hello", True)
+    assert StopMatcher(["cd", "b"]).feed("abcd") == ("a", True)
+
+
 def test_stop_forms(model):
     ids = [65, 66, 67]
     full = model.generate(ids, max_tokens=6, ignore_eos=True).text

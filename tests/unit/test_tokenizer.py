@@ -22,6 +22,20 @@ def smollm() -> Tokenizer:
     return Tokenizer.from_metadata(GgufFile(path).metadata)
 
 
+def test_code_models_stop_at_the_next_file_as_llama_cpp(smollm):
+    """A code model's fill-in-the-middle padding, repository and file separators end
+    generation (llama.cpp's end-of-generation set): a completion stops at the next file."""
+    names = {smollm.pieces[i] for i in smollm.eot_ids}
+    assert names == {"<|endoftext|>", "<|im_end|>", "<reponame>", "<file_sep>"}
+    from engine.model_path import named_model_path
+    path = named_model_path("qwen2.5-coder-0.5b")
+    if path is not None:
+        from engine.gguf import GgufFile
+        qwen = Tokenizer.from_metadata(GgufFile(path).metadata)
+        assert {qwen.pieces[i] for i in qwen.eot_ids} == {"<|endoftext|>", "<|im_end|>", "<|fim_pad|>",
+                                                          "<|repo_name|>", "<|file_sep|>"}
+
+
 # ---- SmolLM2 (gpt2 / smollm) against llama.cpp --------------------------------
 
 @pytest.mark.parametrize("case", CASES, ids=[repr(c["text"])[:40] for c in CASES])
@@ -153,6 +167,16 @@ def test_template_raise_exception_becomes_engine_error():
         tok.apply_chat_template([{"role": "system", "content": "x"}])
 
 
+def test_a_template_bug_is_an_engine_error_and_tojson_takes_hf_arguments():
+    meta = {**_byte_level_meta("gpt-2"), "tokenizer.chat_template": "{{ 'a' + 1 }}"}
+    with pytest.raises(EngineError, match="chat template failed: TypeError"):
+        Tokenizer.from_metadata(meta).apply_chat_template([{"role": "user", "content": "hi"}])
+    meta["tokenizer.chat_template"] = "{{ messages[0] | tojson(separators=(',', ':'), sort_keys=True) }}"
+    out = Tokenizer.from_metadata(meta).apply_chat_template([{"role": "user", "content": "hi"}],
+                                                            add_generation_prompt=False)
+    assert out == '{"content":"hi","role":"user"}'
+
+
 # ---- hand-built SentencePiece ('llama') vocabulary -------------------------------------------
 
 def _spm_meta() -> dict:
@@ -185,6 +209,23 @@ def test_spm_encode_decode(spm):
     assert spm.decode(ids) == "<s>hello world"
     assert spm.decode(ids, skip_special=True) == "hello world"
     assert spm.decode(spm.encode("hello  world", add_bos=False)) == "hello  world"
+
+
+def test_a_continuation_keeps_its_leading_space_and_skips_control_tokens(spm):
+    """A generated answer continues the prompt's text: its first piece keeps the space
+    SPM strips only at a text's start ("The capital is" -> " Paris", as llama.cpp and
+    vLLM), and control tokens (an end of turn with ignore_eos) decode to nothing."""
+    ids = spm.encode("hello world", add_bos=False)
+    start, cont = spm.stream(), spm.stream(skip_special=True, continuation=True)
+    assert [start.push(i) for i in ids] == ["hello", " world"]
+    assert [cont.push(i) for i in ids + [spm.eos_id]] == [" hello", " world", ""]
+
+
+def test_a_chat_prompt_gets_no_second_bos(spm):
+    bos = spm.pieces[spm.bos_id]
+    assert spm.chat_add_bos(bos + "<start_of_turn>user") is False   # the template wrote it
+    assert spm.chat_add_bos("user: hi") is None                      # the model's default
+    assert spm.encode(bos + "hi", add_bos=spm.chat_add_bos(bos + "hi"))[:2] == [spm.bos_id, spm.encode("hi", add_bos=False)[0]]
 
 
 def test_spm_byte_fallback(spm):
