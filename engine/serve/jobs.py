@@ -85,10 +85,24 @@ def detokenize(model, req) -> str:
 
 
 # -- parts ---------------------------------------------------------------------------------------
+# sampling fields of vLLM or llama.cpp's server this one does not implement, with the value
+# that leaves sampling as it is (clients that always send the defaults keep working)
+UNSUPPORTED_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "repeat_penalty": 1.0, "typical_p": 1.0,
+                        "tfs_z": 1.0, "top_a": 0.0, "mirostat": 0, "min_tokens": 0, "skip_special_tokens": True,
+                        "include_stop_str_in_output": False, "use_beam_search": False,
+                        "continue_final_message": False, "stop_token_ids": None}
+
+
 def _check_supported(req) -> None:
     if req.n != 1:
         raise ApiError(400, f"n must be 1: one choice per request is supported, got {req.n}", "n")
-    unknown = sorted(k for k in (req.model_extra or {}) if k.startswith("kv_"))
+    extra = req.model_extra or {}
+    for name, noop in UNSUPPORTED_SAMPLING.items():
+        if name in extra and extra[name] not in (noop, None, []):
+            raise ApiError(400, f"{name}={extra[name]!r} is not supported by this server (it samples with "
+                           f"temperature, top_k, top_p, seed, stop, presence_penalty, frequency_penalty and "
+                           f"logit_bias); leave it out rather than have it ignored", name)
+    unknown = sorted(k for k in extra if k.startswith("kv_"))
     if unknown:
         raise ApiError(400, f"unknown field {unknown[0]!r}: the KV fields are "
                        f"{', '.join(list(KV_FIELDS) + ['kv_dtype'])}", unknown[0])

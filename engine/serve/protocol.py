@@ -32,7 +32,9 @@ KV_FIELDS = {
 
 class _Body(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do (clients send many),
-    # except misspelt `kv_*` extensions, which are refused (jobs.py).
+    # except misspelt `kv_*` extensions and sampling fields other servers implement and this
+    # one does not (min_p, repetition_penalty, ...) set to anything but their no-op value,
+    # which are refused (jobs.py).
     model_config = ConfigDict(strict=True, extra="allow")
 
 

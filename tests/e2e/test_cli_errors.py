@@ -76,11 +76,11 @@ def test_prompt_longer_than_context(tiny_llama):
                           "12 tokens", "context is 8")
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--temp", "-1"], "temperature"), (["--top-p", "0"], "top_p"), (["--top-p", "1.5"], "top_p"),
-    (["--top-k", "-3"], "top_k"), (["-n", "-1"], "max_tokens"), (["--seed", "-5"], "seed"),
-    (["--temp", "nan"], "temperature"), (["--presence-penalty", "2.5"], "presence_penalty"),
-    (["--frequency-penalty", "-3"], "frequency_penalty"),
+@pytest.mark.parametrize("flags,needle", [                          # each error names its flag
+    (["--temp", "-1"], "--temp"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-3"], "--top-k"), (["-n", "-1"], "-n/--max-tokens"), (["--seed", "-5"], "--seed"),
+    (["--temp", "nan"], "--temp"), (["--presence-penalty", "2.5"], "--presence-penalty"),
+    (["--frequency-penalty", "-3"], "--frequency-penalty"),
 ])
 def test_invalid_sampling(tiny_llama, flags, needle):
     assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", *flags), needle)

@@ -851,6 +851,8 @@ def test_bad_requests_get_openai_shaped_400s(served):
         (json.dumps(dict(ok, kv_allocation="ragged")).encode(), "kv_allocation"),
         (json.dumps(dict(ok, kv_budegt=100)).encode(), "kv_budegt"),
         (json.dumps(dict(ok, kv_dtype="q2")).encode(), "kv_dtype"),
+        (json.dumps(dict(ok, min_p=0.05)).encode(), "min_p"),                # refused, not silently ignored
+        (json.dumps(dict(ok, repetition_penalty=1.1)).encode(), "repetition_penalty"),
         (json.dumps(dict(ok, kv_dtype="tq4:30=q8_0")).encode(), "kv_dtype"),  # layers 0-29 only
         (json.dumps(dict(ok, prompt="word " * (CTX + 10))).encode(), "prompt"),   # longer than the context
     ]
@@ -862,6 +864,8 @@ def test_bad_requests_get_openai_shaped_400s(served):
         assert err["param"] == param and err["message"], (body[:60], err)
     status, answer = served.post_raw("/v1/completions", json.dumps(dict(ok, prompt="word " * 2000)).encode())
     assert answer["error"]["code"] == "context_length_exceeded"
+    defaults = dict(ok, min_p=0, repetition_penalty=1.0, skip_special_tokens=True)   # what some clients always send
+    assert served.post_raw("/v1/completions", json.dumps(defaults).encode())[0] == 200
     status, answer = served.post_raw("/v1/chat/completions", json.dumps({"messages": []}).encode())
     assert status == 400 and answer["error"]["param"] == "messages"
     many = [{"role": "x", "content": "b"}] * (CTX + 1)                  # more messages than the context holds
