@@ -735,7 +735,8 @@ def cmd_compile(a) -> int:
         p = cupy.cuda.runtime.getDeviceProperties(0)
         arch = p["major"] * 10 + p["minor"]
     print(f"arch {arch}", flush=True)
-    return subprocess.run([sys.executable, "-m", "backends.cuda.nvrtc", "--arch", str(arch), *a.files], cwd=REPO).returncode
+    return subprocess.run([sys.executable, "-m", "backends.cuda.nvrtc", "--arch", str(arch), "--progress", *a.files],
+                          cwd=REPO).returncode
 
 
 def cmd_derive(a) -> int:

@@ -323,10 +323,11 @@ def _compile_job(job):
         return e
 
 
-def compile_all(jobs, pool_after_s: float = 90.0, workers: int | None = None) -> dict:
+def compile_all(jobs, pool_after_s: float = 90.0, workers: int | None = None, on_result=None) -> dict:
     """{(file, defines, arch): CompileResult or CompileError} for every job. Compiles
     in this process; when the first jobs predict more than `pool_after_s` in all,
-    the rest go to a pool of `workers` processes (default: the cores, at most 16)."""
+    the rest go to a pool of `workers` processes (default: the cores, at most 16).
+    `on_result(job, result)`: called as each job's result arrives (in job order)."""
     workers = workers or min(os.cpu_count() or 2, 16)
     jobs = list(dict.fromkeys((f, tuple(d), a) for f, d, a in jobs))
     load()
@@ -334,6 +335,8 @@ def compile_all(jobs, pool_after_s: float = 90.0, workers: int | None = None) ->
     i = 0
     while i < len(jobs):
         out[jobs[i]] = _compile_job(jobs[i])
+        if on_result is not None:
+            on_result(jobs[i], out[jobs[i]])
         i += 1
         elapsed = time.perf_counter() - t0
         if i >= min(3, len(jobs)) and elapsed / i * len(jobs) > pool_after_s:
@@ -341,8 +344,21 @@ def compile_all(jobs, pool_after_s: float = 90.0, workers: int | None = None) ->
     if i < len(jobs):
         from concurrent.futures import ProcessPoolExecutor
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            out.update(zip(jobs[i:], pool.map(_compile_job, jobs[i:])))
+            for job, result in zip(jobs[i:], pool.map(_compile_job, jobs[i:])):
+                out[job] = result
+                if on_result is not None:
+                    on_result(job, result)
     return out
+
+
+def _progress(job, result) -> None:
+    """One line a compiled variant, as it arrives (a run cut short keeps what it had)."""
+    file, defines, arch = job
+    if isinstance(result, CompileError):
+        what = f"COMPILE ERROR: {result.first_error()}"
+    else:
+        what = ", ".join(f"{k.registers} regs, spill {k.spill_stores}:{k.spill_loads}" for k in result.kernels.values())
+    print(f"  sm_{arch} {file} {' '.join(defines) or '-'}: {what or 'ptx'}", flush=True)
 
 
 # --- command line ----------------------------------------------------------------------
@@ -392,6 +408,7 @@ def main(argv=None) -> int:
                     help="compute capability as 75, 80, ..., any the loaded NVRTC builds SASS for "
                          "(repeatable; default: %s)" % ", ".join(map(str, ARCHS)))
     ap.add_argument("files", nargs="*", metavar="FILE", help="kernel files (e.g. norm.cu); default: all variants")
+    ap.add_argument("--progress", action="store_true", help="a line per variant as it compiles (then the table)")
     args = ap.parse_args(argv)
     archs = tuple(dict.fromkeys(args.arch or ARCHS))
     try:
@@ -417,7 +434,7 @@ def main(argv=None) -> int:
             return 2
         var_list = [(f, d) for f, d in var_list if f in args.files]
     t0 = time.perf_counter()
-    results = compile_all([(f, d, a) for f, d in var_list for a in archs])
+    results = compile_all([(f, d, a) for f, d in var_list for a in archs], on_result=_progress if args.progress else None)
     elapsed = time.perf_counter() - t0
     lines, failed = _table(results, var_list, archs)
     major, minor = version()
