@@ -430,6 +430,7 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
                                          "--print-limit", "20", *_me("parity", "--backend", "cuda", "--short", "--no-pool")],
                     timeout, needs=("install",), skip_reason=no_san)
     derive = _me("derive", "--bundle", str(bundle), "--to", str(work))
+    bench_needs = ("install",) if dry else ("derive-bench",)   # the dry run benches the cut SmolLM2
     # Most telling first: a kill at the budget leaves what ran (each step a process of its own,
     # so a fault or crash in one cannot spoil the next).
     steps = [
@@ -444,7 +445,7 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
              _me("parity", "--backend", "cuda", smol, *parity), 150, needs=("install",)),
         Step("bench-cuda", "engine bench --backend cuda (with and without SnapKV)",
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench], 150,
-             needs=("install",) if dry else ("derive-bench",)),
+             needs=bench_needs),
         sanitizer_step("memcheck", 75),
         Step("tiny-cuda-quick", "tiny random models, one of each: architectures, a KV format pair, SnapKV, decode_batch",
              _me("tiny", "--backend", "cuda", "--quick"), 90, needs=("install",)),
@@ -459,10 +460,10 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         Step("bench-cuda-fresh", "engine bench --backend cuda with SHARPI_DECODE_REPLAY=off (every kernel "
              "launched from Python each token): decode against bench-cuda's replayed steps",
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-fresh"), *fresh_bench],
-             90, env={"SHARPI_DECODE_REPLAY": "off"}, needs=("install",) if dry else ("derive-bench",)),
+             90, env={"SHARPI_DECODE_REPLAY": "off"}, needs=bench_needs),
         Step("bench-vulkan", "engine bench --backend vulkan",
              engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench], 150,
-             env=vk_env, needs=("vulkan-env",) if dry else ("vulkan-env", "derive-bench")),
+             env=vk_env, needs=("vulkan-env", *bench_needs)),
         Step("parity-vulkan-gemma3", "cut Gemma 3: CPU vs Vulkan",
              _me("parity", "--backend", "vulkan", gemma, gemma_global, *gemma_prompt), 120, env=vk_env,
              needs=("vulkan-env", "derive-gemma")),

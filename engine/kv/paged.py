@@ -125,12 +125,18 @@ class PagePool:
     def page_bytes(self) -> int:
         """K + V bytes of one page in the k_dtype/v_dtype formats (quantized rows' scales
         included; a segment of a layer exception has its own page_bytes)."""
-        return self.n_kv_heads * self.page_size * (self.k_format.row_bytes + self.v_format.row_bytes)
+        return _page_bytes(self, self.spec.k, self.spec.v)
 
     @property
     def bytes(self) -> int:
         """Bytes of every page of the pool, each segment in its formats."""
         return sum(s.n_pages * s.page_bytes for s in self.segments)
+
+
+def _page_bytes(pool: PagePool, k_dtype: str, v_dtype: str) -> int:
+    """K + V bytes of one page of `pool`'s shape in these row formats (scales included)."""
+    return pool.n_kv_heads * pool.page_size * (KvFormat.get(k_dtype, pool.head_dim).row_bytes
+                                               + KvFormat.get(v_dtype, pool.head_dim).row_bytes)
 
 
 class PageSegment:
@@ -144,12 +150,16 @@ class PageSegment:
         self.n_pages = n_pages
         self.backend, self.n_kv_heads, self.page_size = pool.backend, pool.n_kv_heads, pool.page_size
         self.k_dtype, self.v_dtype = k_dtype, v_dtype
-        self.page_bytes = pool.n_kv_heads * pool.page_size * (KvFormat.get(k_dtype, pool.head_dim).row_bytes
-                                                              + KvFormat.get(v_dtype, pool.head_dim).row_bytes)
+        self.page_bytes = _page_bytes(pool, k_dtype, v_dtype)
         self.k_pages, self.v_pages = pool.backend.alloc_kv_pool(n_pages, pool.n_kv_heads, pool.page_size,
                                                                 pool.head_dim, k_dtype=k_dtype, v_dtype=v_dtype)
         self._free = list(range(n_pages - 1, -1, -1))   # stack: lowest page id handed out first
         self._head_view = None
+
+    @property
+    def kv_dtype(self) -> str:
+        """Its rows' formats: "tq4", or "q8_0/tq4" when keys and values differ."""
+        return kv_dtype_name(self.k_dtype, self.v_dtype)
 
     def head_view(self) -> tuple:
         """(k, v): the same buffers seen with one KV head per page, [n_pages * n_kv_heads,
@@ -828,7 +838,7 @@ class KvCache:
             "kv_dtype": self.kv_dtype, "k_dtype": self.k_dtype, "v_dtype": self.v_dtype,
             "eviction": self.eviction,
             "layers": [{"length": l.length, "logical_length": l.logical_length, "pages": l.n_pages,
-                        "bytes": l.bytes, "kv_dtype": kv_dtype_name(l.pool.k_dtype, l.pool.v_dtype),
+                        "bytes": l.bytes, "kv_dtype": l.pool.kv_dtype,
                         "keep": l.last_keep, "head_rows": l.head_rows, "window": l.window,
                         "first_row": l.first_row} for l in self.layers],
         }

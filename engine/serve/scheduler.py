@@ -60,8 +60,6 @@ import threading
 import time
 from collections import deque
 
-from backends.kvformat import kv_dtype_name
-
 from ..errors import DeviceError, DeviceFault, DeviceOutOfMemory, EngineError
 from ..kv.paged import KvCacheError
 from ..grammar import fill_masks
@@ -198,7 +196,7 @@ class Scheduler:
                         "cancelled": h.cancelled} for h in self._running]
             waiting = len(self._waiting)
             pools = {name: {"pages": p.n_pages, "pages_used": p.n_pages - p.free_pages, "bytes": p.bytes,
-                            "segments": [{"kv_dtype": kv_dtype_name(g.k_dtype, g.v_dtype), "pages": g.n_pages,
+                            "segments": [{"kv_dtype": g.kv_dtype, "pages": g.n_pages,
                                           "pages_used": g.n_pages - g.free_pages, "page_bytes": g.page_bytes}
                                          for g in p.segments]} for name, p in self._pools.items()}
             held = sum(h.sequence.cache.bytes for h in self._running
