@@ -72,16 +72,20 @@ def _action_row(action) -> str | None:
         return None
     if action.option_strings:
         metavar = "" if action.nargs == 0 else " " + (action.metavar or action.dest.upper())
+        metavar += f" [{metavar.strip()} ...]" if action.nargs in ("+", "*") else ""
         names = ", ".join(f"`{o}{metavar}`" for o in action.option_strings)
     else:
         names = f"`{action.metavar or action.dest}`" + (" (optional)" if action.nargs in ("?", "*") else "")
     default = action.default
+    if default is None:                         # a setting's flag: None lets the env var through
+        from engine.config import SETTINGS
+        default = next((spec.default for spec in SETTINGS if spec.flag in action.option_strings), None)
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or default in (None, argparse.SUPPRESS):
         default = ""
     elif isinstance(default, (list, tuple)):
         default = ",".join(map(str, default))
     choices = ", ".join(map(str, action.choices)) if action.choices else ""
-    helptext = (action.help or "") % {"default": action.default} if "%(" in (action.help or "") else (action.help or "")
+    helptext = (action.help or "") % dict(vars(action), default=action.default)    # as argparse: %% is %
     if choices:
         helptext = f"{helptext} (one of {choices})" if helptext else f"one of {choices}"
     return "| " + " | ".join(_cell(c) for c in (names, _code(default), helptext)) + " |"
