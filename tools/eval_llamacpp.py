@@ -62,7 +62,7 @@ def load_rows(path: str) -> tuple[dict, list[dict]]:
     return doc["meta"], doc["samples"]
 
 
-def llama_answer(llm, tok: Tokenizer, ids: list[int], max_new: int, n_numbers: int) -> tuple[str, float]:
+def llama_answer(llm, tok: Tokenizer, ids: list[int], max_new: int, expected: list[str]) -> tuple[str, float]:
     """Greedy answer with the stopping rule of the eval (engine.eval.runner.greedy_numbers)."""
     logits = lambda: np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))  # noqa: E731
 
@@ -73,7 +73,7 @@ def llama_answer(llm, tok: Tokenizer, ids: list[int], max_new: int, n_numbers: i
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ids)
-    text, _ = greedy_numbers(logits(), step, tok.decode, set(tok.eot_ids) | {tok.eos_id}, max_new, n_numbers)
+    text, _ = greedy_numbers(logits(), step, tok.decode, set(tok.eot_ids) | {tok.eos_id}, max_new, expected)
     return text, time.perf_counter() - t0
 
 
@@ -234,7 +234,7 @@ def main() -> int:
         if len(s.ids) != r["prompt_tokens"] or list(s.expected) != list(r["expected"]):
             print(f"cannot rebuild {r['task']} {r['length']} #{r['index']}: prompt differs from the run", file=sys.stderr)
             return 1
-        text, secs = llama_answer(llm, tok, s.ids, args.max_new_tokens * len(s.expected), len(s.expected))
+        text, secs = llama_answer(llm, tok, s.ids, args.max_new_tokens * len(s.expected), s.expected)
         score = T.score(s, text)
         out.append({"task": r["task"], "length": r["length"], "index": r["index"], "seed": r["seed"],
                     "depth": r["depth"], "prompt_tokens": len(s.ids), "expected": s.expected,

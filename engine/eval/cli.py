@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
+import sys
 from datetime import datetime, timezone
 
 from ..errors import ConfigError, EngineError
@@ -159,7 +161,7 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
     try:
         with open(path) as f:
             if path.endswith(".jsonl"):
-                rows, meta = [json.loads(line) for line in f if line.strip()], {}
+                rows, meta = _jsonl_rows(f.read(), path), _run_identity(path)
             else:
                 doc = json.load(f)
                 rows, meta = doc["samples"], doc["meta"]
@@ -175,13 +177,64 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
         missing = [k for k in ROW_KEYS if k not in r] if isinstance(r, dict) else list(ROW_KEYS)
         if missing:
             raise EngineError(f"--render: {path} sample {i} is not an eval sample (missing {', '.join(missing)})")
-    return meta or _meta_from_rows(rows, "(partial run)"), rows
+    if path.endswith(".jsonl"):
+        meta = {**_meta_from_rows(rows, meta.get("model")), **meta}
+    return meta, _unique(rows, path)
 
 
-def _meta_from_rows(rows: list[dict], model: str) -> dict:
+def _jsonl_rows(text: str, path: str) -> list[dict]:
+    """The rows of a samples.partial.jsonl. A last line cut short (a disk that filled up,
+    or a file read while its run appends) is left out with a warning."""
+    import json
+    lines = [line for line in text.split("\n") if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise
+            print(f"warning: {path}: its last line is cut short; left out", file=sys.stderr)
+    return rows
+
+
+def _unique(rows: list[dict], path: str) -> list[dict]:
+    """One row per sample and policy: a row written twice (a run cut short mid-write, then
+    resumed) counts once."""
+    seen, out = set(), []
+    for r in rows:
+        key = (r["task"], r["length"], r["index"], r.get("seed"), r["policy"])
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+IDENTITY = ("model", "model_bytes", "backend", "seed", "max_new_tokens", "fidelity_tokens")
+
+
+def _identity_path(partial: str) -> str:
+    return os.path.join(os.path.dirname(partial), "samples.meta.json")
+
+
+def _run_identity(partial: str) -> dict:
+    """What a run cut short was run with (samples.meta.json beside its rows; {} for one
+    written before that file existed)."""
+    import json
+    try:
+        with open(_identity_path(partial)) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise EngineError(f"{_identity_path(partial)} is unreadable ({e}): delete it to go on without its checks") from None
+    return {k: meta[k] for k in IDENTITY if k in meta} if isinstance(meta, dict) else {}
+
+
+def _meta_from_rows(rows: list[dict], model: str | None) -> dict:
     """The meta of a report rebuilt from its rows (a run cut short, or the union of runs)."""
     names = list(dict.fromkeys(r["policy"] for r in rows))
-    return {"model": model, "n_samples": len({(r["task"], r["length"], r["index"], r["seed"]) for r in rows}),
+    return {"model": model or "(partial run)", "n_samples": len({(r["task"], r["length"], r["index"], r["seed"]) for r in rows}),
             "policies": {n: P.parse_policy(n).describe() for n in names},
             "seed": rows[0].get("seed"), "tasks": list(dict.fromkeys(r["task"] for r in rows)),
             "lengths": sorted({r["length"] for r in rows}),
@@ -197,10 +250,14 @@ def _union(paths: list[str]) -> tuple[dict, list[dict]]:
     if len(parts) == 1:
         return parts[0]
     (meta0, _), rows = parts[0], [r for _, part in parts for r in part]
-    for path, (meta, _) in zip(paths[1:], parts[1:]):
-        for key in ("model", "backend", "policies"):
-            if key in meta and key in meta0 and meta[key] != meta0[key]:
+    known = lambda m, k: m.get(k) not in (None, "(partial run)")          # noqa: E731
+    for path, (meta, part) in zip(paths[1:], parts[1:]):
+        for key in ("policies",) + IDENTITY:
+            if known(meta, key) and known(meta0, key) and meta[key] != meta0[key]:
                 raise EngineError(f"--render: {path} and {paths[0]} are not parts of one run (their {key} differ)")
+    seeds = {r.get("seed") for r in rows}
+    if len(seeds) > 1:
+        raise EngineError(f"--render: {', '.join(paths)} are not parts of one run (seeds {sorted(seeds, key=str)})")
     seen = set()
     for r in rows:
         key = (r["task"], r["length"], r["index"], r.get("seed"), r["policy"])
@@ -209,6 +266,8 @@ def _union(paths: list[str]) -> tuple[dict, list[dict]]:
                               f"is in more than one file")
         seen.add(key)
     common = {k: v for k, v in meta0.items() if all(m.get(k) == v for m, _ in parts[1:])}
+    for key in IDENTITY:                     # checked above: where known, the parts agree
+        common.update({key: m[key] for m, _ in parts if known(m, key)})
     meta = {**common, **_meta_from_rows(rows, common.get("model", "(union of runs)")), "parts": list(paths)}
     return meta, rows
 
@@ -218,7 +277,7 @@ def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
     this plan: same seed, tasks, lengths and needle depths, policies of the plan. A
     sample holding only some of the plan's policies (cut short mid-write, or a policy
     added to the plan since) runs only the others (Runner.run)."""
-    if not os.path.exists(partial):
+    if not os.path.exists(partial) or not os.path.getsize(partial):
         return []
     _, rows = _load_rows(partial)
     names = [p.name for p in plan.policies]
@@ -234,6 +293,13 @@ def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
         if all(x["policy"] != r["policy"] for x in group):      # a row written twice counts once
             group.append(r)
     return [r for group in by_sample.values() for r in group]
+
+
+def _write_json(path: str, doc: dict) -> None:
+    import json
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def _baselines(text: str | None, policies: list[str]) -> list[str]:
@@ -292,14 +358,30 @@ def cmd_eval(args) -> int:
     # Eviction is applied by the runner per policy; the model itself never evicts.
     settings = settings.with_overrides(snapkv_budget=0)
     model_ctx = settings.ctx or model_config(GgufFile(path)).context_length
-    model = Model(path, settings.with_overrides(ctx=plan.context(model_ctx)))
-    for p in plan.policies:                  # each KV type checked against the model before any prefill
-        model.kv_dtype_of(p.kv_dtype)
-    runner = Runner(model, plan)
     partial = os.path.join(out, "samples.partial.jsonl")
-    done = _resumed_rows(partial, plan, args.seed) if args.resume else []
     if not args.resume and os.path.exists(partial):
-        os.remove(partial)
+        raise EngineError(f"{partial} holds the rows of a run cut short: add --resume to continue it, "
+                          f"or delete it to start again")
+    model = Model(path, settings.with_overrides(ctx=plan.context(model_ctx)))
+    # each KV type checked against the model before any prefill, named as the model names it
+    # (two spellings of one layout are one policy: one prefill, one name in the results)
+    named = {p.name: p.with_kv_dtype(model.kv_dtype_of(p.kv_dtype)) for p in plan.policies}
+    if len({p.name for p in named.values()}) != len(named):
+        raise EngineError("--policies lists a policy twice (two spellings of one KV layout)")
+    plan = dataclasses.replace(plan, policies=list(named.values()))
+    baselines = [named[b].name for b in baselines]
+    runner = Runner(model, plan)
+    identity = {"model": os.path.basename(str(path)), "model_bytes": os.path.getsize(path),
+                "backend": model.backend.name, "seed": args.seed, "max_new_tokens": plan.max_new_tokens,
+                "fidelity_tokens": plan.fidelity_tokens}
+    done = []
+    if args.resume:
+        for key, value in _run_identity(partial).items():
+            if identity[key] != value:
+                raise EngineError(f"--resume: {partial} was run with {key} {value}, this command has "
+                                  f"{identity[key]}: run the same command, or drop --resume to start again")
+        done = _resumed_rows(partial, plan, args.seed)
+    _write_json(_identity_path(partial), identity)
     rows = runner.run(progress=args.progress, partial_path=partial, done=done)
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -316,7 +398,9 @@ def cmd_eval(args) -> int:
         "baselines": baselines,
     }
     paths = report.write_all(out, meta, rows, plan.lengths, plan.tasks)
-    os.remove(partial)                       # results.json holds every row now
+    for done_with in (partial, _identity_path(partial)):     # results.json holds every row now
+        if os.path.exists(done_with):
+            os.remove(done_with)
     _print_summary(report.summarize(rows, list(meta["policies"])))
     print(f"wrote {paths['json']}, {paths['markdown']} and 3 plots "
           f"({runner.timings.wall_s:.0f} s)")

@@ -20,7 +20,8 @@ Scoring (`score_code`) is an exact match that tolerates formatting, not hedging:
 path answer must name exactly one `.py` path, the expected one (backticks, quotes,
 a leading `./` and case do not matter); a number answer must mention exactly one
 number, the expected one (`4,096` and `4_096` count); a string answer must hold the
-literal as a whole word (quotes and backticks do not matter, case does); a caller
+literal as a whole word (quotes and backticks do not matter, case does) and no other
+string of the prompt; a caller
 answer must name the expected function and no other function of the project.
 """
 from __future__ import annotations
@@ -396,6 +397,8 @@ def make_code(tok, target: int, depth: float, seed: int, index: int, task: str):
     distractors = []
     if task == "code_caller":               # the project's other names: giving one is a wrong answer
         distractors = sorted(proj.names - {q.expected, q.key})
+    elif q.answer_kind == "string":         # the prompt's other strings: naming one too is hedging
+        distractors = sorted(v for v in proj.literals - {q.expected} if isinstance(v, str) and f'"{v}"' in prompt)
     pos = len(tok.encode(prompt[:prompt.index(q.needle)]))
     return Sample(task, target, index, depth, seed, prompt, ids, [expected], q.key, pos,
                   answer_kind=q.answer_kind, distractors=distractors)
@@ -418,7 +421,8 @@ def score_code(kind: str, expected: str, generated: str, distractors=()) -> floa
     if kind == "number":
         return float(_numbers(generated) == {float(expected)})
     if kind == "string":
-        return float(re.search(rf"(?<![\w-]){re.escape(expected)}(?![\w-])", generated) is not None)
+        said = lambda v: re.search(rf"(?<![\w.-]){re.escape(v)}(?![\w-]|\.\w)", generated) is not None  # noqa: E731
+        return float(said(expected) and not any(said(d) for d in distractors))
     if kind == "identifier":
         names = set(_IDENT.findall(generated))
         return float(expected in names and not names & set(distractors))

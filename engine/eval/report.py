@@ -119,9 +119,10 @@ def paired_against(rows: list[dict], policies: list[str], reference: str = "full
     policy -> {n, acc, acc_full, lost, gained, same_text, diff, ci} (diff and ci are
     policy minus the reference, as fractions; a loss is negative; acc_full is the
     reference's accuracy). With a reference other than the full cache, and fidelity
-    prompts, also n_fidelity, kl_ratio (the geometric mean over those prompts of the
-    policy's KL from the full cache over the reference's) and kl_lower (the prompts
-    where the policy's KL is the lower)."""
+    prompts, also n_fidelity, kl_lower (the prompts where the policy's KL from the full
+    cache is the lower; a KL of 0, a cache that was not compacted, counts), and kl_ratio
+    (the geometric mean of the policy's KL over the reference's, over the n_kl_ratio
+    prompts where both are above 0; None when there are none)."""
     key = lambda r: (r["task"], r["length"], r["index"], r["seed"])          # noqa: E731
     ref = {key(r): r for r in rows if r["policy"] == reference}
     out = {}
@@ -139,10 +140,12 @@ def paired_against(rows: list[dict], policies: list[str], reference: str = "full
                       "acc_full": _mean(f["correct"] for f, _ in retr), "lost": lost, "gained": gained,
                       "same_text": sum(f["generated"] == r["generated"] for f, r in retr) / n,
                       "diff": (gained - lost) / n, "ci": (lo, hi)}
-        fid = [(f["kl"], r["kl"]) for f, r in pairs if r["task"] == "fidelity" and f["kl"] > 0 and r["kl"] > 0]
-        if fid:
-            out.setdefault(p, {}).update(n_fidelity=len(fid), kl_lower=sum(b < a for a, b in fid),
-                                         kl_ratio=float(np.exp(np.mean([np.log(b / a) for a, b in fid]))))
+        fid = [(f["kl"], r["kl"]) for f, r in pairs if r["task"] == "fidelity"]
+        both = [(a, b) for a, b in fid if a > 0 and b > 0]      # a ratio needs two KLs above 0
+        if any(a > 0 for a, _ in fid):                           # not against the full cache itself
+            out.setdefault(p, {}).update(
+                n_fidelity=len(fid), kl_lower=sum(b < a for a, b in fid), n_kl_ratio=len(both),
+                kl_ratio=float(np.exp(np.mean([np.log(b / a) for a, b in both]))) if both else None)
     return out
 
 
@@ -321,6 +324,12 @@ def plot_bytes_vs_accuracy(path: str, summary: dict) -> None:
     plt.close(fig)
 
 
+def _kl_ratio(d: dict) -> str:
+    """The KL ratio cell: the ratio, and over how many prompts where a KL of 0 left some out."""
+    text = "-" if d["kl_ratio"] is None else f"{d['kl_ratio']:.2f}x"
+    return text if d["n_kl_ratio"] == d["n_fidelity"] else f"{text} ({d['n_kl_ratio']} of {d['n_fidelity']})"
+
+
 def _paired_section(title: str, short: str, paired: dict) -> list[str]:
     """The markdown of a prompt-by-prompt comparison (paired_against's dicts) with a reference:
     retrieval columns where there are retrieval prompts, fidelity columns where KL ratios are."""
@@ -347,7 +356,7 @@ def _paired_section(title: str, short: str, paired: dict) -> list[str]:
         elif retrieval:
             row += ["0"] + ["-"] * 5
         if fidelity:
-            row += [f"{d['kl_ratio']:.2f}x", f"{d['kl_lower']}/{d['n_fidelity']}"] if "kl_ratio" in d else ["-", "-"]
+            row += [_kl_ratio(d), f"{d['kl_lower']}/{d['n_fidelity']}"] if "kl_ratio" in d else ["-", "-"]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 

@@ -102,9 +102,10 @@ class Timings:
 
 
 def greedy_numbers(logits: np.ndarray, step, detokenize, eot: set, max_new: int,
-                   n_numbers: int | None) -> tuple[str, int]:
-    """Greedy decode until `n_numbers` digit runs are complete (None: no such stop, for
-    the code questions' chat answers), an end-of-text token, or `max_new` tokens.
+                   expected: Sequence[str] | None) -> tuple[str, int]:
+    """Greedy decode until the answer holds as many finished numbers as `expected` has
+    (tasks.answer_complete; None: no such stop, for the code questions' chat answers),
+    an end-of-text token, or `max_new` tokens.
     logits: f32 [vocab] after the prompt; step(token) -> the next logits. Returns
     (text, tokens decoded). tools/eval_llamacpp.py drives llama.cpp through the same rule."""
     out: list[int] = []
@@ -113,17 +114,17 @@ def greedy_numbers(logits: np.ndarray, step, detokenize, eot: set, max_new: int,
         if token in eot:
             break
         out.append(token)
-        if len(out) == max_new or (n_numbers is not None and T.finished_numbers(detokenize(out)) >= n_numbers):
+        if len(out) == max_new or (expected is not None and T.answer_complete(detokenize(out), expected)):
             break
         token = int(np.argmax(step(token)))
     return detokenize(out), len(out)
 
 
-def greedy_answer(model, cache, logits: np.ndarray, max_new: int, n_numbers: int | None) -> tuple[str, int]:
+def greedy_answer(model, cache, logits: np.ndarray, max_new: int, expected: Sequence[str] | None) -> tuple[str, int]:
     """greedy_numbers on our engine, advancing `cache` in place."""
     eot = set(getattr(model.tokenizer, "eot_ids", ()) or ()) | {model.tokenizer.eos_id}
     return greedy_numbers(logits, lambda t: model.forward.decode(t, cache), model.detokenize, eot,
-                          max_new, n_numbers)
+                          max_new, expected)
 
 
 def fidelity_metrics(full_logits: np.ndarray, test_logits: np.ndarray) -> dict:
@@ -205,6 +206,9 @@ class Runner:
                 "depth": depth, "depth_actual": sample.depth_actual, "key": sample.key,
                 "expected": sample.expected}
         if known:
+            if (known[0]["prompt_tokens"], list(known[0]["expected"])) != (L, list(sample.expected)):
+                raise EngineError(f"--resume: sample {task} {length} #{index} is not the one the saved rows "
+                                  f"were run on (another model or task generator): start again without --resume")
             base["kv_bytes_full"] = known[0]["kv_bytes_full"]
         self.timings.samples += 1
         rows: dict[str, dict] = {}
@@ -264,9 +268,9 @@ class Runner:
                 "evict_s": rep["seconds"]}
 
     def _answer(self, sample: T.Sample, cache, logits) -> dict:
-        n = None if sample.task in T.CODE_TASKS else len(sample.expected)    # code: until end of turn
+        expected = None if sample.task in T.CODE_TASKS else sample.expected    # code: until end of turn
         t0 = time.perf_counter()
-        text, n_tok = greedy_answer(self.model, cache, logits, self.plan.margin(sample.task), n)
+        text, n_tok = greedy_answer(self.model, cache, logits, self.plan.margin(sample.task), expected)
         dt = time.perf_counter() - t0
         self.timings.decode_s += dt
         self.timings.decode_tokens += n_tok

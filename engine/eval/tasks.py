@@ -15,6 +15,7 @@ depths drawn from the sample's own generator.
 """
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -326,24 +327,23 @@ def sample_depth(depths: Sequence[float], index: int, n_samples: int) -> float:
 
 
 # -- scoring ------------------------------------------------------------------------
-def numbers_in(text: str) -> list[str]:
-    """Maximal digit runs of `text`, in order."""
-    out, run = [], ""
-    for ch in text:
-        if ch.isdigit():
-            run += ch
-        elif run:
-            out.append(run)
-            run = ""
-    if run:
-        out.append(run)
-    return out
+_DIGIT_RUN = re.compile(r"\d{1,3}(?:,\d{3})+(?!\d)|\d+")     # 1,234,567 is one number
+_OPEN_RUN = re.compile(r"[\d,]*\d,?\Z")                           # may still grow
 
 
-def finished_numbers(text: str) -> int:
-    """Digit runs already closed by a non-digit (an answer that is complete)."""
-    runs = numbers_in(text)
-    return len(runs) - (1 if text and text[-1].isdigit() else 0)
+def numbers_in(text: str, min_digits: int = 1) -> list[str]:
+    """The numbers of `text`, in order: maximal digit runs, thousands commas dropped
+    ("1,234,567" -> "1234567"), those shorter than `min_digits` left out (so a list
+    marker "1." is not taken for a 7-digit answer)."""
+    runs = (m.group().replace(",", "") for m in _DIGIT_RUN.finditer(text))
+    return [r for r in runs if len(r) >= min_digits]
+
+
+def answer_complete(text: str, expected: Sequence[str]) -> bool:
+    """Whether `text` already holds as many finished numbers (closed by something that
+    cannot continue them) of the expected answers' length as answers are expected."""
+    closed = _OPEN_RUN.sub("", text)
+    return len(numbers_in(closed, min(map(len, expected)))) >= len(expected)
 
 
 def answer_units(task: str) -> int:
@@ -356,5 +356,5 @@ def score(sample: Sample, generated: str) -> float:
     tasks: 1.0 for exactly the expected answer (code_tasks.score_code), else 0.0."""
     if sample.task in CODE_TASKS:
         return score_code(sample.answer_kind or "", sample.expected[0], generated, sample.distractors)
-    found = set(numbers_in(generated))
+    found = set(numbers_in(generated, min(map(len, sample.expected), default=1)))
     return sum(v in found for v in sample.expected) / max(len(sample.expected), 1)

@@ -142,6 +142,16 @@ def test_eval_end_to_end(smollm2_path, tmp_path):
     assert args.func(_parse(["eval", "--render", *map(str, halves), "--out", str(out3)])) == 0
     union = json.loads((out3 / "results.json").read_text())
     assert union["summary"] == doc["summary"] and union["meta"]["n_samples"] == 3
+    other = tmp_path / "other_seed.jsonl"                # not a part of this run
+    other.write_text("".join(json.dumps(dict(r, seed=r["seed"] + 1)) + "\n" for r in samples if r["task"] == "niah"))
+    with pytest.raises(EngineError, match="not parts of one run"):
+        args.func(_parse(["eval", "--render", str(halves[0]), str(other), "--out", str(tmp_path / "u2")]))
+    # a finished part (results.json, its model named) and another process's rows cut short
+    part_a = tmp_path / "part_a.json"
+    part_a.write_text(json.dumps(dict(doc, samples=[r for r in samples if r["task"] == "passkey"])))
+    assert args.func(_parse(["eval", "--render", str(part_a), str(halves[1]), "--out", str(tmp_path / "u3")])) == 0
+    mixed = json.loads((tmp_path / "u3" / "results.json").read_text())
+    assert mixed["summary"] == doc["summary"] and mixed["meta"]["model"] == doc["meta"]["model"]
     with pytest.raises(EngineError, match="needs --out"):
         args.func(_parse(["eval", "--render", *map(str, halves)]))
     with pytest.raises(EngineError, match="more than one file"):
@@ -230,6 +240,44 @@ def test_resume_runs_only_the_samples_missing(tiny_llama, tmp_path):
         partial.write_text(json.dumps(other) + "\n")
         with pytest.raises(EngineError, match="another plan"):
             args.func(_parse(argv + ["--resume"]))
+
+    # the same command without --resume never deletes a run cut short
+    partial.write_text(json.dumps(first[0]) + "\n")
+    with pytest.raises(EngineError, match="add --resume to continue it, or delete it"):
+        args.func(_parse(argv))
+    assert partial.read_text() == json.dumps(first[0]) + "\n"
+    # a run cut short records what it ran with: resuming with another answer length is refused
+    (tmp_path / "samples.meta.json").write_text(json.dumps({"max_new_tokens": 3, "seed": 0}))
+    with pytest.raises(EngineError, match="was run with max_new_tokens 3"):
+        args.func(_parse(argv + ["--resume"]))
+    (tmp_path / "samples.meta.json").unlink()
+    # a saved row whose prompt is not the regenerated one (another model's tokenizer)
+    partial.write_text(json.dumps(dict(cut[0], prompt_tokens=cut[0]["prompt_tokens"] - 1)) + "\n")
+    with pytest.raises(EngineError, match="not the one the saved rows were run on"):
+        args.func(_parse(argv + ["--resume"]))
+    # a last line cut short (read while its run appends, or a full disk) is left out
+    partial.write_text("".join(json.dumps(r) + "\n" for r in whole) + json.dumps(cut[0])[:40])
+    assert args.func(_parse(argv + ["--resume"])) == 0
+    assert not partial.exists() and not (tmp_path / "samples.meta.json").exists()
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["resumed_samples"] == 2 and sorted(map(key, doc["samples"])) == sorted(map(key, first))
+
+
+def test_two_spellings_of_one_kv_layout_are_one_policy(tmp_path):
+    """Policies are named by the model's name of their KV layout: two spellings of one
+    layout are refused as a policy listed twice, and one spelling is saved as the model
+    names it (the name stats, bench and the server show)."""
+    from tiny_gguf import write_tiny_gguf
+    model = write_tiny_gguf(tmp_path / "m.gguf", dim=128, n_heads=4)        # head_dim 32: q8_0 and tq4 rows
+    base = ["eval", str(model), "--backend", "reference", "--tasks", "passkey", "--lengths", "300",
+            "--samples", "1", "--out", str(tmp_path), "--no-progress"]
+    with pytest.raises(EngineError, match="twice"):
+        args = _parse(base + ["--policies", "full,full+tq4:0=q8_0,full+q8_0:1=tq4"])
+        args.func(args)
+    args = _parse(base + ["--policies", "full,full+tq4:0-1=q8_0"])
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert set(doc["summary"]) == {"full", "full+q8_0"}
 
 
 def test_a_kv_type_the_model_cannot_hold_fails_before_any_prefill(tiny_llama, tmp_path, monkeypatch):

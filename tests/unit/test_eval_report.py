@@ -88,8 +88,16 @@ def test_paired_against_a_baseline_compares_fidelity_kl_too():
     d = paired_against(rows, ["full", "u", "a"], reference="u")
     assert (d["a"]["n"], d["a"]["lost"], d["a"]["gained"]) == (1, 1, 0)
     assert d["a"]["kl_ratio"] == pytest.approx((0.25 * 0.5 * 2.0) ** (1 / 3)) and d["a"]["kl_lower"] == 2
-    assert "kl_ratio" not in d["full"]                    # the full cache's KL is 0: no ratio
+    assert d["full"]["kl_ratio"] is None and d["full"]["kl_lower"] == 3   # KL 0: lower everywhere, no ratio
     assert "kl_ratio" not in paired_against(rows, ["full", "u", "a"])["a"]   # nor against the full cache
+    # a policy that keeps every row (KL 0) is lower on those prompts; the ratio leaves them out, and says so
+    rows_z = rows + [fid("z", i, kl) for i, kl in enumerate((0.0, 0.0, 0.8))]
+    z = paired_against(rows_z, ["full", "u", "z"], reference="u")["z"]
+    assert (z["kl_lower"], z["n_fidelity"], z["n_kl_ratio"]) == (2, 3, 1) and z["kl_ratio"] == pytest.approx(8.0)
+    assert report._kl_ratio(z) == "8.00x (1 of 3)"
+    rows_0 = rows + [fid("z", i, 0.0) for i in range(3)]
+    z0 = paired_against(rows_0, ["full", "u", "z"], reference="u")["z"]
+    assert (z0["kl_lower"], z0["kl_ratio"]) == (3, None) and report._kl_ratio(z0) == "- (0 of 3)"
     summary = report.summarize(rows, ["full", "u", "a"])
     for p, x in d.items():
         summary[p]["vs"] = {"u": x}

@@ -3,6 +3,7 @@ answer parsing; the code questions' answers checked against the parsed code; pol
 import ast
 import re
 
+import numpy as np
 import pytest
 
 from engine.errors import EngineError
@@ -152,6 +153,11 @@ def test_code_answers_are_unique_and_true_to_the_parsed_code(real_tok, task, see
                 assert [ast.literal_eval(r.value) for r in returns] == [literal]
             shown = answer if s.answer_kind == "number" else f'"{answer}"'
             assert len(re.findall(rf"(?<![\w.-]){re.escape(shown)}(?![\w.-])", s.prompt)) == 1
+            if s.answer_kind == "string":                            # every other string of the code
+                strings = {n.value for tree in files.values() for n in ast.walk(tree)
+                           if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+                assert answer not in s.distractors and set(s.distractors) <= strings
+                assert T.score(s, f"{answer}, or maybe {s.distractors[0]}") == 0.0 < T.score(s, answer)
         else:                                                        # code_caller
             calls = [(p, f.name) for p, f in funcs for n in ast.walk(f)
                      if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name]
@@ -205,7 +211,8 @@ def test_code_needs_room_and_a_chat_template(real_tok):
      ["409", "40960", "4096 or 8192", "0x1000", "'4096px'", "version 4096.5"]),
     ("string", "stale-ledger",
      ['"stale-ledger"', "'stale-ledger'", "`stale-ledger`", "stale-ledger", "It returns the string \"stale-ledger\"."],
-     ["stale-ledgers", "Stale-Ledger", "stale_ledger", "not-stale-ledger", "stale ledger"]),
+     ["stale-ledgers", "Stale-Ledger", "stale_ledger", "not-stale-ledger", "stale ledger",
+      "stale-ledger or fresh-page", "`fresh-page` (or `stale-ledger`)", "stale-ledger.v2"]),
     ("identifier", "sync_quota",
      ["sync_quota", "`sync_quota`", "sync_quota()", "The function `sync_quota` calls `sync_user`.",
       "pkg.core.sync_quota"],
@@ -215,7 +222,7 @@ def test_code_answers_scored_by_exact_match(kind, expected, right, wrong):
     s = T.Sample("code_x", 100, 0, 0.0, 0, "", [], expected=[expected], answer_kind=kind,
                  distractors=["sync_user_x", "load_page", "LedgerStore"])
     s.task = T.CODE_TASKS[0]
-    s.distractors = ["load_page", "LedgerStore"]
+    s.distractors = ["load_page", "LedgerStore", "fresh-page"]      # the prompt's other names and strings
     for text in right:
         assert T.score(s, text) == 1.0, text
     for text in wrong:
@@ -232,10 +239,41 @@ def test_sample_depth_spreads():
 
 def test_answer_parsing():
     assert T.numbers_in(": 1234567, 89.") == ["1234567", "89"]
-    assert T.finished_numbers(" 12345") == 0 and T.finished_numbers(" 12345.") == 1
+    assert T.numbers_in("1,234,567 and 1,2345 or 12,34") == ["1234567", "1", "2345", "12", "34"]
+    assert T.numbers_in(":\n1. 1234567\n2. 2345678", min_digits=7) == ["1234567", "2345678"]
+    seven = ["1234567"]
+    assert not T.answer_complete(" 1234567", seven) and T.answer_complete(" 1234567.", seven)
+    # a list marker or a thousands group is not a finished 7-digit answer
+    assert not T.answer_complete(":\n\n1.", seven) and not T.answer_complete(" 1,", seven)
+    assert not T.answer_complete(" 1,234,567,", seven) and T.answer_complete(" 1,234,567.", seven)
+    four = ["1111111", "2222222", "3333333", "4444444"]
+    assert not T.answer_complete(":\n1. 1111111\n2. 2222222\n3.", four)
+    assert T.answer_complete(":\n1. 1111111\n2. 2222222\n3. 3333333\n4. 4444444\n", four)
     s = T.Sample("niah_multivalue", 100, 0, 0.0, 0, "", [], expected=["1111111", "2222222"])
     assert T.score(s, "1111111, 2222222") == 1.0
     assert T.score(s, "11111112 2222222") == 0.5
+    assert T.score(s, "1. 1,111,111\n2. 2222222") == 1.0
+
+
+def test_greedy_answer_stops_after_the_answer_not_a_list_marker():
+    """The decode loop stops once the expected count of answer-length numbers is
+    finished: a numbered list or a thousands comma does not end it early."""
+    from engine.eval.runner import greedy_numbers
+    pieces = [":", "\n", "1", ".", " ", "1", ",", "234", ",", "567", "\n", "2", ".", " 7654321", ".", " more"]
+    vocab = {p: i for i, p in enumerate(dict.fromkeys(pieces))}
+    inv = {i: p for p, i in vocab.items()}
+    it = iter(pieces[1:])
+
+    def step(_token):
+        out = np.full(len(vocab), -1.0, dtype=np.float32)
+        out[vocab[next(it)]] = 1.0
+        return out
+
+    first = np.full(len(vocab), -1.0, dtype=np.float32)
+    first[vocab[pieces[0]]] = 1.0
+    text, n = greedy_numbers(first, step, lambda ids: "".join(inv[i] for i in ids), set(), 64,
+                             ["1234567", "7654321"])
+    assert text == ":\n1. 1,234,567\n2. 7654321." and n == 15
 
 
 def test_policy_names():
