@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
-from backends.kvformat import KvSpec
+from backends.kvformat import KvFormat, KvSpec
 from backends.reference import read_rows
 
 from .errors import EngineError
@@ -204,11 +204,22 @@ class ForwardPass:
         `tokens` (the caches that can hold their windows at once): a pool split into
         segments (a backend's buffer cap) lends no layer another segment's spare pages."""
         c = self.cfg
-        caches = max(1, -(-tokens // self.max_ctx))
-        pages = [layer_pages(tokens, self.page_size, c.window(i), self.chunk) * (caches if c.window(i) else 1)
-                 for i in range(c.n_layers)]
-        return PagePool(self.backend, pages, c.n_kv_heads, self.page_size, c.head_dim,
+        return PagePool(self.backend, self._pool_pages(tokens), c.n_kv_heads, self.page_size, c.head_dim,
                         KvSpec.parse(kv_dtype or self.kv_dtype))
+
+    def _pool_pages(self, tokens: int) -> list[int]:
+        """Pages per layer of new_pool(tokens)."""
+        c = self.cfg
+        caches = max(1, -(-tokens // self.max_ctx))
+        return [layer_pages(tokens, self.page_size, c.window(i), self.chunk) * (caches if c.window(i) else 1)
+                for i in range(c.n_layers)]
+
+    def pool_bytes(self, tokens: int, kv_dtype: str | None = None) -> int:
+        """The bytes new_pool(tokens, kv_dtype) would allocate (nothing is allocated)."""
+        c, spec = self.cfg, KvSpec.parse(kv_dtype or self.kv_dtype)
+        row = lambda fmt: KvFormat.get(fmt, c.head_dim).row_bytes            # noqa: E731
+        return sum(n * c.n_kv_heads * self.page_size * (row(spec.at(i)[0]) + row(spec.at(i)[1]))
+                   for i, n in enumerate(self._pool_pages(tokens)))
 
     # -- public steps -------------------------------------------------------------
     def prefill(self, ids, cache: KvCache, all_logits: bool = False, on_chunk=None,

@@ -62,6 +62,7 @@ from collections import deque
 
 from ..errors import DeviceError, DeviceFault, DeviceOutOfMemory, EngineError
 from ..kv.paged import KvCacheError
+from ..model import available_memory_bytes
 from ..grammar import fill_masks
 from .sequence import Failed, Job, Sequence
 
@@ -108,7 +109,9 @@ class Scheduler:
         self.pool_tokens = pool_tokens or max_running * model.ctx
         if self.pool_tokens < 1:
             raise ValueError(f"pool_tokens must be >= 1, got {pool_tokens}")
-        self._pools = {}                            # KV row format -> shared PagePool, made on first use
+        self._pools = {}                            # KV row format -> shared PagePool, made on first use,
+                                                    # least recently used first
+        self._default_kv = model.kv_dtype_of(None)  # the server's own layout: its pool is never dropped
         self.prompt_cache = prompt_cache            # finished requests' caches kept for reuse (0: none)
         self._kept: list[tuple[list[int], object]] = []   # (token ids held, KvCache), oldest first
         self._cv = threading.Condition()
@@ -271,29 +274,45 @@ class Scheduler:
     def _pool(self, kv_dtype: str | None):
         """(lock held) The pool of a KV row layout, made on first use; at most
         MAX_KV_POOLS at once (a client names the layout: each pool is a whole
-        --kv-pool-tokens of pages), idle ones dropped to make room, else PoolsBusy."""
+        --kv-pool-tokens of pages). At the cap the least recently used idle pool other
+        than the server's own layout is dropped, with its kept caches, to make room, else
+        PoolsBusy; a pool larger than the memory available is PoolsBusy too (CPU)."""
         name = self.model.kv_dtype_of(kv_dtype)
-        if name not in self._pools:
-            if len(self._pools) >= MAX_KV_POOLS:
-                self._drop_idle_pools()
-            if len(self._pools) >= MAX_KV_POOLS:
+        if name in self._pools:
+            self._pools[name] = self._pools.pop(name)          # most recently used last
+            return self._pools[name]
+        victim = None
+        if len(self._pools) >= MAX_KV_POOLS:
+            victim = self._idle_pool()
+            if victim is None:
                 raise PoolsBusy(f"the server holds KV pools for {MAX_KV_POOLS} row formats "
                                 f"({', '.join(self._pools)}), all in use: retry later, or ask for one of them")
-            self._pools[name] = self.model.new_pool(self.pool_tokens, name)
+        need = self.model.forward.pool_bytes(self.pool_tokens, name)
+        avail = None if hasattr(self.model.backend, "check_fits") else available_memory_bytes()
+        if avail is not None and need > avail + (self._pools[victim].bytes if victim else 0):
+            raise PoolsBusy(f"a KV pool of {self.pool_tokens} positions in {name} needs {need / 2**20:.0f} MiB, "
+                            f"more than the memory available ({avail / 2**20:.0f} MiB): ask for the server's "
+                            f"own kv_dtype ({self._default_kv})")
+        if victim is not None:
+            self._drop_pool(victim)
+        self._pools[name] = self.model.new_pool(self.pool_tokens, name)
         return self._pools[name]
 
-    def _drop_idle_pools(self) -> None:
-        """(lock held) Drop every pool no admitted or preempted request has a cache on,
-        its kept caches released."""
+    def _idle_pool(self) -> str | None:
+        """(lock held) The least recently used pool no admitted or preempted request has a
+        cache on, never the server's own layout; None if there is none."""
         busy = {id(h.sequence.cache.pool) for h in itertools.chain(self._running, self._waiting)
                 if h.sequence is not None and h.sequence.cache is not None}
-        for name, pool in list(self._pools.items()):
-            if id(pool) not in busy:
-                for _, cache in self._kept:
-                    if cache.pool is pool:
-                        cache.release()
-                self._kept = [(ids, c) for ids, c in self._kept if c.pool is not pool]
-                del self._pools[name]
+        return next((name for name, pool in self._pools.items()
+                     if name != self._default_kv and id(pool) not in busy), None)
+
+    def _drop_pool(self, name: str) -> None:
+        """(lock held) Drop a pool, its kept caches released."""
+        pool = self._pools.pop(name)
+        for _, cache in self._kept:
+            if cache.pool is pool:
+                cache.release()
+        self._kept = [(ids, c) for ids, c in self._kept if c.pool is not pool]
 
     def _admit(self) -> list:
         """(lock held) Admit waiting requests in order while they fit: a running slot and

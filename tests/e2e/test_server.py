@@ -679,11 +679,13 @@ def test_a_worker_failure_outside_a_step_ends_requests_and_marks_the_fault(tiny_
         sched.submit(Job([5], SamplingParams(max_tokens=1), None, None), emit)
 
 
-def test_kv_pools_are_capped_and_idle_ones_dropped(tiny_llama):
+def test_kv_pools_are_capped_and_idle_ones_dropped(tiny_llama, monkeypatch):
     """Each KV row layout a request names has a pool of its own, of --kv-pool-tokens
     pages; the server holds at most MAX_KV_POOLS: a request for another layout drops
-    the pools no request is using (their kept caches released), and while every pool
-    is in use it fails at once with 503 kv_pools_busy (retry), the others unharmed."""
+    the least recently used pool no request is using (its kept caches released), never
+    the server's own layout's; while every pool is in use it fails at once with 503
+    kv_pools_busy (retry), the others unharmed. A pool larger than the memory available
+    is a 503 before anything is dropped or allocated."""
     from engine.generate import SamplingParams
     from engine.serve.scheduler import MAX_KV_POOLS, Scheduler
     from engine.serve.sequence import Failed, Finished, Job
@@ -713,11 +715,20 @@ def test_kv_pools_are_capped_and_idle_ones_dropped(tiny_llama):
     sched = Scheduler(model, max_queue=8, max_running=5)
     sched.start()
     try:
-        for i, dt in enumerate(layouts):      # one at a time: a new layout drops the idle pools
+        for i, dt in enumerate(layouts):      # one at a time: the fifth layout drops the oldest idle pool
             assert isinstance(run(sched, [(list(range(3, 30 + i)), dt)])[0], Finished)
             assert len(sched.state()["kv_pools"]) <= MAX_KV_POOLS
         s = sched.state()
-        assert set(s["kv_pools"]) == {"tq3:1=tq4"} and s["prompt_cache"]["caches"] == 1
+        assert set(s["kv_pools"]) == {"bf16", "tq3", "tq4:1=tq3", "tq3:1=tq4"} and s["prompt_cache"]["caches"] == 4
+        assert isinstance(run(sched, [(list(range(3, 50)), "tq4")])[0], Finished)   # tq3 is now the oldest
+        assert set(sched.state()["kv_pools"]) == {"bf16", "tq4:1=tq3", "tq3:1=tq4", "tq4"}
+        import engine.serve.scheduler as sched_mod
+        with monkeypatch.context() as mp:
+            mp.setattr(sched_mod, "available_memory_bytes", lambda: 1000)
+            got = run(sched, [(list(range(3, 20)), "tq4:0=bf16"), (list(range(3, 20)), None)])   # > the oldest idle pool
+        assert isinstance(got[0], Failed) and got[0].status == 503 and "more than the memory available" in got[0].message
+        assert isinstance(got[1], Finished)                   # the server's own layout still serves
+        assert set(sched.state()["kv_pools"]) == {"bf16", "tq4:1=tq3", "tq3:1=tq4", "tq4"}   # nothing dropped
     finally:
         sched.stop()
     # all five admitted together (submitted before the worker starts): four pools in use
