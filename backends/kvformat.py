@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -60,7 +60,7 @@ HADAMARD_BLOCK = 64          # rq4_0's Walsh-Hadamard block (llama.cpp's attn_ro
 
 def parse_kv_dtype(text: str, what: str = "KV dtype") -> tuple[str, str]:
     """"tq4" -> ("tq4", "tq4"); "q8_0/tq4" -> keys q8_0, values tq4."""
-    parts = str(text).strip().lower().split("/")
+    parts = [p.strip() for p in str(text).strip().lower().split("/")]
     if len(parts) > 2 or any(p not in KV_DTYPES for p in parts):
         raise ConfigError(f"{what} must be one of {', '.join(KV_DTYPES)} or KEYS/VALUES "
                           f"(e.g. q8_0/tq4), got {text!r}")
@@ -100,6 +100,7 @@ class KvSpec:
     k: str = "bf16"
     v: str = "bf16"
     layers: tuple = ()
+    named: int = field(default=-1, compare=False)    # the highest layer the spelling named
 
     @classmethod
     def parse(cls, text, what: str = "KV dtype") -> "KvSpec":
@@ -112,6 +113,7 @@ class KvSpec:
         layers = []
         for part in rest:
             span, _, fmt = part.partition("=")
+            span = span.strip()
             m = re.fullmatch(r"([0-9]{1,6})(?:-([0-9]{1,6}))?", span) if _ else None
             if m is None:
                 raise ConfigError(f"{what}: a layer exception is LAYER=FORMAT or FIRST-LAST=FORMAT "
@@ -124,7 +126,7 @@ class KvSpec:
         for a, b in zip(layers, layers[1:]):
             if b[0] <= a[1]:
                 raise ConfigError(f"{what}: layer {b[0]} is named twice in {text!r}")
-        return cls._joined(k, v, layers)
+        return replace(cls._joined(k, v, layers), named=max((hi for _, hi, *_ in layers), default=-1))
 
     @classmethod
     def _joined(cls, k: str, v: str, layers) -> "KvSpec":
@@ -169,8 +171,9 @@ class KvSpec:
 
     def check_layers(self, n_layers: int) -> None:
         """ConfigError unless every layer exception names a layer of an n_layers model."""
-        if self.layers and self.layers[-1][1] >= n_layers:
-            raise ConfigError(f"KV dtype {self.name} names layer {self.layers[-1][1]}, but the model has "
+        last = max(self.named, self.layers[-1][1] if self.layers else -1)
+        if last >= n_layers:       # (also an exception in the default formats: a typo all the same)
+            raise ConfigError(f"a layer exception of KV dtype {self.name} names layer {last}, but the model has "
                               f"{n_layers} layers (0-{n_layers - 1})")
 
 

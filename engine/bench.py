@@ -185,7 +185,8 @@ def run_bench(args, settings) -> int:
     if settings.ctx is None:
         settings = settings.with_overrides(ctx=need_ctx)
     model = Model(path, settings)
-    dtypes = [model.kv_dtype_of(t) for t in dtypes] or [model.kv_dtype]   # checked now, canonical
+    # checked now, canonical: two spellings of one layout are measured once
+    dtypes = list(dict.fromkeys(model.kv_dtype_of(t) for t in dtypes)) or [model.kv_dtype]
     if need_ctx > model.ctx:
         raise EngineError(f"longest case needs {need_ctx} positions but --ctx is {model.ctx}")
     use_llama_cpp = args.llama_cpp and llama_cpp_available()

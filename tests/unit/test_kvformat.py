@@ -256,6 +256,13 @@ def test_kv_spec_layers_must_exist():
     KvSpec.parse("tq4:23=q8_0").check_layers(24)
     with pytest.raises(ConfigError, match=r"names layer 24, but the model has 24 layers \(0-23\)"):
         KvSpec.parse("tq4:20-24=q8_0").check_layers(24)
+    with pytest.raises(ConfigError, match=r"names layer 99"):      # a typo, though in the default formats
+        KvSpec.parse("rq4_0:99=rq4_0").check_layers(24)
+
+
+def test_kv_spec_spaces_anywhere():
+    assert KvSpec.parse(" rq4_0 : 0 = q8_0 / rq4_0 ") == KvSpec.parse("rq4_0:0=q8_0/rq4_0")
+    assert KvSpec.parse("q8_0 / tq4").name == "q8_0/tq4"
 
 
 def test_kv_dtype_name():
