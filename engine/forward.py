@@ -316,7 +316,7 @@ class ForwardPass:
                              for i, keep, m in zip(scored, keeps, merged)]
         t1 = time.perf_counter()
         cache.eviction = {
-            "policy": cfg.summary(), "rows_before": n_rows, "rows_after": cache.layers[scored[0]].length,
+            "policy": cfg.summary(), "rows_before": n_rows, "rows_after": _mean_rows(cache, scored),
             "layers_compacted": list(scored),
             "bytes_before": bytes_before, "bytes_after": cache.bytes,
             "ratio": bytes_before / max(cache.bytes, 1), "seconds": t1 - t0,
@@ -623,14 +623,25 @@ class ForwardPass:
         return logits
 
 
+def _mean_rows(cache: KvCache, layers) -> int:
+    """Rows a KV head attends to after compaction, averaged over the compacted layers and
+    their heads (every layer's own budget with pyramid, every head's with adaptive)."""
+    rows = [cache.layers[i].head_rows if cache.layers[i].head_rows is not None
+            else [cache.layers[i].length] * cache.layers[i].pool.n_kv_heads for i in layers]
+    return int(round(float(np.mean(np.concatenate([np.asarray(r, dtype=np.float64) for r in rows])))))
+
+
 def check_rescorable(cache: KvCache) -> None:
     """EngineError unless SnapKV can score the cache's full-attention layers again: their
     rows must be one count shared by every layer and KV head (not after pyramid or
-    adaptive budgets)."""
+    adaptive budgets), and none a merged row (votes would not weigh what it stands for)."""
     layers = [cache.layers[i] for i in cache.full_layers]
     if any(l.ragged for l in layers) or len({l.length for l in layers}) > 1:
         raise EngineError("a cache compacted with pyramid or adaptive budgets cannot be compacted again "
                           "(its layers or KV heads hold different row counts)")
+    if any(l.row_bias is not None for l in layers):
+        raise EngineError("a cache holding merged rows (--kv-merge) cannot be compacted again "
+                          "(the votes would not weigh the rows each merged row stands for)")
 
 
 NON_FINITE = ("the model produced non-finite logits (NaN or Inf): its weights hold non-finite or "

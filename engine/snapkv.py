@@ -227,13 +227,15 @@ class SnapKvSelector:
 
     def select_model(self, per_layer: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """Keep sets for every layer: per_layer = [(q_window, keys), ...] as in `select`.
-        "global": one set for the whole model (identical across layers and heads)."""
-        if self.cfg.granularity != "global":
+        "global": one set for the whole model (identical across layers and heads); pyramid
+        and adaptive allocations: each layer's budget and heads' rows as the engine gives
+        them (`keep_from_model_votes`)."""
+        if self.cfg.granularity != "global" and self.cfg.allocation == "uniform":
             return [self.select(q, k) for q, k in per_layer]
         lengths = {np.shape(k)[1] for _, k in per_layer}
         if len(lengths) != 1:
-            raise ValueError(f"SnapKV global selection needs one prompt length across layers, "
-                             f"got {sorted(lengths)}")
+            raise ValueError(f"SnapKV {self.cfg.granularity} selection with {self.cfg.allocation} budgets needs "
+                             f"one prompt length across layers, got {sorted(lengths)}")
         L = lengths.pop()
         if not self.cfg.compacts(L):
             return [_keep_all(np.shape(k)[0], L) for _, k in per_layer]
@@ -261,19 +263,34 @@ class SnapKvSelector:
         """Rows each of n_layers compacted layers keeps (merged rows included). uniform:
         the budget each. pyramid (PyramidKV, as kvpress sizes it): the rows the votes
         choose beyond sinks, recency and merged rows fall linearly with depth from
-        2F - F/beta to F/beta (F: the uniform layer's, beta: cfg.pyramid_beta), so the
-        total stays n_layers x budget; a layer's budget past the prompt keeps the whole
-        prompt."""
+        2F - F/beta to F/beta (F: the uniform layer's, beta: cfg.pyramid_beta), each at
+        least 1, so the total stays n_layers x budget. A layer's share past the prompt
+        keeps the whole prompt, and what it cannot use goes to the other layers in
+        proportion to theirs (the total falls short only when every layer keeps the
+        whole prompt)."""
         cfg = self.cfg
         if not cfg.allocation.startswith("pyramid") or n_layers == 1:
             return [cfg.budget] * n_layers
         fixed = cfg.sinks + cfg.recent + cfg.merge
         free = cfg.budget - fixed
-        low, high = free / cfg.pyramid_beta, 2 * free - free / cfg.pyramid_beta
-        spans = np.linspace(high, low, n_layers)
-        picks = np.floor(spans).astype(np.int64)
-        picks[np.argsort(picks - spans)[:int(round(free * n_layers - picks.sum()))]] += 1   # exact total
-        return [min(fixed + max(int(p), 1), L) for p in picks]
+        cap = L - fixed                        # picks that keep the whole prompt
+        if cap <= free:
+            return [min(cfg.budget, L)] * n_layers
+        spans = np.linspace(2 * free - free / cfg.pyramid_beta, free / cfg.pyramid_beta, n_layers)
+        share = spans.copy()
+        while (over := share > cap).any():    # water-fill: a capped layer's excess to the others
+            excess = (share[over] - cap).sum()
+            share[over] = cap
+            room = share < cap
+            share[room] += excess * spans[room] / spans[room].sum()
+        picks = np.floor(share).astype(np.int64)
+        short = free * n_layers - int(picks.sum())                        # exact total
+        order = [i for i in np.argsort(picks - share, kind="stable") if picks[i] < cap]
+        picks[order[:short]] += 1
+        for i in np.flatnonzero(picks < 1):    # at least one voted row: taken from the largest
+            picks[int(np.argmax(picks))] -= 1
+            picks[i] = 1
+        return [int(fixed + p) for p in picks]
 
     def keep_from_model_votes(self, votes_per_layer: Sequence[np.ndarray], L: int) -> list[np.ndarray]:
         """Selection step for a whole model: votes_per_layer[i] float [n_kv_heads_i, L - W].

@@ -330,15 +330,17 @@ def test_kv_pages_split_over_pools_by_a_buffer_cap_change_nothing(models):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("allocation", ["pyramid", "adaptive"])
-def test_a_cache_with_unequal_budgets_is_not_scored_again(models, allocation):
-    """SnapKV scores rows of one count shared by every layer and head: continuing a
-    pyramid or adaptive cache with compaction fails in one line before any work, and
-    the cache is left as it was (without compaction it continues)."""
+@pytest.mark.parametrize("allocation,merge", [("pyramid", 0), ("adaptive", 0), ("uniform", 8)])
+def test_a_cache_with_unequal_budgets_is_not_scored_again(models, allocation, merge):
+    """SnapKV scores rows of one count shared by every layer and head, none of them
+    merged: continuing a pyramid, adaptive or merged cache with compaction fails in one
+    line before any work, and the cache is left as it was (without compaction it
+    continues)."""
     m = engine.load(models["qwen2-q4_1"], backend="cpu", prefill_chunk=64)
-    cfg = policy(budget=64, allocation=allocation)
+    cfg = policy(budget=64, allocation=allocation, merge=merge)
     cache = m.forward.new_cache()
     m.forward.prefill(PROMPT[:200], cache, snapkv=cfg)
+    assert cache.eviction["rows_after"] == 64        # rows a head attends to, on average: the budget
     before = (cache.logical_length, [l.length for l in cache.layers])
     with pytest.raises(engine.EngineError, match="cannot be compacted again"):
         m.forward.prefill(PROMPT[200:260], cache, snapkv=cfg, compact_continued=True)

@@ -439,13 +439,21 @@ def test_pyramid_budgets_keep_the_total_and_fall_with_depth(budget, merge, n_lay
 
 
 def test_pyramid_keeps_a_whole_short_prompt_in_its_first_layers():
-    """A layer whose budget passes the prompt keeps every row (the total then falls short
-    of n_layers x budget, never above it)."""
+    """A layer whose share passes the prompt keeps every row, and the rows it cannot use
+    go to the deeper layers: the total stays n_layers x budget, the budgets still fall
+    with depth, and none passes the prompt."""
     cfg = SnapKvConfig(budget=600, allocation="pyramid", min_tokens=0)
     sel = SnapKvSelector(cfg)
     L = 800
     budgets = sel.layer_budgets(4, L)
-    assert budgets[0] == L and sum(budgets) < 4 * 600
+    assert budgets[0] == L and sum(budgets) == 4 * 600 and max(budgets) <= L
+    assert all(a >= b for a, b in zip(budgets, budgets[1:]))
+    for n_layers, length, budget in [(30, 2100, 2048), (30, 3000, 2048), (7, 700, 600), (24, 2049, 2048)]:
+        got = SnapKvSelector(dataclasses.replace(cfg, budget=budget)).layer_budgets(n_layers, length)
+        assert sum(got) == n_layers * budget and max(got) <= length, (n_layers, length)
+    # every voted pick at least one, the total kept: budget - sinks - window = 4 over 30 layers
+    tiny = SnapKvSelector(SnapKvConfig(budget=40, window=32, sinks=4, allocation="pyramid")).layer_budgets(30, 10 ** 6)
+    assert sum(tiny) == 30 * 40 and min(tiny) == 37
     votes = [np.random.default_rng(i).random((2, L - cfg.window)) for i in range(4)]
     keeps = sel.keep_from_model_votes(votes, L)
     assert [k.shape for k in keeps] == [(2, b) for b in budgets]
