@@ -27,8 +27,10 @@ def bench_prompt(tokenizer, n: int) -> list[int]:
 
 def _engine_case(model, ids, n_decode: int, snapkv=None, kv_dtype: str | None = None) -> dict:
     """snapkv: None = the model's policy, False = full cache; kv_dtype: None = the model's.
-    peak_rss_mib: the process's peak so far (cases run in ascending length, at each length
-    the evicting one first, so the peak of the longest yet)."""
+    peak_rss_mib: the process's peak during the case (reset_peak_rss before it; where
+    the kernel cannot reset it, the peak so far)."""
+    from .model import reset_peak_rss
+    reset_peak_rss()
     cache = model.new_cache(kv_dtype=kv_dtype)
     t0 = time.perf_counter()
     cache, logits = model.prefill(ids, cache, snapkv=snapkv)
@@ -40,6 +42,8 @@ def _shared_cases(model, ids, n_decode: int, kv_dtype: str | None) -> tuple[dict
     model's policy, the cache copied (KvCache.copy) just before SnapKV compacts it. The
     full case's prefill time ends where the copy begins, the SnapKV case's leaves the
     copy out; both caches are held at once, so peak RSS counts both."""
+    from .model import reset_peak_rss
+    reset_peak_rss()
     cache = model.new_cache(kv_dtype=kv_dtype)
     held = {}
 
@@ -80,12 +84,16 @@ def _llama_cpp_last_logits(llm) -> np.ndarray:
 
 
 def _llama_cpp_case(llm, ids, n_decode: int) -> dict:
+    """Prefill and decode timed as ours: until the last token's logits are read (on a GPU
+    llama_decode returns before the device is done; reading the logits waits for it)."""
+    from .model import reset_peak_rss
+    reset_peak_rss()
     llm.reset()
     llm._ctx.kv_cache_clear() if hasattr(llm._ctx, "kv_cache_clear") else None
     t0 = time.perf_counter()
     llm.eval(ids)
-    prefill_s = time.perf_counter() - t0
     token = int(np.argmax(_llama_cpp_last_logits(llm)))
+    prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(n_decode):
         llm.eval([token])
@@ -122,14 +130,17 @@ def _llama_cpp_worker(path: str, ctx: int, threads: int, cases: list[list[int]],
     import llama_cpp
     if gpu and not llama_cpp.llama_supports_gpu_offload():
         return None
+    import inspect
     type_k, type_v = llama_cpp_cache_types(cache_type)
+    # sliding-window layers cache their window only, as ours do (where this build knows swa_full)
+    swa = {"swa_full": False} if "swa_full" in inspect.signature(llama_cpp.Llama.__init__).parameters else {}
     llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
                           n_batch=512, logits_all=False, verbose=False, n_gpu_layers=-1 if gpu else 0,
-                          flash_attn=flash_attn, type_k=type_k, type_v=type_v)
+                          flash_attn=flash_attn, type_k=type_k, type_v=type_v, **swa)
     _llama_cpp_case(llm, cases[0][:64], 4)     # warm up
     from .model import peak_rss_mib
     rows = []
-    for ids in cases:                            # ascending lengths: the peak after a case is its peak
+    for ids in cases:                            # each case's own peak (reset_peak_rss in the case)
         rows.append(dict(_llama_cpp_case(llm, ids, n_decode), peak_rss_mib=peak_rss_mib()))
     return rows
 
@@ -162,6 +173,18 @@ def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_d
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _warm_eviction(cfg, longest: int):
+    """(a policy like `cfg` with a small budget, the length of a warm-up prompt it
+    compacts, at most `longest`) so eviction's kernels are compiled and loaded before the
+    timed cases; None if no prompt that fits can be compacted."""
+    import dataclasses
+    budget = cfg.sinks + cfg.recent + cfg.merge + 8
+    n = min(longest, budget + 64)
+    if n <= budget or n < cfg.window:
+        return None
+    return dataclasses.replace(cfg, budget=budget, min_tokens=0), n
+
+
 def run_bench(args, settings) -> int:
     from .inputs import output_dir
     from .model import Model, peak_rss_mib
@@ -190,7 +213,14 @@ def run_bench(args, settings) -> int:
     if need_ctx > model.ctx:
         raise EngineError(f"longest case needs {need_ctx} positions but --ctx is {model.ctx}")
     use_llama_cpp = args.llama_cpp and llama_cpp_available()
+    if args.llama_cpp and not use_llama_cpp:
+        print("llama.cpp: llama-cpp-python is not installed (pip install -e '.[bench]'); its columns are "
+              "left out", file=sys.stderr)
     gpu = model.backend.name == "cuda"           # compare with llama.cpp on the same GPU
+    if use_llama_cpp and model.backend.name not in ("cpu", "cuda"):
+        print(f"llama.cpp: not run beside the {model.backend.name} backend (it would run on another "
+              f"device); compare with --backend cpu or cuda", file=sys.stderr)
+        use_llama_cpp = False
     cache_type = args.llama_cache_type
     flash_attn = args.llama_flash_attn or llama_cpp_cache_types(cache_type)[1] != LLAMA_CPP_CACHE_TYPES["f16"]
     prompts = [bench_prompt(model.tokenizer, n) for n in lengths]
@@ -202,10 +232,15 @@ def run_bench(args, settings) -> int:
     if use_llama_cpp:
         print(f"llama.cpp: {cache_type} KV cache, flash attention {'on' if flash_attn else 'off'}, {threads} threads")
     warm = bench_prompt(model.tokenizer, min(64, min(lengths)))     # fits the context the cases need
+    evicting = model.snapkv is not None
+    warm_evict = _warm_eviction(model.snapkv, max(lengths)) if evicting else None
     for dtype in dtypes:
         _engine_case(model, warm, min(4, args.decode_tokens), kv_dtype=dtype)   # compile / warm once (and check the type)
+        if warm_evict is not None:       # eviction's kernels too, not inside the first case's timer
+            cfg, n = warm_evict
+            _engine_case(model, bench_prompt(model.tokenizer, n), 1, snapkv=cfg, kv_dtype=dtype)
+    load_peak = peak_rss_mib()
     rows = []
-    evicting = model.snapkv is not None
     share = bool(getattr(args, "share_prefill", False))
     if share and (not evicting or min(lengths) < model.snapkv.window or not model.snapkv.compacts(min(lengths))):
         raise EngineError("--share-prefill needs --kv-budget and prompts SnapKV compacts (longer than its "
@@ -244,7 +279,9 @@ def run_bench(args, settings) -> int:
         "model": os.path.basename(str(path)), "backend": model.backend.name, "threads": threads,
         "kv_dtypes": dtypes,
         "machine": platform.processor() or platform.machine(), "decode_tokens": args.decode_tokens,
-        "settings": {k: v for k, v in vars(settings).items()}, "peak_rss_mib": peak_rss_mib(),
+        "settings": {k: v for k, v in vars(settings).items()},
+        "peak_rss_mib": max([load_peak, peak_rss_mib()] + [c["peak_rss_mib"] for r in rows
+                                                             for c in (r["engine"], r.get("engine_snapkv")) if c]),
         "share_prefill": share,
         "snapkv": model.snapkv.summary() if evicting else None,
         "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu,
@@ -263,6 +300,6 @@ def run_bench(args, settings) -> int:
     if d["launches_per_token"] is not None:
         print(f"decode steps: {d['launches_per_token']:.1f} launches and {d['host_us_per_token']:.0f} us "
               f"before the logits are awaited, a token; {d['recordings']} recorded, {d['replays']} replayed")
-    theirs = f", llama.cpp's {llama_rows[-1]['peak_rss_mib']:.0f} MiB" if llama_rows else ""
+    theirs = f", llama.cpp's {max(r['peak_rss_mib'] for r in llama_rows):.0f} MiB" if llama_rows else ""
     print(f"peak RSS {report['peak_rss_mib']:.0f} MiB{theirs}; wrote {out}")
     return 0

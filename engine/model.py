@@ -122,6 +122,18 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def reset_peak_rss() -> bool:
+    """Start this process's peak resident memory afresh (Linux 4.0+: "5" into
+    /proc/self/clear_refs sets VmHWM to the current RSS), so peak_rss_mib then measures
+    what follows. False where the kernel does not allow it (the peak then keeps counting)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class Model:
     """A loaded GGUF model on one backend."""
 
