@@ -126,6 +126,10 @@ class CudaBackend:
         if cp is not None:
             cp.get_default_memory_pool().free_all_blocks()
 
+    def free_memory_bytes(self) -> int | None:
+        """Device memory free now (cupy's unused pool blocks included); None on the harness."""
+        return self.ex.free_bytes()
+
     def check_fits(self, weight_bytes: int, kv_bytes: int, ctx: int) -> None:
         """Before anything is allocated: the weights plus one KV cache for `ctx`
         tokens must fit in the device's free memory (EngineError with the numbers)."""

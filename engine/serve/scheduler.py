@@ -112,6 +112,10 @@ class Scheduler:
         self._pools = {}                            # KV row format -> shared PagePool, made on first use,
                                                     # least recently used first
         self._default_kv = model.kv_dtype_of(None)  # the server's own layout: its pool is never dropped
+        short = self._short_of_memory(self._default_kv)
+        if short:                                   # at start, not at the first request
+            raise EngineError(f"{short}: lower --kv-pool-tokens (default --parallel x the context), "
+                              f"--parallel or --ctx")
         self.prompt_cache = prompt_cache            # finished requests' caches kept for reuse (0: none)
         self._kept: list[tuple[list[int], object]] = []   # (token ids held, KvCache), oldest first
         self._cv = threading.Condition()
@@ -287,16 +291,28 @@ class Scheduler:
             if victim is None:
                 raise PoolsBusy(f"the server holds KV pools for {MAX_KV_POOLS} row formats "
                                 f"({', '.join(self._pools)}), all in use: retry later, or ask for one of them")
-        need = self.model.forward.pool_bytes(self.pool_tokens, name)
-        avail = None if hasattr(self.model.backend, "check_fits") else available_memory_bytes()
-        if avail is not None and need > avail + (self._pools[victim].bytes if victim else 0):
-            raise PoolsBusy(f"a KV pool of {self.pool_tokens} positions in {name} needs {need / 2**20:.0f} MiB, "
-                            f"more than the memory available ({avail / 2**20:.0f} MiB): ask for the server's "
-                            f"own kv_dtype ({self._default_kv})")
+        short = self._short_of_memory(name, self._pools[victim].bytes if victim else 0)
+        if short:
+            raise PoolsBusy(f"{short}: ask for the server's own kv_dtype ({self._default_kv})")
         if victim is not None:
             self._drop_pool(victim)
         self._pools[name] = self.model.new_pool(self.pool_tokens, name)
         return self._pools[name]
+
+    def _short_of_memory(self, name: str, reclaim: int = 0) -> str | None:
+        """Why a pool of `name` would not fit in the memory free now (plus `reclaim` bytes
+        a dropped pool would give back), or None: device memory on CUDA, host memory on
+        the CPU; unknown elsewhere (None)."""
+        backend = self.model.backend
+        device_free = getattr(backend, "free_memory_bytes", None)
+        free = device_free() if device_free is not None else (
+            available_memory_bytes() if backend.name in ("cpu", "reference") else None)
+        need = self.model.forward.pool_bytes(self.pool_tokens, name)
+        if free is None or need <= free + reclaim:
+            return None
+        where = "device memory free" if device_free is not None else "memory available"
+        return (f"a KV pool of {self.pool_tokens} positions in {name} needs {need / 2**20:.0f} MiB, "
+                f"more than the {where} ({(free + reclaim) / 2**20:.0f} MiB)")
 
     def _idle_pool(self) -> str | None:
         """(lock held) The least recently used pool no admitted or preempted request has a

@@ -738,6 +738,23 @@ def test_kv_pools_are_capped_and_idle_ones_dropped(tiny_llama, monkeypatch):
     assert got[-1].retry_after and "retry later" in got[-1].message
 
 
+def test_a_kv_pool_that_cannot_fit_is_refused_when_the_server_starts(tiny_llama, monkeypatch):
+    """The server's own pool (--kv-pool-tokens, by default --parallel whole contexts) is
+    checked against the memory free when the server starts, on the CPU the host's, on
+    CUDA the device's, not at the first request: one line naming what to lower."""
+    from engine.serve.scheduler import Scheduler
+    import engine.serve.scheduler as sched_mod
+    model = engine.load(tiny_llama, snapkv_budget=0)
+    need = model.forward.pool_bytes(4 * model.ctx)
+    monkeypatch.setattr(sched_mod, "available_memory_bytes", lambda: need - 1)
+    with pytest.raises(engine.EngineError, match=r"needs .* MiB, more than the memory available .*lower --kv-pool-tokens"):
+        Scheduler(model, max_running=4)
+    Scheduler(model, max_running=2)                       # half the pool fits
+    monkeypatch.setattr(model.backend, "free_memory_bytes", lambda: need // 8, raising=False)
+    with pytest.raises(engine.EngineError, match="more than the device memory free"):
+        Scheduler(model, max_running=1)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_pages_run_short_preempt_the_newest_request_and_refuse_what_never_fits(tiny_llama, arch, tmp_path):
     """A pool of 128 positions (two 64-row pages per layer): two requests of 60 prompt +
