@@ -106,6 +106,15 @@ def load_weights(g: GgufFile, cfg: ModelConfig, backend) -> ModelWeights:
     return ModelWeights(embd, vector("output_norm.weight"), output, layers)
 
 
+def work_bytes(cfg: ModelConfig, n: int) -> int:
+    """Bytes of a prefill chunk of n tokens beside the weights and the KV cache: its
+    activation buffers (Scratch) and the largest mat-mul result written beside them
+    (the stacked gate and up projections)."""
+    qkv_cols = cfg.q_dim + 2 * cfg.kv_dim
+    floats = n * (3 * cfg.dim + qkv_cols + cfg.q_dim + 3 * cfg.ffn_dim) + cfg.vocab_size
+    return 4 * (floats + n * 2 * cfg.ffn_dim)
+
+
 class Scratch:
     """Activation buffers for up to `n` tokens (backend f32 arrays), logits for
     `logits_rows` of them (the last row of a prefill chunk; every row of a batch)."""

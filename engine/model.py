@@ -91,7 +91,8 @@ def check_context(cfg: ModelConfig, ctx: int, requested: bool, backend, weight_b
     kv_bytes = cfg.kv_bytes(ctx, chunk or ctx, page_size, spec)
     check_fits = getattr(backend, "check_fits", None)
     if check_fits is not None:
-        check_fits(weight_bytes, kv_bytes, ctx)
+        from .forward import work_bytes
+        check_fits(weight_bytes, kv_bytes, ctx, work_bytes(cfg, chunk or ctx), chunk or ctx)
     what = f"a context of {ctx} tokens" if requested else f"the model's trained context of {ctx} tokens"
     avail = None if check_fits is not None else available_memory_bytes()
     if avail is not None and kv_bytes > avail:

@@ -26,6 +26,11 @@ from . import attention, elementwise, kvrows, quant
 from .errors import translate_device_errors
 from .runtime import make_executor
 
+# Device memory a model needs beyond its weights, KV cache and prefill buffers: cuBLAS's
+# workspace, the GEMM path's dequantisation scratch (quant.GEMM_CHUNK_ELEMENTS: 64 MiB),
+# the kernels' modules and cupy's pool rounding.
+RESERVE_BYTES = 256 << 20
+
 
 @translate_device_errors
 class CudaBackend:
@@ -130,19 +135,21 @@ class CudaBackend:
         """Device memory free now (cupy's unused pool blocks included); None on the harness."""
         return self.ex.free_bytes()
 
-    def check_fits(self, weight_bytes: int, kv_bytes: int, ctx: int) -> None:
-        """Before anything is allocated: the weights plus one KV cache for `ctx`
-        tokens must fit in the device's free memory (EngineError with the numbers)."""
+    def check_fits(self, weight_bytes: int, kv_bytes: int, ctx: int, work_bytes: int = 0, chunk: int = 0) -> None:
+        """Before anything is allocated: the weights, one KV cache for `ctx` tokens, a
+        prefill chunk's buffers (`work_bytes` for `chunk` tokens) and RESERVE_BYTES must
+        fit in the device's free memory (EngineError with the numbers)."""
         free = self.ex.free_bytes()
         if free is None:
             return
-        need = weight_bytes + kv_bytes
+        need = weight_bytes + kv_bytes + work_bytes + RESERVE_BYTES
         if need > free:
             mib = 2 ** 20
             raise EngineError(f"model does not fit on {self.ex.label}: weights "
                               f"{weight_bytes / mib:.0f} MiB + KV cache for {ctx} tokens {kv_bytes / mib:.0f} MiB "
-                              f"= {need / mib:.0f} MiB, but only {free / mib:.0f} MiB are free "
-                              f"(lower --ctx or use --kv-budget)")
+                              f"+ buffers for a {chunk}-token prefill chunk {work_bytes / mib:.0f} MiB "
+                              f"+ {RESERVE_BYTES // mib} MiB reserve = {need / mib:.0f} MiB, but only "
+                              f"{free / mib:.0f} MiB are free (lower --ctx or --prefill-chunk, or use --kv-budget)")
 
     # -- ops --------------------------------------------------------------------------
     def embedding(self, table, ids, out) -> None:

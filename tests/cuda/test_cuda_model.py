@@ -137,6 +137,7 @@ def test_model_that_does_not_fit_is_refused_before_allocating(tiny_models, monke
     allocated = []
     monkeypatch.setattr(HarnessExecutor, "asarray", lambda self, host: allocated.append(host) or host)
     with pytest.raises(EngineError, match=r"does not fit on the CUDA CPU harness: weights \d+ MiB \+ KV cache "
-                                          r"for 512 tokens \d+ MiB = \d+ MiB, but only 0 MiB are free") as e:
+                                          r"for 512 tokens \d+ MiB \+ buffers for a 256-token prefill chunk \d+ MiB "
+                                          r"\+ 256 MiB reserve = \d+ MiB, but only 0 MiB are free") as e:
         engine.load(tiny_models["llama-q8"], backend="cuda", ctx=512)
     assert "\n" not in str(e.value) and allocated == []

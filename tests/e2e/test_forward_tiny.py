@@ -347,3 +347,13 @@ def test_a_cache_with_unequal_budgets_is_not_scored_again(models, allocation, me
     assert (cache.logical_length, [l.length for l in cache.layers]) == before
     m.forward.prefill(PROMPT[200:260], cache, snapkv=cfg)
     assert cache.logical_length == 260
+
+
+def test_work_bytes_counts_a_prefill_chunks_buffers(models):
+    """The memory check's prefill buffers (forward.work_bytes): what Scratch allocates
+    for a chunk, plus the stacked gate/up mat-mul result written beside it."""
+    from engine.forward import Scratch, work_bytes
+    m = engine.load(models["qwen2-q4_1"], backend="reference")
+    s = Scratch(m.backend, m.config, 64)
+    held = sum(a.nbytes for name, a in vars(s).items() if name != "ids" and hasattr(a, "nbytes"))
+    assert work_bytes(m.config, 64) == held + 64 * 2 * m.config.ffn_dim * 4
