@@ -115,6 +115,11 @@ def work_bytes(cfg: ModelConfig, n: int) -> int:
     return 4 * (floats + n * 2 * cfg.ffn_dim)
 
 
+def largest_work_buffer(cfg: ModelConfig, n: int) -> int:
+    """Bytes of the largest single buffer of a prefill chunk of n tokens (work_bytes')."""
+    return 4 * max(n * 2 * cfg.ffn_dim, n * (cfg.q_dim + 2 * cfg.kv_dim), cfg.vocab_size)
+
+
 class Scratch:
     """Activation buffers for up to `n` tokens (backend f32 arrays), logits for
     `logits_rows` of them (the last row of a prefill chunk; every row of a batch)."""

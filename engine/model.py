@@ -84,17 +84,20 @@ def check_context(cfg: ModelConfig, ctx: int, requested: bool, backend, weight_b
     warned about (as llama.cpp does); a KV pool that cannot fit in memory is refused
     with the numbers. The pool is allocated for the whole context up front (prefill
     needs every prompt row before SnapKV compacts), so this is the peak. A backend
-    with memory of its own (`check_fits`: CUDA) checks the weights plus the pool there.
+    with memory of its own (`check_fits`: CUDA, a Vulkan GPU) checks the weights, the pool
+    and a prefill chunk's buffers there (and its own limits on a chunk).
     `chunk`: prefill chunk (sliding-window layers hold their window plus one chunk);
     `kv_dtype`: the KV row formats (a KvSpec or its spelling; their real bytes are counted)."""
     spec = KvSpec.parse(kv_dtype)
     kv_bytes = cfg.kv_bytes(ctx, chunk or ctx, page_size, spec)
     check_fits = getattr(backend, "check_fits", None)
+    device_checked = False                   # a backend with memory of its own checked it
     if check_fits is not None:
-        from .forward import work_bytes
-        check_fits(weight_bytes, kv_bytes, ctx, work_bytes(cfg, chunk or ctx), chunk or ctx)
+        from .forward import largest_work_buffer, work_bytes
+        n = chunk or ctx
+        device_checked = check_fits(weight_bytes, kv_bytes, ctx, work_bytes(cfg, n), n, largest_work_buffer(cfg, n))
     what = f"a context of {ctx} tokens" if requested else f"the model's trained context of {ctx} tokens"
-    avail = None if check_fits is not None else available_memory_bytes()
+    avail = None if device_checked else available_memory_bytes()
     if avail is not None and kv_bytes > avail:
         raise EngineError(f"{what} needs a {_gib(kv_bytes)} {spec.name} KV cache "
                           f"({cfg.kv_bytes_per_token(spec)} bytes per token) but only {_gib(avail)} of memory "

@@ -5,7 +5,9 @@
 //  PASS_GATHER:  pages -> TMP: K rows [n_kv][n_keep][ceil(k_rb / 4)] words, then V rows
 //  PASS_SCATTER: TMP -> rows 0 .. n_keep-1 of the pages; a word shared with a
 //                neighbouring row changes only in the row's own bytes (KV_STORE)
-// Grid: (n_keep, n_kv, 1); threads over the row's words.
+// Grid: (min(n_keep, groups), n_kv, 1), each workgroup moving rows j, j + groups, ...
+// (maxComputeWorkGroupCount[0] is 65535 on some devices; budgets may keep more rows);
+// threads over the row's words.
 #extension GL_GOOGLE_include_directive : require
 layout(local_size_x = 64) in;
 layout(set = 0, binding = 0) buffer KPB { uint KP[]; };
@@ -41,18 +43,20 @@ layout(push_constant) uniform P { uint n_kv, n_keep, k_rb, v_rb, page_size; } pc
 #endif
 
 void main() {
-    uint j = gl_WorkGroupID.x, h = gl_WorkGroupID.y, tid = gl_LocalInvocationID.x;
+    uint h = gl_WorkGroupID.y, tid = gl_LocalInvocationID.x;
     uint k_rw = (pc.k_rb + 3u) / 4u, v_rw = (pc.v_rb + 3u) / 4u;
-    uint tk = (h * pc.n_keep + j) * k_rw;
-    uint tv = pc.n_kv * pc.n_keep * k_rw + (h * pc.n_keep + j) * v_rw;
+    for (uint j = gl_WorkGroupID.x; j < pc.n_keep; j += gl_NumWorkGroups.x) {
+        uint tk = (h * pc.n_keep + j) * k_rw;
+        uint tv = pc.n_kv * pc.n_keep * k_rw + (h * pc.n_keep + j) * v_rw;
 #if defined(PASS_GATHER)
-    uint r = uint(KEEP[h * pc.n_keep + j]);
+        uint r = uint(KEEP[h * pc.n_keep + j]);
 #elif defined(PASS_SCATTER)
-    uint r = j;
+        uint r = j;
 #else
 #error "define PASS_GATHER or PASS_SCATTER"
 #endif
-    uint page = uint(PT[r / pc.page_size]), off = r % pc.page_size;
-    MOVE(KP, pc.k_rb, tk)
-    MOVE(VP, pc.v_rb, tv)
+        uint page = uint(PT[r / pc.page_size]), off = r % pc.page_size;
+        MOVE(KP, pc.k_rb, tk)
+        MOVE(VP, pc.v_rb, tv)
+    }
 }

@@ -135,13 +135,15 @@ class CudaBackend:
         """Device memory free now (cupy's unused pool blocks included); None on the harness."""
         return self.ex.free_bytes()
 
-    def check_fits(self, weight_bytes: int, kv_bytes: int, ctx: int, work_bytes: int = 0, chunk: int = 0) -> None:
+    def check_fits(self, weight_bytes: int, kv_bytes: int, ctx: int, work_bytes: int = 0, chunk: int = 0,
+                   largest_buffer: int = 0) -> bool:
         """Before anything is allocated: the weights, one KV cache for `ctx` tokens, a
         prefill chunk's buffers (`work_bytes` for `chunk` tokens) and RESERVE_BYTES must
-        fit in the device's free memory (EngineError with the numbers)."""
+        fit in the device's free memory (EngineError with the numbers). False on the
+        harness (host memory: the caller checks it)."""
         free = self.ex.free_bytes()
         if free is None:
-            return
+            return False
         need = weight_bytes + kv_bytes + work_bytes + RESERVE_BYTES
         if need > free:
             mib = 2 ** 20
@@ -150,6 +152,7 @@ class CudaBackend:
                               f"+ buffers for a {chunk}-token prefill chunk {work_bytes / mib:.0f} MiB "
                               f"+ {RESERVE_BYTES // mib} MiB reserve = {need / mib:.0f} MiB, but only "
                               f"{free / mib:.0f} MiB are free (lower --ctx or --prefill-chunk, or use --kv-budget)")
+        return True
 
     # -- ops --------------------------------------------------------------------------
     def embedding(self, table, ids, out) -> None:

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from engine.errors import BackendUnavailable
+from engine.errors import BackendUnavailable, EngineError
 
 from . import shaders
 from ..base import GATE_DEFINES, check_kv_dtypes, rope_inv_freq, step_slot
@@ -69,6 +69,7 @@ _MAX_ALGOS = 4096
 STAGED_MAX_BYTES = 1 << 16        # GPU buffers up to this size keep kp's host staging copy
 READBACK_KEEP_BYTES = 16 << 20    # device-only buffers up to this size keep their host readback copy
 _NO_SPEC = np.zeros(0, dtype=np.uint32)
+GATHER_GROUPS = 65535             # kv_gather workgroups along x (the least maxComputeWorkGroupCount[0])
 
 
 def _u32(*values) -> np.ndarray:
@@ -163,6 +164,34 @@ class VulkanBackend:
         self._read_back = None                             # (serial, host tensor) the last replay copied back
         self._step_arrays: dict[int, DeviceArray] = {}     # step buffers by length, reused (their
                                                            # pipelines stay cached)
+
+    def check_fits(self, weight_bytes: int, kv_bytes: int, ctx: int, work_bytes: int = 0, chunk: int = 0,
+                   largest_buffer: int = 0) -> bool:
+        """Before anything is allocated: a prefill chunk of `chunk` tokens within the
+        dispatch limits (its tokens go along grid y) and its largest buffer within one
+        binding; on a GPU, the weights, one KV cache for `ctx` tokens and the chunk's
+        buffers (`work_bytes`) within its largest device-local heap (EngineError with the
+        numbers). Returns whether device memory was checked (a CPU device's is the
+        host's: the caller checks that)."""
+        name, mib = self.device["name"], 2 ** 20
+        most = ((self.device.get("limits") or {}).get("max_workgroup_count") or (65535,) * 3)[1]
+        if chunk > most:
+            raise EngineError(f"a prefill chunk of {chunk} tokens is more than {name} dispatches at once "
+                              f"({most} workgroups along y): lower --prefill-chunk")
+        if largest_buffer > self.max_buffer_bytes:
+            raise EngineError(f"a prefill chunk of {chunk} tokens needs a {largest_buffer / mib:.0f} MiB buffer, "
+                              f"more than one shader binding of {name} covers ({self.max_buffer_bytes / mib:.0f} "
+                              f"MiB): lower --prefill-chunk")
+        heap = self.device.get("device_local_bytes")
+        if self._cpu_device or not heap:
+            return False
+        need = weight_bytes + kv_bytes + work_bytes
+        if need > heap:
+            raise EngineError(f"model does not fit on {name}: weights {weight_bytes / mib:.0f} MiB + KV cache "
+                              f"for {ctx} tokens {kv_bytes / mib:.0f} MiB + buffers for a {chunk}-token prefill "
+                              f"chunk {work_bytes / mib:.0f} MiB = {need / mib:.0f} MiB, but its memory is "
+                              f"{heap / mib:.0f} MiB (lower --ctx or --prefill-chunk, or use --kv-budget)")
+        return True
 
     # -- recorded steps (backends/base.py, engine/replay.py) ---------------------------
     def record_step(self, values: np.ndarray, run, max_position: int, readback=None):
@@ -881,8 +910,9 @@ class VulkanBackend:
         tmp = self._scratch(n_kv * n_keep * (-(-k_rb // 4) + -(-v_rb // 4)))
         push = _u32(n_kv, n_keep, k_rb, v_rb, page_size)
         bufs = [k_pages.buffer, v_pages.buffer, page_table.buffer, keep_dev.buffer, tmp]
-        self._dispatch("kv_gather", ("PASS_GATHER",), bufs, (n_keep, n_kv, 1), push)
-        self._dispatch("kv_gather", ("PASS_SCATTER",), bufs, (n_keep, n_kv, 1), push)
+        groups = min(n_keep, GATHER_GROUPS)              # each workgroup moves every groups-th row
+        self._dispatch("kv_gather", ("PASS_GATHER",), bufs, (groups, n_kv, 1), push)
+        self._dispatch("kv_gather", ("PASS_SCATTER",), bufs, (groups, n_kv, 1), push)
 
     def kv_copy_pages(self, src_k, src_v, dst_k, dst_v, pages, dst_pages=None) -> None:
         pages = np.ascontiguousarray(pages, dtype=np.int32).reshape(-1)

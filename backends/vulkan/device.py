@@ -65,6 +65,25 @@ class _Properties2(ctypes.Structure):
     _fields_ = [("sType", ctypes.c_int), ("pNext", ctypes.c_void_p), ("properties", ctypes.c_uint8 * 1024)]
 
 
+class _MemoryProperties(ctypes.Structure):
+    """VkPhysicalDeviceMemoryProperties: 32 memory types (flags, heap), then 16 heaps."""
+    _fields_ = [("memoryTypeCount", ctypes.c_uint32), ("memoryTypes", ctypes.c_uint32 * 64),
+                ("memoryHeapCount", ctypes.c_uint32),
+                ("memoryHeaps", (ctypes.c_uint64 * 2) * 16)]        # VkMemoryHeap: size, flags (+ padding)
+
+
+_HEAP_DEVICE_LOCAL = 0x1            # VK_MEMORY_HEAP_DEVICE_LOCAL_BIT
+
+
+def _device_local_bytes(vk, handle) -> int | None:
+    """The largest device-local memory heap (a discrete GPU's memory), or None."""
+    mem = _MemoryProperties()
+    vk.vkGetPhysicalDeviceMemoryProperties(handle, ctypes.byref(mem))
+    sizes = [int(mem.memoryHeaps[i][0]) for i in range(min(mem.memoryHeapCount, 16))
+             if mem.memoryHeaps[i][1] & _HEAP_DEVICE_LOCAL]
+    return max(sizes) if sizes else None
+
+
 _PROPERTIES_2 = 1000059001          # VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2
 _MAINTENANCE_3 = 1000168000         # VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES
 
@@ -147,7 +166,8 @@ def _enumerate_ctypes() -> list[dict]:
             out.append({"index": i, "name": name, "type": _TYPES.get(props.deviceType, "other"),
                         "vendor": _vendor(props.vendorID, name),
                         "api_version": f"{api >> 22}.{(api >> 12) & 0x3FF}.{api & 0xFFF}",
-                        "limits": _limits(vk, ctypes.c_void_p(h), props)})
+                        "limits": _limits(vk, ctypes.c_void_p(h), props),
+                        "device_local_bytes": _device_local_bytes(vk, ctypes.c_void_p(h))})
         return out
     finally:
         vk.vkDestroyInstance(inst, None)
@@ -240,12 +260,16 @@ def check_buffer(info: dict, nbytes: int) -> None:
                                  f"--kv-dtype")
 
 
-def max_buffer_bytes(info: dict) -> int | None:
+SPEC_MIN_STORAGE_RANGE = 1 << 27    # maxStorageBufferRange every Vulkan device has (128 MiB)
+
+
+def max_buffer_bytes(info: dict) -> int:
     """The largest buffer one shader binding may cover here (maxStorageBufferRange, the
-    allocation limit, kp's 32-bit sizes); None when the limits are unknown."""
+    allocation limit, kp's 32-bit sizes); the spec's minimum range when the limits are
+    unknown (devices enumerated without the loader's properties)."""
     limits = info.get("limits") or {}
     caps = [c for c in (limits.get("max_storage_buffer_range"), limits.get("max_allocation_size")) if c]
-    return min(caps + [KP_MAX_BUFFER - 4]) if caps else None
+    return min(caps + [KP_MAX_BUFFER - 4]) if caps else SPEC_MIN_STORAGE_RANGE
 
 
 def check_grid(info: dict, shader: str, grid: tuple) -> None:

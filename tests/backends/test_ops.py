@@ -824,6 +824,25 @@ def test_kv_gather(backend, kv, n_kv, head_dim, page_size, n_rows, n_keep):
     np.testing.assert_array_equal(backend.download(dv), want_v)
 
 
+def test_kv_gather_in_fewer_workgroups_than_rows(backend, monkeypatch):
+    """Vulkan: a workgroup moves every GATHER_GROUPS-th kept row (maxComputeWorkGroupCount
+    is 65535 along x on some devices; a budget may keep more rows), here 7 for 300 rows."""
+    if backend.name != "vulkan":
+        pytest.skip("the Vulkan backend's dispatch")
+    import backends.vulkan.backend as vk
+    monkeypatch.setattr(vk, "GATHER_GROUPS", 7)
+    rng = np.random.default_rng(11)
+    for kv in (("bf16", "bf16"), ("q4_0", "tq4")):
+        k_pages, v_pages, page_table = filled_pool(rng, 600, 3, 64, 64, kv=kv)
+        keep = random_keep(rng, 3, 600, 300, window=4)
+        want_k, want_v = k_pages.copy(), v_pages.copy()
+        REF.kv_gather(want_k, want_v, page_table, keep)
+        dk, dv = backend.upload(k_pages), backend.upload(v_pages)
+        backend.kv_gather(dk, dv, backend.upload(page_table), keep)
+        np.testing.assert_array_equal(backend.download(dk), want_k)
+        np.testing.assert_array_equal(backend.download(dv), want_v)
+
+
 def test_kv_copy_pages(backend, kv):
     """A branch of a cache: the listed pages copied whole, every other page untouched."""
     rng = np.random.default_rng(3)

@@ -219,3 +219,23 @@ def test_weights_larger_than_one_buffer_are_split_by_rows(qtype):
     for n in (1, 3):
         check_matmul(vk, w, W, x[:n])
         check_matmul(vk, w, W, x[:n], bias)
+
+
+def test_check_fits_refuses_what_the_device_cannot_run():
+    """Before anything is allocated: a prefill chunk past the dispatch limit along y or
+    whose largest buffer passes one binding is one line naming --prefill-chunk; on a GPU
+    (a device-local heap: here lavapipe's, posing as a GPU) a model plus KV cache plus a
+    chunk's buffers larger than the heap is refused with the numbers; a CPU device
+    leaves memory to the host check (False)."""
+    from engine.errors import EngineError
+    vk = make_backend("vulkan")
+    assert vk.check_fits(10, 10, 512, 10, 256, 1024) is False             # lavapipe: a CPU device
+    with pytest.raises(EngineError, match=r"prefill chunk of 65536 tokens is more than .*\(65535 workgroups"):
+        vk.check_fits(10, 10, 65536, 10, 65536, 1024)
+    with pytest.raises(EngineError, match=r"needs a 256 MiB buffer, more than one shader binding .*--prefill-chunk"):
+        vk.check_fits(10, 10, 4096, 10, 4096, 2 ** 28)                  # lavapipe's range: 128 MiB
+    vk.device = dict(vk.device, device_local_bytes=2 ** 30)
+    vk._cpu_device = False
+    assert vk.check_fits(2 ** 29, 2 ** 28, 4096, 2 ** 20, 256, 1024) is True
+    with pytest.raises(EngineError, match=r"model does not fit on .*= 1025 MiB, but its memory is 1024 MiB"):
+        vk.check_fits(2 ** 29, 2 ** 29, 4096, 2 ** 20, 256, 1024)
