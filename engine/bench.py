@@ -173,6 +173,21 @@ def run_llama_cpp(path: str, ctx: int, threads: int, cases: list[list[int]], n_d
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+TIMED = ("prefill_tok_s", "decode_tok_s", "prefill_s")
+
+
+def _median_case(runs: list[dict]) -> dict:
+    """One case of several runs: its timings the medians (each run's in `runs_<field>`
+    when there are several), its peak RSS the highest, the rest the first run's."""
+    case = dict(runs[0])
+    if len(runs) > 1:
+        for f in TIMED:
+            values = [r[f] for r in runs]
+            case[f], case[f"runs_{f}"] = float(np.median(values)), values
+        case["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
+    return case
+
+
 def _warm_eviction(cfg, longest: int):
     """(a policy like `cfg` with a small budget, the length of a warm-up prompt it
     compacts, at most `longest`) so eviction's kernels are compiled and loaded before the
@@ -198,6 +213,9 @@ def run_bench(args, settings) -> int:
         raise EngineError("--lengths needs at least one positive length")
     if args.decode_tokens < 1:
         raise EngineError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
+    repeats = getattr(args, "repeats", 1)
+    if repeats < 1:
+        raise EngineError(f"--repeats must be >= 1, got {repeats}")
     llama_cpp_cache_types(args.llama_cache_type)  # a bad --llama-cpp-cache-type fails now, not after loading
     dtypes = [t.strip() for t in str(args.kv_dtypes or "").split(",") if t.strip()]
     output_dir(args.out)                         # a bad --out fails now, not after the run
@@ -224,11 +242,13 @@ def run_bench(args, settings) -> int:
     cache_type = args.llama_cache_type
     flash_attn = args.llama_flash_attn or llama_cpp_cache_types(cache_type)[1] != LLAMA_CPP_CACHE_TYPES["f16"]
     prompts = [bench_prompt(model.tokenizer, n) for n in lengths]
-    llama_rows = (run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens, gpu, flash_attn, cache_type)
-                  if use_llama_cpp else None)
-    if use_llama_cpp and llama_rows is None:
+
+    def llama_run():
+        return run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens, gpu, flash_attn, cache_type)
+    llama_runs = [llama_run()] if use_llama_cpp else []
+    if use_llama_cpp and llama_runs[0] is None:
         print("llama.cpp: the installed build has no GPU offload; its columns are left out", file=sys.stderr)
-        use_llama_cpp = False
+        use_llama_cpp, llama_runs = False, []
     if use_llama_cpp:
         print(f"llama.cpp: {cache_type} KV cache, flash attention {'on' if flash_attn else 'off'}, {threads} threads")
     warm = bench_prompt(model.tokenizer, min(64, min(lengths)))     # fits the context the cases need
@@ -240,20 +260,39 @@ def run_bench(args, settings) -> int:
             cfg, n = warm_evict
             _engine_case(model, bench_prompt(model.tokenizer, n), 1, snapkv=cfg, kv_dtype=dtype)
     load_peak = peak_rss_mib()
-    rows = []
     share = bool(getattr(args, "share_prefill", False))
     if share and (not evicting or min(lengths) < model.snapkv.window or not model.snapkv.compacts(min(lengths))):
         raise EngineError("--share-prefill needs --kv-budget and prompts SnapKV compacts (longer than its "
                           "budget and window)")
+    cases = [(i, n, ids, dtype) for i, (n, ids) in enumerate(zip(lengths, prompts)) for dtype in dtypes]
+
+    def our_run() -> list[tuple]:
+        out = []
+        for _, _, ids, dtype in cases:
+            if share:
+                out.append(_shared_cases(model, ids, args.decode_tokens, dtype))
+            else:   # the evicting case first: its peak RSS is then its own, not the full cache's
+                k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype) if evicting else None
+                out.append((k, _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype)))
+        return out
+    ours_runs = []
+    for r in range(repeats):             # in alternating pairs: llama.cpp, ours | ours, llama.cpp | ...
+        if repeats > 1:
+            print(f"repeat {r + 1}/{repeats}", file=sys.stderr, flush=True)
+        if use_llama_cpp and r % 2 == 0 and r > 0:          # (the first ran before the warm-up)
+            llama_runs.append(llama_run())
+        ours_runs.append(our_run())
+        if use_llama_cpp and r % 2 == 1:
+            llama_runs.append(llama_run())
+    llama_rows = [_median_case([run[i] for run in llama_runs]) for i in range(len(lengths))] if use_llama_cpp else None
     print(f"{'prompt':>7} {'KV':>5} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
           + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
-          + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else ""))
-    for i, (n, ids), dtype in ((i, c, t) for i, c in enumerate(zip(lengths, prompts)) for t in dtypes):
-        if share:
-            k, full = _shared_cases(model, ids, args.decode_tokens, dtype)
-        else:   # the evicting case first: its peak RSS is then its own, not the full cache's
-            k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype) if evicting else None
-            full = _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype)
+          + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else "")
+          + (f"   (medians of {repeats} runs)" if repeats > 1 else ""))
+    rows = []
+    for c, (i, n, _, dtype) in enumerate(cases):
+        full = _median_case([run[c][1] for run in ours_runs])
+        k = _median_case([run[c][0] for run in ours_runs]) if evicting else None
         row = {"prompt_tokens": n, "kv_dtype": dtype, "engine": full}
         e = row["engine"]
         line = (f"{n:>7} {dtype:>5} | {e['prefill_tok_s']:>10.1f} t/s {e['decode_tok_s']:>6.1f} t/s "
@@ -282,7 +321,7 @@ def run_bench(args, settings) -> int:
         "settings": {k: v for k, v in vars(settings).items()},
         "peak_rss_mib": max([load_peak, peak_rss_mib()] + [c["peak_rss_mib"] for r in rows
                                                              for c in (r["engine"], r.get("engine_snapkv")) if c]),
-        "share_prefill": share,
+        "share_prefill": share, "repeats": repeats,
         "snapkv": model.snapkv.summary() if evicting else None,
         "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu,
         "llama_cpp_flash_attn": use_llama_cpp and flash_attn,

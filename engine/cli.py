@@ -359,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one prefill per length and KV type: the full-cache case decodes a copy of the "
                             "cache taken just before SnapKV compacts it (half the prefill time; peak RSS "
                             "then counts both caches); needs --kv-budget")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="measure every case this many times, alternating with llama.cpp in pairs "
+                            "(llama.cpp, ours | ours, llama.cpp | ...), and report medians (each run's "
+                            "numbers in the JSON)")
     bench.add_argument("--out", default="results", help="folder for the JSON report")
     _add_snapkv_args(bench)
     bench.set_defaults(func=cmd_bench)

@@ -73,6 +73,52 @@ def test_bench_writes_json(tiny_llama, tmp_path):
     assert "decode steps:" not in r.stdout
 
 
+def test_bench_repeats_report_medians(tiny_llama, tmp_path):
+    """--repeats N: every case measured N times, its timings the medians, each run's kept."""
+    r = cli("bench", str(tiny_llama), "--lengths", "100", "--decode-tokens", "3", "--no-llama-cpp",
+            "--out", str(tmp_path), "--kv-budget", "80", "--kv-window", "8", "--kv-min-tokens", "16",
+            "--repeats", "3")
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "bench-cpu.json").read_text())
+    assert report["repeats"] == 3 and "repeat 3/3" in r.stderr and "(medians of 3 runs)" in r.stdout
+    for case in (report["cases"][0]["engine"], report["cases"][0]["engine_snapkv"]):
+        for f in ("prefill_tok_s", "decode_tok_s", "prefill_s"):
+            assert len(case[f"runs_{f}"]) == 3 and case[f] == sorted(case[f"runs_{f}"])[1]
+    assert report["decode_steps"]["tokens"] == 3 + 1 + 3 * 2 * 3
+    r = cli("bench", str(tiny_llama), "--repeats", "0", "--no-llama-cpp", "--out", str(tmp_path))
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1] == "error: --repeats must be >= 1, got 0"
+
+
+def test_bench_repeats_alternate_with_llama_cpp(tiny_llama, tmp_path, monkeypatch):
+    """The order of --repeats 4 beside llama.cpp: llama.cpp, ours | ours, llama.cpp |
+    llama.cpp, ours | ours, llama.cpp (its child process stands in for itself here: this
+    checks the order and the medians' ratios, not llama.cpp)."""
+    import engine.bench as bench
+    from engine.cli import main
+    order = []
+    monkeypatch.setattr(bench, "llama_cpp_available", lambda: True)
+
+    def llama(path, ctx, threads, prompts, n_decode, *a):
+        order.append("L")
+        t = len([o for o in order if o == "L"])
+        return [{"prefill_tok_s": 10.0 * t, "decode_tok_s": 1.0 * t, "prefill_s": 1.0, "peak_rss_mib": 1.0}
+                for _ in prompts]
+    monkeypatch.setattr(bench, "run_llama_cpp", llama)
+    real = bench._engine_case
+
+    def ours(model, ids, n_decode, snapkv=None, kv_dtype=None):
+        if len(ids) == 100 and snapkv is False:
+            order.append("O")
+        return real(model, ids, n_decode, snapkv=snapkv, kv_dtype=kv_dtype)
+    monkeypatch.setattr(bench, "_engine_case", ours)
+    assert main(["bench", str(tiny_llama), "--lengths", "100", "--decode-tokens", "2", "--kv-budget", "0",
+                 "--out", str(tmp_path), "--repeats", "4"]) == 0
+    assert order == ["L", "O", "O", "L", "L", "O", "O", "L"]
+    case = json.loads((tmp_path / "bench-cpu.json").read_text())["cases"][0]
+    assert case["llama_cpp"]["runs_decode_tok_s"] == [1.0, 2.0, 3.0, 4.0] and case["llama_cpp"]["decode_tok_s"] == 2.5
+    assert case["ratio_decode"] == case["engine"]["decode_tok_s"] / 2.5
+
+
 def test_bench_share_prefill(tiny_llama, tmp_path):
     """--share-prefill: one prefill a case, the full cache a copy taken before SnapKV
     compacts; both caches as in separate prefills, and prompts SnapKV would not compact
