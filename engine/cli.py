@@ -79,9 +79,15 @@ def cmd_run(args) -> int:
 
     if args.prompt is None and args.file is None:
         raise EngineError("no prompt: pass -p TEXT or -f FILE")
-    if args.prompt is not None and args.file is not None:
-        raise EngineError("pass either -p TEXT or -f FILE, not both")
-    prompt = inputs.prompt_file(args.file) if args.file is not None else inputs.text(args.prompt, "-p prompt")
+    if args.system is not None and not args.chat:
+        raise EngineError("--system needs --chat (a system message is part of the chat template)")
+    # a document and a question: the question last, where SnapKV's observation window reads it
+    parts = ([inputs.prompt_file(args.file)] if args.file is not None else []) \
+        + ([inputs.text(args.prompt, "-p prompt")] if args.prompt is not None else [])
+    prompt = "\n\n".join(parts)
+    if args.system is not None:
+        prompt = [{"role": "system", "content": inputs.text(args.system, "--system")},
+                  {"role": "user", "content": prompt}]
     _check_sampling(args)
     model = _load(args)
     stats: dict = {}
@@ -319,8 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate text from a prompt")
     _add_model_args(run)
     run.add_argument("-p", "--prompt", help="prompt text")
-    run.add_argument("-f", "--file", help="read the prompt from a file")
+    run.add_argument("-f", "--file", help="read the prompt from a file (- reads standard input); with -p "
+                                          "too, the file's text, a blank line, then the -p text (a document, "
+                                          "then the question about it)")
     run.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
+    run.add_argument("--system", help="with --chat: a system message before the prompt")
     run.add_argument("-n", "--max-tokens", dest="n", type=int, default=128, help="tokens to generate (default 128)")
     run.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     run.add_argument("--top-k", dest="top_k", type=int, default=0, help="top-k sampling (0 = off)")

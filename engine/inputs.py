@@ -31,10 +31,15 @@ def text(value, what: str = "prompt") -> str:
 
 
 def prompt_file(path: str) -> str:
-    """The text of a UTF-8 prompt file (a leading byte-order mark is dropped)."""
+    """The text of a UTF-8 prompt file, "-" for standard input (a leading byte-order
+    mark is dropped)."""
+    import sys
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        if path == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
     except OSError as e:
         raise EngineError(f"cannot read prompt file {path}: {e.strerror or e}") from None
     try:

@@ -14,6 +14,34 @@ def cli(*args, env=None):
                           timeout=600, env=dict(os.environ, **(env or {})))
 
 
+def test_run_a_document_and_a_question(tiny_llama, smollm2_path, tmp_path):
+    """-f DOC -p QUESTION prompts with the document, a blank line, then the question (the
+    question last, where SnapKV's window reads it); -f - reads standard input; --system
+    adds a system message to a chat prompt, and needs --chat."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The vault code is 4417. The door is red.")
+    flags = ["-n", "6", "--ignore-eos", "--stats"]
+    whole = cli("run", str(tiny_llama), "-p", "The vault code is 4417. The door is red.\n\nWhat is the code?", *flags)
+    both = cli("run", str(tiny_llama), "-f", str(doc), "-p", "What is the code?", *flags)
+    piped = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(tiny_llama), "-f", "-", "-p",
+                            "What is the code?", *flags], input=doc.read_text(), capture_output=True, text=True,
+                           timeout=600)
+    for r in (whole, both, piped):
+        assert r.returncode == 0, r.stderr
+    assert whole.stdout == both.stdout == piped.stdout
+    n = int(whole.stderr.split("prompt ")[1].split(" tok")[0])
+    assert f"prompt {n} tok" in both.stderr and f"prompt {n} tok" in piped.stderr
+    r = cli("run", str(tiny_llama), "-p", "hi", "--system", "Be brief.")
+    assert r.returncode == 1 and r.stderr.strip() == "error: --system needs --chat (a system message is part of the chat template)"
+    plain = cli("run", str(smollm2_path), "--chat", "-p", "Hi", "-n", "1", "--stats")
+    system = cli("run", str(smollm2_path), "--chat", "--system", "You answer in French, briefly. " * 8, "-p", "Hi",
+                 "-n", "1", "--stats")                    # (longer than SmolLM2's default system message)
+    for r in (plain, system):
+        assert r.returncode == 0, r.stderr
+    tokens = lambda r: int(r.stderr.split("prompt ")[1].split(" tok")[0])     # noqa: E731
+    assert tokens(system) > tokens(plain)                  # the system message is in the prompt
+
+
 def test_run_streams_and_stats(tiny_llama):
     r = cli("run", str(tiny_llama), "-p", "hello", "-n", "5", "--ignore-eos", "--stats", "--seed", "3",
             "--temp", "0.8", "--top-k", "20", "--top-p", "0.9")
