@@ -404,9 +404,11 @@ class Scheduler:
                 if a != b:
                     break
                 n += 1
+            tq = cache.tail_queries                  # (first position, queries [.., .., count, ..])
             if window_from is not None and n > window_from and (
-                    cache.tail_queries is None or cache.tail_queries[0] > window_from):
-                n = window_from                     # the window's queries run again
+                    tq is None or tq[0] > window_from or n > tq[0] + tq[1].shape[2]):
+                n = window_from                     # the window's queries run again (a cache a
+                                                    # request extended holds some without theirs)
             if n > n_best:
                 best, n_best = i, n
         if best is None:

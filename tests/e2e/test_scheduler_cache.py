@@ -1,0 +1,65 @@
+"""The server's cache lifecycle (engine/serve/scheduler.py) driven directly: kept prompt
+caches reused by later requests must give what `generate` gives alone, pages must all
+come back, and failures while keeping a cache must not fail the request."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import engine
+from engine.generate import SamplingParams
+from engine.serve.scheduler import Scheduler
+from engine.serve.sequence import Delta, Failed, Finished, Job
+from engine.snapkv import SnapKvConfig
+
+WAIT_S = 60.0
+
+
+def run(sched, job) -> dict:
+    """Submit one job and wait for its end: {"text", "end"}."""
+    out = {"text": "", "end": None}
+    done = threading.Event()
+
+    def emit(event):
+        if isinstance(event, Delta):
+            out["text"] += event.text
+        elif isinstance(event, (Finished, Failed)):
+            out["end"] = event
+            done.set()
+    sched.submit(job, emit)
+    assert done.wait(WAIT_S)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return engine.load(tiny_llama, snapkv_budget=0)
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_an_extended_kept_cache_still_evicts_as_generate_does(model):
+    """A (evicting) leaves a branch kept with its window's queries; B (no eviction)
+    extends it and is kept longer; C (A's policy) extends B: the queries of C's window that
+    B's positions hold were never kept, so those positions run again and C is compacted
+    exactly as `generate` compacts it alone (it was left uncompacted)."""
+    ev = SnapKvConfig(budget=24, window=8, sinks=2, min_tokens=16)
+    sched = Scheduler(model, max_queue=4, max_running=2)
+    sched.start()
+    try:
+        a = list(range(5, 105))
+        run(sched, Job(a, greedy(4), ev))
+        b = a + [7, 8, 9]
+        assert run(sched, Job(b, greedy(4), None))["end"].usage["prompt_tokens_details"]["cached_tokens"] == 100
+        c = b + [11, 12, 13, 14, 15, 16, 17]
+        got = run(sched, Job(c, greedy(4), ev))
+    finally:
+        sched.stop()
+    want = model.generate(c, max_tokens=4, ignore_eos=True, snapkv=ev)
+    usage = got["end"].usage
+    assert usage["kv_policy"] is not None and usage["kv_bytes"] == want.stats["snapkv"]["bytes_after"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == len(c) - ev.window
+    assert got["text"] == want.text
