@@ -319,7 +319,11 @@ class PagedKvCache:
         j = self.length // ps
         if n_new > 1 and self._shared(j):    # the step's queries still see the rows its writes would hit
             page = self.pool.take()
-            self._move_rows(page, self.pages[j - self.first_page], ps)
+            try:
+                self._move_rows(page, self.pages[j - self.first_page], ps)
+            except BaseException:            # (a device error in the copy) the page goes back
+                self.pool.give(page)
+                raise
             self._set(j, page)
         while self.first_page + len(self.pages) < need_pages:
             j = self.first_page + len(self.pages)
@@ -713,14 +717,21 @@ class KvCache:
         if short:
             raise KvCacheError(f"KV page pool exhausted: branching the cache needs {used[short[0]].size} free "
                                f"pages, segment {short[0]} has {p.segments[short[0]].free_pages}")
-        remaps = []
-        for seg, ids in zip(p.segments, used):
-            fresh = np.array([seg.take() for _ in ids], dtype=np.int32)
-            if ids.size:
-                p.backend.kv_copy_pages(seg.k_pages, seg.v_pages, seg.k_pages, seg.v_pages, ids, fresh)
-            remap = np.arange(seg.n_pages, dtype=np.int32)                # page id -> the branch's page id
-            remap[ids] = fresh
-            remaps.append(remap)
+        remaps, taken = [], []
+        try:
+            for seg, ids in zip(p.segments, used):
+                fresh = np.array([seg.take() for _ in ids], dtype=np.int32)
+                taken.append((seg, fresh))
+                if ids.size:
+                    p.backend.kv_copy_pages(seg.k_pages, seg.v_pages, seg.k_pages, seg.v_pages, ids, fresh)
+                remap = np.arange(seg.n_pages, dtype=np.int32)                # page id -> the branch's page id
+                remap[ids] = fresh
+                remaps.append(remap)
+        except BaseException:                    # (a device error in the copy) nothing stays taken
+            for seg, fresh in taken:
+                for page in fresh:
+                    seg.give(int(page))
+            raise
         return self._copy_state(self._twin(p), remaps)
 
     def _twin(self, pool: PagePool) -> "KvCache":

@@ -451,7 +451,12 @@ class Scheduler:
             pool = cache.pool
             if self._short(pool, [cache.pages_held(k) for k in range(len(pool.segments))]):
                 return
-            branch = cache.branch()
+            try:
+                branch = cache.branch()
+            except (DeviceOutOfMemory, KvCacheError) as e:   # keeping is an optimisation: the request goes on
+                log.warning("prompt cache not kept: %s", e)
+                self._free_memory = True
+                return
             branch.tail_queries = (cache.logical_length - q_window.shape[2], q_window)
             self._shelve(list(ids[:cache.logical_length]), branch)
 

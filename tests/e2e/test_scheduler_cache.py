@@ -63,3 +63,30 @@ def test_an_extended_kept_cache_still_evicts_as_generate_does(model):
     assert usage["kv_policy"] is not None and usage["kv_bytes"] == want.stats["snapkv"]["bytes_after"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == len(c) - ev.window
     assert got["text"] == want.text
+
+
+def test_running_out_of_device_memory_while_keeping_a_prompt_is_not_the_requests_failure(model, monkeypatch):
+    """Keeping the prompt's branch is an optimisation: device memory running out in its
+    page copy leaves the request answering as generate does, nothing kept, and every page
+    back in the pool (the branch's fresh pages were lost)."""
+    from engine.errors import DeviceOutOfMemory
+    ev = SnapKvConfig(budget=24, window=8, sinks=2, min_tokens=16)
+    real, calls = model.backend.kv_copy_pages, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise DeviceOutOfMemory("simulated: out of device memory")
+        return real(*a, **k)
+    monkeypatch.setattr(model.backend, "kv_copy_pages", flaky)
+    sched = Scheduler(model, max_queue=4, max_running=2)
+    sched.start()
+    prompt = list(range(5, 105))
+    try:
+        got = run(sched, Job(prompt, greedy(4), ev))
+    finally:
+        sched.stop()
+    assert calls and isinstance(got["end"], Finished)
+    assert got["text"] == model.generate(prompt, max_tokens=4, ignore_eos=True, snapkv=ev).text
+    pool = sched._pools[model.kv_dtype]
+    assert pool.free_pages == pool.n_pages and not sched._kept
