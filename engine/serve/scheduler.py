@@ -206,8 +206,8 @@ class Scheduler:
                             "segments": [{"kv_dtype": g.kv_dtype, "pages": g.n_pages,
                                           "pages_used": g.n_pages - g.free_pages, "page_bytes": g.page_bytes}
                                          for g in p.segments]} for name, p in self._pools.items()}
-            held = sum(h.sequence.cache.bytes for h in self._running
-                       if h.sequence is not None and h.sequence.cache is not None)
+            caches = [h.sequence.cache for h in self._running if h.sequence is not None]
+            held = sum(c.bytes for c in caches if c is not None)
             kept = {"caches": len(self._kept), "tokens": [len(ids) for ids, _ in self._kept],
                     "kv_bytes": sum(c.bytes for _, c in self._kept)}
             return {"running": running, "waiting": waiting, "max_queue": self.max_queue,
@@ -242,10 +242,12 @@ class Scheduler:
             draining = self.draining
             if draining:
                 self._retire_cancelled()
-                shed = list(self._waiting)      # waiting ones: not started, answered now
-                self._waiting.clear()
+                # waiting ones not started are answered now; a preempted one (it was streaming)
+                # waits for pages until the deadline like the running ones
+                shed = [h for h in self._waiting if h.sequence is None]
+                self._waiting = deque(h for h in self._waiting if h.sequence is not None)
                 self.counts["failed"] += len(shed)
-                over = not self._running or time.monotonic() >= self._drain_deadline
+                over = not (self._running or self._waiting) or time.monotonic() >= self._drain_deadline
         if draining:
             for h in shed:
                 h.emit(_SHUTTING_DOWN)
@@ -263,7 +265,9 @@ class Scheduler:
             try:
                 self._step(running)
             except Exception as e:   # a bug in the loop itself: fail the requests, keep serving
-                for h in running:
+                with self._cv:           # not those the step already finished (they were answered)
+                    left = [h for h in running if h in self._running]
+                for h in left:
                     self._fail(h, e)
         if self.fault is not None:
             self._end_after_fault()
@@ -372,7 +376,7 @@ class Scheduler:
                 pass
             if self._short(pool, need):
                 if reused is not None:          # back on the shelf (truncated) for later
-                    self._kept.append((reused[:seq.cached_tokens], seq.cache))
+                    self._shelve(reused[:seq.cached_tokens], seq.cache)
                 else:
                     seq.cache.release()
                 seq.cache, seq.cached_tokens = None, 0
@@ -569,9 +573,7 @@ class Scheduler:
 
     def _fail(self, h: Handle, e: BaseException) -> None:
         self._note_device_error(e)
-        if h.sequence is not None:
-            h.sequence.release()
-        self._retire(h, "failed")
+        self._retire(h, "failed")            # off the running list under the lock, then released
         if not h.cancelled:
             h.emit(_failure(e))
 

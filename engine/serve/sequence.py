@@ -126,14 +126,15 @@ class Sequence:
         prompt row not yet run and every token it may still generate, or only the next
         `horizon` of those tokens (what the scheduler reserves: eviction shrinks it once
         the prompt is compacted); in one segment of the pool only, when `segment` is given."""
-        if self.cache is None:
+        cache = self.cache                   # (read once: /state reads it from another thread)
+        if cache is None:
             return 0
         prefill_to = len(self.job.ids) + len(self.tokens)   # after a preemption, generated tokens too
-        prompt_left = prefill_to - self.cache.logical_length if self.state == "new" else 0
+        prompt_left = prefill_to - cache.logical_length if self.state == "new" else 0
         ahead = max(self.job.params.max_tokens - len(self.tokens), 0)
         if horizon is not None:
             ahead = min(ahead, horizon)
-        return self.cache.pages_needed(prompt_left + ahead, segment)
+        return cache.pages_needed(prompt_left + ahead, segment)
 
     def prefill_step(self) -> bool:
         """Run the next prompt chunk (allocating the cache first if needed); after the

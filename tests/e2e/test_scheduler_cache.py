@@ -90,3 +90,33 @@ def test_running_out_of_device_memory_while_keeping_a_prompt_is_not_the_requests
     assert got["text"] == model.generate(prompt, max_tokens=4, ignore_eos=True, snapkv=ev).text
     pool = sched._pools[model.kv_dtype]
     assert pool.free_pages == pool.n_pages and not sched._kept
+
+
+def test_a_drain_lets_a_preempted_request_finish(model, monkeypatch):
+    """While draining (SIGTERM), a request preempted for pages was already streaming: it
+    waits for pages until the deadline like the running ones and finishes, instead of
+    being failed with the requests that never started."""
+    import time
+    slow = model.forward.decode_batch
+
+    def decode_batch(tokens, caches, **kw):       # slow enough for the drain to begin mid-decode
+        time.sleep(0.02)
+        return slow(tokens, caches, **kw)
+    monkeypatch.setattr(model.forward, "decode_batch", decode_batch)
+    sched = Scheduler(model, max_queue=4, max_running=4, pool_tokens=128)   # two pages a layer
+    ends, done = {}, threading.Semaphore(0)
+    for name, ids in (("a", list(range(3, 63))), ("b", list(range(5, 65)))):
+        def emit(event, name=name):
+            if isinstance(event, (Finished, Failed)):
+                ends[name] = event
+                done.release()
+        sched.submit(Job(ids, greedy(20), None), emit)
+    sched.start()
+    try:
+        time.sleep(0.1)
+        sched.drain(30.0)
+        assert done.acquire(timeout=WAIT_S) and done.acquire(timeout=WAIT_S)
+    finally:
+        sched.stop()
+    assert sched.counts["preempted"] >= 1
+    assert all(isinstance(e, Finished) and e.usage["completion_tokens"] == 20 for e in ends.values()), ends
