@@ -589,6 +589,7 @@ class ForwardPass:
         if kv.logical_length == 0 and may_read:
             first = self.backend.download(k[:CENTRE_ROWS]).astype(np.float64)
             kv.key_centre = self.backend.upload(-first.mean(axis=0, keepdims=True).astype(np.float32))
+            kv.centre_rows = first.shape[0]
         return kv.key_centre
 
     def _attend_heads(self, kv, qkv, attn, dtypes: dict) -> None:

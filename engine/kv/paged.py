@@ -257,6 +257,7 @@ class PagedKvCache:
         self._free_slots: list[int] = []           # sub-pages of held pages no head uses
         self.key_centre = None        # quantized keys: minus their centre, f32 [1, n_kv_heads*head_dim] on
                                       # the device, set by the layer's first write (ForwardPass._key_centre)
+        self.centre_rows = 0          # ... from that many rows (positions 0 .. centre_rows-1)
 
     @property
     def first_row(self) -> int:
@@ -694,6 +695,14 @@ class KvCache:
         # run them again (ForwardPass.prefill_steps); None when unknown
         self.tail_queries: tuple[int, np.ndarray] | None = None
 
+    @property
+    def centre_rows(self) -> int:
+        """The positions 0 .. n-1 whose keys centre the quantized key rows (the first write's
+        first rows, ForwardPass._key_centre); 0 when no layer is centred. Rows written after
+        them are stored relative to that centre, so a cache continues a prompt exactly as a
+        fresh prefill would only when that prefill's first write would take the same rows."""
+        return max((layer.centre_rows for layer in self.layers if layer.key_centre is not None), default=0)
+
     def copy(self) -> "KvCache":
         """An independent cache with the same rows (same page ids in a new pool laid out
         as this one's), so one prefill can be branched into several eviction policies."""
@@ -757,6 +766,7 @@ class KvCache:
             theirs.row_bias, theirs._bias_dev = mine.row_bias, mine._bias_dev   # read-only, shared
             theirs._head_bias_dev = mine._head_bias_dev
             theirs.key_centre = mine.key_centre                                 # read-only, shared
+            theirs.centre_rows = mine.centre_rows
             if mine.ragged:
                 theirs.take_heads(mine, remap)
         other.eviction, other.tail_queries = self.eviction, self.tail_queries      # (read-only, shared)

@@ -62,6 +62,7 @@ from collections import deque
 
 from ..errors import DeviceError, DeviceFault, DeviceOutOfMemory, EngineError
 from ..kv.paged import KvCacheError
+from ..forward import CENTRE_ROWS
 from ..model import available_memory_bytes
 from ..grammar import fill_masks
 from .sequence import Failed, Job, Sequence
@@ -397,6 +398,10 @@ class Scheduler:
         job, best, n_best = seq.job, None, 0
         if job.echo and job.logprobs is not None:   # every prompt token is scored: run them all
             return None
+        # quantized keys are stored minus the mean of the first write's first rows: a cache
+        # continues exactly as a fresh prefill only when that prefill would centre on the same
+        # rows (the first min(CENTRE_ROWS, chunk, prompt) positions), shared in full
+        centre = min(CENTRE_ROWS, self.model.forward.chunk, len(job.ids) + len(seq.tokens))
         window_from = None                          # the observation window's first position
         if job.snapkv is not None and len(job.ids) >= job.snapkv.window and job.snapkv.compacts(len(job.ids)):
             window_from = len(job.ids) - job.snapkv.window
@@ -408,6 +413,8 @@ class Scheduler:
                 if a != b:
                     break
                 n += 1
+            if cache.centre_rows and (cache.centre_rows != centre or n < centre):
+                continue
             tq = cache.tail_queries                  # (first position, queries [.., .., count, ..])
             if window_from is not None and n > window_from and (
                     tq is None or tq[0] > window_from or n > tq[0] + tq[1].shape[2]):

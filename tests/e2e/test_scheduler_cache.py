@@ -120,3 +120,29 @@ def test_a_drain_lets_a_preempted_request_finish(model, monkeypatch):
         sched.stop()
     assert sched.counts["preempted"] >= 1
     assert all(isinstance(e, Finished) and e.usage["completion_tokens"] == 20 for e in ends.values()), ends
+
+
+def test_a_quantized_cache_is_reused_only_where_its_keys_centre_on_the_same_rows(model):
+    """Quantized keys are stored minus the mean of the first write's first rows: a kept
+    cache continues a prompt as a fresh prefill would only when that prefill would centre
+    on the same rows. A 100-token prompt's cache is not reused by a longer prompt sharing
+    30 tokens (its centre came from 100 rows, a fresh one from 256); prompts that share
+    their first 256 positions reuse it. Either way the answer is generate's."""
+    sched = Scheduler(model, max_queue=4, max_running=2)
+    sched.start()
+    try:
+        a = list(range(3, 103))
+        run(sched, Job(a, greedy(4), None, "tq4"))
+        b = a[:30] + [150 + i % 100 for i in range(150)]
+        got_b = run(sched, Job(b, greedy(4), None, "tq4"))
+        c = [3 + i % 250 for i in range(300)]
+        run(sched, Job(c, greedy(4), None, "tq4"))
+        d = c + [7, 8, 9]
+        got_d = run(sched, Job(d, greedy(4), None, "tq4"))
+    finally:
+        sched.stop()
+    assert got_b["end"].usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert got_d["end"].usage["prompt_tokens_details"]["cached_tokens"] == len(c)
+    for ids, got in ((b, got_b), (d, got_d)):
+        want = model.generate(ids, max_tokens=4, ignore_eos=True, kv_dtype="tq4", snapkv=False)
+        assert got["text"] == want.text
