@@ -76,10 +76,14 @@ def test_info_json(tiny_llama):
     assert per_token == {"bf16": info["kv_bytes_per_token_bf16"], "tq4": 2 * 2 * 2 * 10, "tq3": 2 * 2 * 2 * 8}
 
 
+def bench_cli(model, out, *flags):
+    """engine bench on a small model: 3 tokens decoded a case, SnapKV budget 80 (window 8)."""
+    return cli("bench", str(model), "--decode-tokens", "3", "--no-llama-cpp", "--out", str(out),
+               "--kv-budget", "80", "--kv-window", "8", "--kv-min-tokens", "16", *flags)
+
+
 def test_bench_writes_json(tiny_llama, tmp_path):
-    r = cli("bench", str(tiny_llama), "--lengths", "40,100", "--decode-tokens", "3", "--no-llama-cpp",
-            "--out", str(tmp_path), "--kv-budget", "80", "--kv-window", "8", "--kv-min-tokens", "16",
-            "--kv-dtypes", "bf16,tq4")
+    r = bench_cli(tiny_llama, tmp_path, "--lengths", "40,100", "--kv-dtypes", "bf16,tq4")
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-cpu.json").read_text())
     assert [(c["prompt_tokens"], c["kv_dtype"]) for c in report["cases"]] == [
@@ -103,9 +107,7 @@ def test_bench_writes_json(tiny_llama, tmp_path):
 
 def test_bench_repeats_report_medians(tiny_llama, tmp_path):
     """--repeats N: every case measured N times, its timings the medians, each run's kept."""
-    r = cli("bench", str(tiny_llama), "--lengths", "100", "--decode-tokens", "3", "--no-llama-cpp",
-            "--out", str(tmp_path), "--kv-budget", "80", "--kv-window", "8", "--kv-min-tokens", "16",
-            "--repeats", "3")
+    r = bench_cli(tiny_llama, tmp_path, "--lengths", "100", "--repeats", "3")
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-cpu.json").read_text())
     assert report["repeats"] == 3 and "repeat 3/3" in r.stderr and "(medians of 3 runs)" in r.stdout
@@ -151,9 +153,7 @@ def test_bench_share_prefill(tiny_llama, tmp_path):
     """--share-prefill: one prefill a case, the full cache a copy taken before SnapKV
     compacts; both caches as in separate prefills, and prompts SnapKV would not compact
     refused in one line before any work."""
-    r = cli("bench", str(tiny_llama), "--lengths", "100", "--decode-tokens", "3", "--no-llama-cpp",
-            "--out", str(tmp_path), "--kv-budget", "80", "--kv-window", "8", "--kv-min-tokens", "16",
-            "--kv-dtypes", "bf16,tq4", "--share-prefill")
+    r = bench_cli(tiny_llama, tmp_path, "--lengths", "100", "--kv-dtypes", "bf16,tq4", "--share-prefill")
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-cpu.json").read_text())
     assert report["share_prefill"] is True
