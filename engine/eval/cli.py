@@ -161,7 +161,7 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
     try:
         with open(path) as f:
             if path.endswith(".jsonl"):
-                rows, meta = _jsonl_rows(f.read(), path), _run_identity(path)
+                rows, meta = _jsonl_rows(f.read(), path), _run_identity(path)   # ({} unless a run's own)
             else:
                 doc = json.load(f)
                 rows, meta = doc["samples"], doc["meta"]
@@ -179,7 +179,7 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
             raise EngineError(f"--render: {path} sample {i} is not an eval sample (missing {', '.join(missing)})")
     if path.endswith(".jsonl"):
         meta = {**_meta_from_rows(rows, meta.get("model")), **meta}
-    return meta, _unique(rows, path)
+    return meta, _unique(rows)
 
 
 def _jsonl_rows(text: str, path: str) -> list[dict]:
@@ -198,7 +198,7 @@ def _jsonl_rows(text: str, path: str) -> list[dict]:
     return rows
 
 
-def _unique(rows: list[dict], path: str) -> list[dict]:
+def _unique(rows: list[dict]) -> list[dict]:
     """One row per sample and policy: a row written twice (a run cut short mid-write, then
     resumed) counts once."""
     seen, out = set(), []
@@ -218,9 +218,11 @@ def _identity_path(partial: str) -> str:
 
 
 def _run_identity(partial: str) -> dict:
-    """What a run cut short was run with (samples.meta.json beside its rows; {} for one
-    written before that file existed)."""
+    """What a run cut short was run with (samples.meta.json beside its samples.partial.jsonl;
+    {} for rows under another name, or a run from before that file existed)."""
     import json
+    if os.path.basename(partial) != "samples.partial.jsonl":
+        return {}
     try:
         with open(_identity_path(partial)) as f:
             meta = json.load(f)

@@ -285,7 +285,7 @@ class Scheduler:
         MAX_KV_POOLS at once (a client names the layout: each pool is a whole
         --kv-pool-tokens of pages). At the cap the least recently used idle pool other
         than the server's own layout is dropped, with its kept caches, to make room, else
-        PoolsBusy; a pool larger than the memory available is PoolsBusy too (CPU)."""
+        PoolsBusy; a pool larger than the memory free is PoolsBusy too (_short_of_memory)."""
         name = self.model.kv_dtype_of(kv_dtype)
         if name in self._pools:
             self._pools[name] = self._pools.pop(name)          # most recently used last
