@@ -266,53 +266,66 @@ def run_bench(args, settings) -> int:
                           "budget and window)")
     cases = [(i, n, ids, dtype) for i, (n, ids) in enumerate(zip(lengths, prompts)) for dtype in dtypes]
 
-    def our_run() -> list[tuple]:
+    header = (f"{'prompt':>7} {'KV':>5} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
+              + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
+              + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else "")
+              + (f"   (medians of {repeats} runs)" if repeats > 1 else ""))
+    rows = []
+
+    def report_case(c: int, k, full, llama_row) -> None:
+        """A case's row, printed as the table's next line."""
+        _, n, _, dtype = cases[c]
+        row = {"prompt_tokens": n, "kv_dtype": dtype, "engine": full}
+        line = (f"{n:>7} {dtype:>5} | {full['prefill_tok_s']:>10.1f} t/s {full['decode_tok_s']:>6.1f} t/s "
+                f"{full['kv_bytes'] / 2**20:>7.1f} |")
+        if evicting:
+            row["engine_snapkv"] = k
+            row["snapkv_decode_speedup"] = k["decode_tok_s"] / full["decode_tok_s"]
+            row["snapkv_kv_ratio"] = full["kv_bytes"] / k["kv_bytes"]
+            if k["snapkv"]:
+                row["snapkv_overhead"] = k["snapkv"]["seconds"] / k["prefill_s"]   # share of prefill time
+            line += (f" {k['prefill_tok_s']:>10.1f} t/s {k['decode_tok_s']:>6.1f} t/s "
+                     f"{k['kv_bytes'] / 2**20:>7.1f} |")
+        if llama_row is not None:
+            row["llama_cpp"] = llama_row
+            row["ratio_prefill"] = full["prefill_tok_s"] / llama_row["prefill_tok_s"]
+            row["ratio_decode"] = full["decode_tok_s"] / llama_row["decode_tok_s"]
+            line += (f" {llama_row['prefill_tok_s']:>13.1f} t/s {llama_row['decode_tok_s']:>6.1f} t/s |"
+                     f" {row['ratio_prefill']:>6.2f}x {row['ratio_decode']:>6.2f}x")
+        print(line, flush=True)
+        rows.append(row)
+
+    def our_run(live: bool) -> list[tuple]:
+        """Every case once: [(SnapKV case or None, full-cache case)]; `live`: each reported
+        as it ends (one run: its numbers are the table's)."""
         out = []
-        for _, _, ids, dtype in cases:
+        for c, (i, _, ids, dtype) in enumerate(cases):
             if share:
                 out.append(_shared_cases(model, ids, args.decode_tokens, dtype))
             else:   # the evicting case first: its peak RSS is then its own, not the full cache's
                 k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype) if evicting else None
                 out.append((k, _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype)))
+            if live:
+                report_case(c, *out[-1], llama_runs[0][i] if use_llama_cpp else None)
         return out
-    ours_runs = []
-    for r in range(repeats):             # in alternating pairs: llama.cpp, ours | ours, llama.cpp | ...
-        if repeats > 1:
+    if repeats == 1:
+        print(header)
+        our_run(live=True)
+    else:
+        ours_runs = []
+        for r in range(repeats):         # in alternating pairs: llama.cpp, ours | ours, llama.cpp | ...
             print(f"repeat {r + 1}/{repeats}", file=sys.stderr, flush=True)
-        if use_llama_cpp and r % 2 == 0 and r > 0:          # (the first ran before the warm-up)
-            llama_runs.append(llama_run())
-        ours_runs.append(our_run())
-        if use_llama_cpp and r % 2 == 1:
-            llama_runs.append(llama_run())
-    llama_rows = [_median_case([run[i] for run in llama_runs]) for i in range(len(lengths))] if use_llama_cpp else None
-    print(f"{'prompt':>7} {'KV':>5} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
-          + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
-          + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else "")
-          + (f"   (medians of {repeats} runs)" if repeats > 1 else ""))
-    rows = []
-    for c, (i, n, _, dtype) in enumerate(cases):
-        full = _median_case([run[c][1] for run in ours_runs])
-        k = _median_case([run[c][0] for run in ours_runs]) if evicting else None
-        row = {"prompt_tokens": n, "kv_dtype": dtype, "engine": full}
-        e = row["engine"]
-        line = (f"{n:>7} {dtype:>5} | {e['prefill_tok_s']:>10.1f} t/s {e['decode_tok_s']:>6.1f} t/s "
-                f"{e['kv_bytes'] / 2**20:>7.1f} |")
-        if evicting:
-            row["engine_snapkv"] = k
-            row["snapkv_decode_speedup"] = k["decode_tok_s"] / e["decode_tok_s"]
-            row["snapkv_kv_ratio"] = e["kv_bytes"] / k["kv_bytes"]
-            if k["snapkv"]:
-                row["snapkv_overhead"] = k["snapkv"]["seconds"] / k["prefill_s"]   # share of prefill time
-            line += (f" {k['prefill_tok_s']:>10.1f} t/s {k['decode_tok_s']:>6.1f} t/s "
-                     f"{k['kv_bytes'] / 2**20:>7.1f} |")
-        if llama_rows is not None:
-            row["llama_cpp"] = l = llama_rows[i]
-            row["ratio_prefill"] = e["prefill_tok_s"] / l["prefill_tok_s"]
-            row["ratio_decode"] = e["decode_tok_s"] / l["decode_tok_s"]
-            line += (f" {l['prefill_tok_s']:>13.1f} t/s {l['decode_tok_s']:>6.1f} t/s |"
-                     f" {row['ratio_prefill']:>6.2f}x {row['ratio_decode']:>6.2f}x")
-        print(line, flush=True)
-        rows.append(row)
+            if use_llama_cpp and r % 2 == 0 and r > 0:      # (the first ran before the warm-up)
+                llama_runs.append(llama_run())
+            ours_runs.append(our_run(live=False))
+            if use_llama_cpp and r % 2 == 1:
+                llama_runs.append(llama_run())
+        print(header)
+        for c, (i, *_) in enumerate(cases):
+            report_case(c, _median_case([run[c][0] for run in ours_runs]) if evicting else None,
+                        _median_case([run[c][1] for run in ours_runs]),
+                        _median_case([run[i] for run in llama_runs]) if use_llama_cpp else None)
+    llama_rows = [row["llama_cpp"] for row in rows] if use_llama_cpp else None
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": os.path.basename(str(path)), "backend": model.backend.name, "threads": threads,
