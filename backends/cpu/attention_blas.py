@@ -30,6 +30,7 @@ rows below the first query's window are never read.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -256,15 +257,34 @@ def _run_items(run, items) -> None:
                 return
             run(item)
 
-    libs = _blas_libs()
-    saved = [lib.get_num_threads() for lib in libs]
-    for lib in libs:
-        lib.set_num_threads(1)
-    try:
+    with _single_threaded_blas():
         futures = [_POOL.submit(worker) for _ in range(workers)]
         wait(futures)
         for f in futures:
             f.result()
+
+
+_BLAS_USERS = [0, None]            # callers inside _single_threaded_blas, the counts it saved
+_BLAS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _single_threaded_blas():
+    """The BLAS at one thread while any caller is inside (two prefills may overlap: the
+    first saves the thread counts, the last restores them; each saving and restoring
+    alone would leave the BLAS at one thread for good)."""
+    with _BLAS_LOCK:
+        if _BLAS_USERS[0] == 0:
+            libs = _blas_libs()
+            _BLAS_USERS[1] = [(lib, lib.get_num_threads()) for lib in libs]
+            for lib in libs:
+                lib.set_num_threads(1)
+        _BLAS_USERS[0] += 1
+    try:
+        yield
     finally:
-        for lib, n in zip(libs, saved):
-            lib.set_num_threads(n)
+        with _BLAS_LOCK:
+            _BLAS_USERS[0] -= 1
+            if _BLAS_USERS[0] == 0:
+                for lib, n in _BLAS_USERS[1]:
+                    lib.set_num_threads(n)

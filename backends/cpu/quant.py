@@ -23,6 +23,8 @@ load, so `matmul` for a decode step is one dict-free call into numba.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
@@ -80,7 +82,8 @@ def load_weight(raw: np.ndarray, qtype, shape) -> QuantWeight:
     return QuantWeight(qtype, (rows, cols), arrays, mv, args, K.DEQUANTIZE[kind], args, K.MAT_MAT[kind])
 
 
-_scratch = np.empty(0, np.float32)   # shared mat-mat scratch (single-threaded callers)
+_local = threading.local()           # each thread's mat-mat scratch (a server's worker and a caller
+                                     # may prefill at once; the dequantization and sgemm drop the GIL)
 
 
 def matmul(w: QuantWeight, x: np.ndarray, out: np.ndarray, bias=None) -> None:
@@ -98,14 +101,14 @@ def matmul(w: QuantWeight, x: np.ndarray, out: np.ndarray, bias=None) -> None:
 
 
 def _matmat(w: QuantWeight, x: np.ndarray, out: np.ndarray) -> None:
-    global _scratch
     rows, cols = w.shape
     ch = min(w._chunk, rows)
-    if _scratch.size < ch * cols:
-        _scratch = np.empty(ch * cols, np.float32)
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None or scratch.size < ch * cols:
+        scratch = _local.scratch = np.empty(ch * cols, np.float32)
     for r0 in range(0, rows, ch):
         r1 = min(rows, r0 + ch)
-        tile = _scratch[:(r1 - r0) * cols].reshape(r1 - r0, cols)    # f32 [r1-r0, cols]
+        tile = scratch[:(r1 - r0) * cols].reshape(r1 - r0, cols)     # f32 [r1-r0, cols]
         w._deq(*w._deq_args, w._rowids[r0:r1], tile)
         out[:, r0:r1] = x @ tile.T
 

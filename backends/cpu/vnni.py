@@ -425,7 +425,9 @@ def make_quant_row(L: int, planes: int, step: float, tokens: int = 1):
             sx = builder.call(fadd_r, [f32(-0.0), xv], fastmath=_FAST)
             amax = builder.call(fmax_r, [builder.call(fabs, [xv])], fastmath=("nnan",))
             dx = builder.fdiv(amax, f32(127))
-            inv = builder.select(builder.fcmp_ordered(">", dx, f32(0)), builder.fdiv(f32(1), dx), f32(0))
+            # a block whose step is subnormal (|x| < 1.5e-36: a GELU or SiLU gate deep in its
+            # tail) codes as zeros: 1/dx would overflow to inf and turn its zeros into NaN
+            inv = builder.select(builder.fcmp_ordered(">=", dx, f32(2.0 ** -126)), builder.fdiv(f32(1), dx), f32(0))
             res = builder.fmul(xv, _splat(builder, inv, VL))
             qsum = None
             for p in range(planes):

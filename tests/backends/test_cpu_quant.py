@@ -126,6 +126,25 @@ def test_extreme_codes_and_activations(qtype):
         check_matmul(w, W, np.tile(x, (3, 1))[:n])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q6_K], ids=lambda q: q.name)
+def test_a_block_of_tiny_activations_stays_finite(qtype):
+    """A block whose activations are all below ~1.5e-36 (a GELU or SiLU gate deep in its
+    tail times the up projection) quantizes to zeros: its step's inverse would overflow to
+    inf and turn the block's zeros into NaN, every output with them."""
+    rows, cols = 32, 512
+    raw = make_raw(qtype, rows, cols)
+    W = ref_dequant(raw, qtype, rows, cols)
+    w = load_weight(raw, qtype, (rows, cols))
+    x = np.random.default_rng(3).standard_normal((12, cols)).astype(np.float32)
+    x[:, 32:64] = 1.8e-37 * np.sign(x[:, 32:64])
+    x[:, 64:96] = 0.0
+    for n in (1, 4, 12):                              # mat-vec, batched, mat-mat
+        out = np.empty((n, rows), np.float32)
+        matmul(w, x[:n], out)
+        assert np.isfinite(out).all()
+        check_matmul(w, W, x[:n])
+
+
 @pytest.mark.parametrize("qtype,bound", [(Q.Q4_1, 1.01), (Q.Q8_0, 1.01), (Q.Q4_K, 1.03), (Q.Q6_K, 1.01)],
                          ids=lambda v: getattr(v, "name", ""))
 def test_weights_stay_quantized(qtype, bound):

@@ -46,3 +46,37 @@ def test_threads_hold_numba_in_every_thread_and_the_blas(tiny_llama):
                        cwd=ROOT, timeout=300, env={k: v for k, v in os.environ.items() if k != "SHARPI_THREADS"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split("\n")[-2] == "1 [1] [1]", r.stdout
+
+
+def test_float_weight_prefills_in_two_threads_do_not_share_scratch():
+    """A server's worker and a caller may prefill at once: the float weights' mat-mat
+    dequantizes row chunks into scratch and multiplies without the GIL, so each thread
+    has its own (a shared one gave the other thread's weights)."""
+    import threading
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from backends.cpu import quant
+    rng = np.random.default_rng(0)
+    rows, cols, n = 1024, 512, 32
+    ws = [quant.load_weight(rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8), Q.F16,
+                            (rows, cols)) for _ in range(2)]
+    xs = [rng.standard_normal((n, cols)).astype(np.float32) for _ in range(2)]
+    want = []
+    for w, x in zip(ws, xs):
+        want.append(np.empty((n, rows), np.float32))
+        quant.matmul(w, x, want[-1])
+    wrong = [0, 0]
+
+    def worker(k):
+        out = np.empty((n, rows), np.float32)
+        for _ in range(60):
+            quant.matmul(ws[k], xs[k], out)
+            wrong[k] += not np.array_equal(out, want[k])
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == [0, 0]
