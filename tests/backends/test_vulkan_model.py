@@ -169,16 +169,20 @@ def test_a_small_buffer_range_splits_kv_pools_and_weights(monkeypatch, models, s
     import engine
     from engine.errors import BackendUnavailable
     vulkan_reporting(monkeypatch, max_storage_buffer_range=1 << 20)
-    small = engine.load(smollm2_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
+    # prefill chunks of 64 tokens: their largest buffer (gate and up, 768 KiB) within the range
+    small = engine.load(smollm2_path, backend="vulkan", ctx=CTX, snapkv_budget=0, prefill_chunk=64)
     cache = small.new_cache()
     per_layer = CTX * small.config.n_kv_heads * small.config.head_dim * 2        # bf16 K of one layer
     assert len(cache.pool.segments) == -(-small.config.n_layers // ((1 << 20) // per_layer))
     assert all(4 * a.buffer.n_words <= 1 << 20 for s in cache.pool.segments for a in (s.k_pages, s.v_pages))
     check_logits_and_tokens(models[0], small, models[0].tokenize(PROMPT), 4, tol=1e-4)
-    big = engine.load(smollm2_path, backend="vulkan", ctx=4096, snapkv_budget=0)
+    big = engine.load(smollm2_path, backend="vulkan", ctx=4096, snapkv_budget=0, prefill_chunk=64)
     with pytest.raises(BackendUnavailable, match=r"one layer's KV pages need a 2 MiB buffer, .* \(1 MiB: "
                                                  r"maxStorageBufferRange"):
         big.generate("hi", max_tokens=1)
+    with pytest.raises(engine.EngineError, match=r"a prefill chunk of 256 tokens needs a 3 MiB buffer, more "
+                                                 r"than one shader binding .*--prefill-chunk"):
+        engine.load(smollm2_path, backend="vulkan", ctx=CTX, snapkv_budget=0)
 
 
 def test_gpu_buffers_live_in_device_memory_only(monkeypatch, models, smollm2_path):

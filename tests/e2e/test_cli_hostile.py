@@ -111,11 +111,10 @@ def test_out_paths(tmp_path, tiny_llama):
     (["-n", "abc"], ["-n/--max-tokens", "invalid int"]),
     (["--temp", "hot"], ["--temp"]),
     (["--no-such-flag"], ["unrecognized arguments"]),
-    (["-p", "x"], ["either -p TEXT or -f FILE"]),
+    (["--system", "Be brief."], ["--system needs --chat"]),
 ])
 def test_flag_messages(tiny_llama, tmp_path, flags, needles):
-    prompt = ["-f", __file__] if flags == ["-p", "x"] else ["-p", "hi"]
-    assert_one_line_error(run_cli("run", str(tiny_llama), *prompt, *flags), *needles)
+    assert_one_line_error(run_cli("run", str(tiny_llama), "-p", "hi", *flags), *needles)
 
 
 def test_no_subcommand_is_one_line():
