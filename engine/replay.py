@@ -86,7 +86,11 @@ class DecodeReplay:
 
     @staticmethod
     def usable(caches) -> bool:
-        return not any(kv.ragged for cache in caches for kv in cache.layers)
+        """Not for ragged heads, nor for an empty layer whose keys are centred: its first
+        write sets the centre, which a recorded step cannot read back (that step runs
+        fresh; the next ones record)."""
+        return not any(kv.ragged or (kv.logical_length == 0 and kv.pool.k_dtype != "bf16")
+                       for cache in caches for kv in cache.layers)
 
     def step(self, tokens, caches: list, s, argmax: bool = False):
         """The work of one decode step of caches[i] taking tokens[i] at its logical length,
@@ -113,8 +117,13 @@ class DecodeReplay:
         rows[:, :, 0] = [[cache.layers[li].length for cache in caches] for li in range(n_layers)]
         rows[:, :, 1] = rows[:, :, 0] + 1
         out = s.ids[:n] if argmax else s.logits[:n]
+        # positions the RoPE table a recording binds must hold: the context, doubled while a
+        # compacted cache's positions pass it (rows stay few; positions keep counting)
+        top, limit = max(c.logical_length for c in caches), fp.max_ctx
+        while limit <= top:
+            limit *= 2
         kept = self._kept.get((n, argmax))
-        if kept is not None and kept[0] == key:
+        if kept is not None and kept[0] == key and top < kept[5]:
             fp.backend.replay(kept[1], values)
             for cache in caches:
                 for kv in cache.layers:
@@ -126,11 +135,11 @@ class DecodeReplay:
             def run():
                 fp._forward(np.array(tokens, dtype=np.int32), [(c, 1) for c in caches], s, step=True)
                 fp._step_output(s, n, argmax)
-            recording = fp.backend.record_step(values, run, max_position=fp.max_ctx, readback=out)
+            recording = fp.backend.record_step(values, run, max_position=limit, readback=out)
             counters["recordings"] += 1
             if recording is not None:        # None: the backend could not record the step whole
                 owners = [weakref.finalize(c, self.forget, n) for c in caches]
-                self._kept[(n, argmax)] = (key, recording, s, owners, bound)   # bound: ids stay theirs
+                self._kept[(n, argmax)] = (key, recording, s, owners, bound, limit)   # bound: ids stay theirs
         return out
 
     def forget(self, n: int | None = None, argmax: bool | None = None) -> None:

@@ -403,11 +403,14 @@ class PagedKvCache:
         """Rows (= positions: never compacted) n.. are dropped, their pages returned."""
         self.length = self.logical_length = n
         self._release_from(n)
+        if n == 0:
+            self.key_centre, self.centre_rows = None, 0  # empty again: the next first write sets them
 
     def release(self) -> None:
         """Every page back to the pool; the layer is empty."""
         self._release_from(0)
         self.first_page = self.length = self.logical_length = self.intact_from = 0
+        self.key_centre, self.centre_rows = None, 0      # the next first write sets them
         self.last_keep = None
         self._set_bias(None)
         self._set_heads(None)

@@ -302,3 +302,39 @@ def test_replayed_steps_launch_nothing(backend, tiny):
             assert later["launches_per_token"] == 0 and (later["recordings"], later["replays"]) == (0, 4)
         else:
             assert later["launches_per_token"] == first["launches_per_token"] and later["replays"] == 0
+
+
+def test_replay_past_the_context_of_a_compacted_cache(backend, tiny):
+    """A compacted cache holds few rows while its positions keep counting: a step whose
+    position passes the RoPE table the recording bound (the context, here 512: a table of
+    4096) records again with a larger one, so replayed logits stay the fresh ones (the
+    shaders would read past the table)."""
+    on, off = pair(tiny["qwen2-q4_1"], backend, prefill_chunk=64, ctx=512)
+    cfg = SnapKvConfig(budget=64, window=16, min_tokens=32)
+    got = []
+    for m in (on, off):
+        cache, logits = m.prefill(PROMPT[:150], snapkv=cfg)
+        out = decode_logits(m, cache, logits, 2)
+        for kv in cache.layers:               # a long history after compaction: positions 4094 ..
+            kv.logical_length += 4094 - cache.logical_length
+        out += decode_logits(m, cache, out[-1], 4)
+        got.append(out)
+    for i, (a, b) in enumerate(zip(*got)):
+        np.testing.assert_array_equal(a, b, err_msg=f"decode step {i}")
+    assert on.forward.replay.stats["recordings"] >= 2
+
+
+def test_an_emptied_cache_sets_its_key_centre_afresh(backend, tiny):
+    """A released cache decoding again from nothing (quantized keys): its first write sets
+    the key centre, which a recorded step cannot read back: that step runs fresh, the next
+    record, and the logits equal fresh launches'."""
+    on, off = pair(tiny["llama-q4_k-gqa4"], backend, prefill_chunk=64, ctx=512)
+    got = []
+    for m in (on, off):
+        cache, logits = m.prefill(PROMPT[:70], kv_dtype="q8_0")
+        cache.release()
+        assert cache.centre_rows == 0
+        got.append(decode_logits(m, cache, logits, 4))
+        assert cache.centre_rows == 1
+    for i, (a, b) in enumerate(zip(*got)):
+        np.testing.assert_array_equal(a, b, err_msg=f"decode step {i}")
