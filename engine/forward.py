@@ -184,14 +184,15 @@ class ForwardPass:
         self.max_ctx, self.chunk, self.page_size = max_ctx, chunk, page_size
         self.kv_dtype = kv_dtype              # new caches' row formats (see new_cache)
         self.weights = load_weights(g, cfg, backend)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = cfg.attention_scale
         self.embed_scale = math.sqrt(cfg.dim) if cfg.arch.embed_scale else None
         acts = {"silu": backend.silu_gate, "gelu_tanh": backend.gelu_gate}
         if cfg.arch.ffn_act not in acts:
             raise EngineError(f"unknown feed-forward activation '{cfg.arch.ffn_act}' ({', '.join(acts)})")
         self.gate_act = acts[cfg.arch.ffn_act]
-        factors = cfg.rope_freq_factors
-        self.rope_factors = None if factors is None else np.asarray(factors, np.float32)   # [rot_dim/2]
+        # each layer's RoPE frequency divisors, f32 [rot_dim/2] or None
+        self.rope_factors = [None if f is None else np.asarray(f, np.float32)
+                             for f in map(cfg.layer_rope_factors, range(cfg.n_layers))]
         self._decode_scratch = Scratch(backend, cfg, 1)
         self._prefill_scratch: Scratch | None = None
         self._batch_scratch: Scratch | None = None   # decode_batch, grown on demand
@@ -488,7 +489,7 @@ class ForwardPass:
             fused = capture is None and n == len(rows) and all(self._fuses_rope(r[0], li, step) for r in rows)
             if not fused:
                 b.rope(qkv[:, :k_end], positions, c.n_heads + c.n_kv_heads, c.head_dim, c.rot_dim,
-                       c.layer_rope_base(li), c.arch.rope_neox, self.rope_factors)
+                       c.layer_rope_base(li), c.arch.rope_neox, self.rope_factors[li])
             for i, (cache, lo, hi) in enumerate(rows):
                 self._attend(cache, li, window, qkv[lo:hi], attn[lo:hi], capture, (i, n) if step else None,
                              positions[lo:hi] if fused else None)
@@ -562,7 +563,7 @@ class ForwardPass:
                        qkv[:, k_end:], start_row, **dtypes)
         else:
             b.rope_kv_write(qkv, positions, c.n_heads, c.rot_dim, c.layer_rope_base(li), c.arch.rope_neox,
-                            self.rope_factors, pages.k_pages, pages.v_pages, table, start_row,
+                            self.rope_factors[li], pages.k_pages, pages.v_pages, table, start_row,
                             centre=kv.key_centre, **dtypes)
         if kv.row_bias is not None:          # merged rows after a compaction (engine/kv/merge.py)
             dtypes["row_bias"] = kv.bias()

@@ -56,6 +56,24 @@ class ModelConfig:
             return self.rope_base_local
         return self.rope_base
 
+    def layer_rope_factors(self, layer: int) -> tuple[float, ...] | None:
+        """A layer's RoPE frequency divisors: the model's, but none on the sliding-window
+        layers of an architecture whose local layers have a RoPE of their own (Gemma 3:
+        its 4B+ files scale the global layers' RoPE x8, the local layers' not at all, as
+        in llama.cpp and HF)."""
+        if self.window(layer) and self.rope_base_local is not None:
+            return None
+        return self.rope_freq_factors
+
+    @property
+    def attention_scale(self) -> float:
+        """The scale of the attention scores: 1/sqrt(head_dim), except Gemma 3 27B's
+        1/sqrt(dim / n_heads) (HF's query_pre_attn_scalar 168, which GGUF files do not
+        carry; llama.cpp tells the 27B by its 62 layers, as here)."""
+        if self.arch.name == "gemma3" and self.n_layers == 62:
+            return 1.0 / math.sqrt(self.dim / self.n_heads)
+        return 1.0 / math.sqrt(self.head_dim)
+
     @property
     def n_global_layers(self) -> int:
         """Layers that attend to (and hold) every position."""
@@ -223,8 +241,9 @@ def _rope_freq_factors(g: GgufFile, rot_dim: int) -> tuple[float, ...] | None:
     """Per-pair RoPE frequency divisors: Llama 3.1+ `rope_freqs.weight` (f32 [rot_dim/2])
     times a linear `rope.scaling.factor`. Other scalings (YaRN, ...) change more than the
     frequencies and are refused rather than run subtly wrong."""
-    kind = str(g.arch_key("rope.scaling.type", "none") or "none").lower()
-    factor = g.arch_key("rope.scaling.factor", 1.0) or 1.0
+    factor = g.arch_key("rope.scaling.factor", None) or g.arch_key("rope.scale_linear", None) or 1.0
+    # a factor without a type is linear, as llama.cpp reads it (and the older rope.scale_linear)
+    kind = str(g.arch_key("rope.scaling.type", None) or ("linear" if factor != 1.0 else "none")).lower()
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
         raise ModelFileError(f"rope.scaling.factor must be a positive number, got {factor!r}: {g.path}")
     factor = float(factor)

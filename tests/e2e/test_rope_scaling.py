@@ -62,3 +62,43 @@ def test_rope_freqs_of_one_change_nothing(tmp_path):
                        snapkv_budget=0)
     ids = REF["variants"]["plain"]["ids"][:200]
     np.testing.assert_array_equal(plain.logits(ids), ones.logits(ids))
+
+
+def test_gemma3_scales_only_its_global_layers_rope(tmp_path):
+    """Gemma 3 4B+ files carry a linear x8 RoPE scaling that applies to the global layers
+    only (llama.cpp, HF): the sliding-window layers keep their own unscaled RoPE. A
+    one-layer model (its layer is local) gives the same logits with and without it; in a
+    six-layer one only layer 5 (global) is scaled."""
+    kw = dict(arch="gemma3", sliding_window=16, seed=5)
+    plain = engine.load(write_tiny_gguf(tmp_path / "p.gguf", n_layers=1, **kw), snapkv_budget=0)
+    scaled = engine.load(write_tiny_gguf(tmp_path / "s.gguf", n_layers=1, rope_scaling=("linear", 8.0), **kw),
+                         snapkv_budget=0)
+    ids = list(range(3, 60))
+    np.testing.assert_array_equal(plain.logits(ids), scaled.logits(ids))
+    six = engine.load(write_tiny_gguf(tmp_path / "6.gguf", n_layers=6, rope_scaling=("linear", 8.0), **kw),
+                      snapkv_budget=0).config
+    half = six.rot_dim // 2
+    assert [six.layer_rope_factors(i) for i in range(6)] == [None] * 5 + [(8.0,) * half]
+
+
+def test_gemma3_27b_attention_scale(tmp_path):
+    """Gemma 3 27B scales attention by 1/sqrt(dim / n_heads) (HF's query_pre_attn_scalar
+    168, not in GGUF; llama.cpp tells the 27B by its 62 layers); other models by
+    1/sqrt(head_dim)."""
+    import dataclasses
+    import math
+    cfg = engine.load(write_tiny_gguf(tmp_path / "g.gguf", arch="gemma3", n_layers=2), snapkv_budget=0).config
+    assert cfg.attention_scale == 1 / math.sqrt(cfg.head_dim)
+    big = dataclasses.replace(cfg, n_layers=62, dim=5376, n_heads=32, head_dim=128)
+    assert big.attention_scale == 1 / math.sqrt(168)
+
+
+def test_a_scaling_factor_without_a_type_is_linear(tmp_path):
+    """As llama.cpp reads them: rope.scaling.factor with no type, or the older
+    rope.scale_linear, scale linearly (they were ignored)."""
+    from gguf import GGUFValueType as T
+    kw = dict(REF["model"])
+    for key in ("{arch}.rope.scaling.factor", "{arch}.rope.scale_linear"):
+        cfg = engine.load(write_tiny_gguf(tmp_path / "f.gguf", **kw, metadata={key: (4.0, T.FLOAT32)}),
+                          snapkv_budget=0).config
+        assert cfg.rope_freq_factors == (4.0,) * (cfg.rot_dim // 2), key
