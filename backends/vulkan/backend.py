@@ -43,7 +43,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from engine.errors import BackendUnavailable, EngineError
+from engine.errors import BackendUnavailable, DeviceFault, DeviceOutOfMemory, EngineError
 
 from . import shaders
 from ..base import GATE_DEFINES, check_kv_dtypes, rope_inv_freq, step_slot
@@ -503,7 +503,13 @@ class VulkanBackend:
         except RuntimeError as e:
             if not str(e).startswith("Kompute: "):
                 raise
-            raise BackendUnavailable(f"backend 'vulkan': {self.device['name']}: {e}") from None
+            where = f"backend 'vulkan': {self.device['name']}: {e}"
+            if "ErrorDeviceLost" in str(e):        # the device reset (a fault, a watchdog): sticky
+                raise DeviceFault(f"{where}: the device was lost; restart the process (a long prefill "
+                                  f"chunk may meet a display driver's watchdog: lower --prefill-chunk)") from None
+            if "ErrorOutOf" in str(e):             # ErrorOutOfDeviceMemory / ErrorOutOfHostMemory
+                raise DeviceOutOfMemory(f"{where} (lower --ctx or --prefill-chunk, or use --kv-budget)") from None
+            raise BackendUnavailable(where) from None
 
     @staticmethod
     def _f32(a, what: str, ndim: int = 2) -> DeviceArray:

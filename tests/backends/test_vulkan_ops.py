@@ -166,8 +166,9 @@ def test_small_device_limits_fail_with_the_named_limit(monkeypatch):
 
 def test_a_failed_submission_is_one_line_and_leaves_nothing_pending():
     """kp (patched) raises when vkQueueSubmit / vkWaitForFences fail (device lost, out of
-    memory); the backend turns that into one line naming the device, and drops the batch."""
-    from engine.errors import BackendUnavailable
+    memory); the backend turns that into one line naming the device (a lost device is a
+    DeviceFault: the process must restart), and drops the batch."""
+    from engine.errors import DeviceFault
     b = make_backend("vulkan")
 
     class Lost:
@@ -178,8 +179,8 @@ def test_a_failed_submission_is_one_line_and_leaves_nothing_pending():
 
     for call in (b.flush, b.submit):
         b._seq = Lost()
-        with pytest.raises(BackendUnavailable, match=r"^backend 'vulkan': .*: Kompute: vkQueueSubmit failed: "
-                                                     r"ErrorDeviceLost$"):
+        with pytest.raises(DeviceFault, match=r"^backend 'vulkan': .*: Kompute: vkQueueSubmit failed: "
+                                              r"ErrorDeviceLost: the device was lost; restart the process"):
             call()
         assert b._seq is None and not b._in_flight
     b._seq = type("Other", (), {"eval": lambda self: (_ for _ in ()).throw(RuntimeError("not kp"))})()

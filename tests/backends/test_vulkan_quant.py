@@ -239,3 +239,18 @@ def test_check_fits_refuses_what_the_device_cannot_run():
     assert vk.check_fits(2 ** 29, 2 ** 28, 4096, 2 ** 20, 256, 1024) is True
     with pytest.raises(EngineError, match=r"model does not fit on .*= 1025 MiB, but its memory is 1024 MiB"):
         vk.check_fits(2 ** 29, 2 ** 29, 4096, 2 ** 20, 256, 1024)
+
+
+@pytest.mark.parametrize("vk_error,kind", [("ErrorDeviceLost", "DeviceFault"),
+                                           ("ErrorOutOfDeviceMemory", "DeviceOutOfMemory"),
+                                           ("ErrorInitializationFailed", "BackendUnavailable")])
+def test_vulkan_errors_are_the_engines_device_errors(vk_error, kind):
+    """A failed Vulkan call (kp raises it, patched) is one line naming the device, of the
+    kind a server acts on: a lost device is a fault (the process must restart), running
+    out of memory is recoverable (503, retry), anything else is the backend failing."""
+    import engine.errors as errors
+    vk = make_backend("vulkan")
+    with pytest.raises(getattr(errors, kind), match=rf"backend 'vulkan': .*{vk_error}") as e:
+        with vk._device_errors():
+            raise RuntimeError(f"Kompute: vkQueueSubmit failed: {vk_error}")
+    assert "\n" not in str(e.value)
