@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
-from backends.kvformat import KvFormat, KvSpec
+from backends.kvformat import KvSpec
 from backends.reference import read_rows
 
 from .errors import EngineError
@@ -231,9 +231,8 @@ class ForwardPass:
 
     def pool_bytes(self, tokens: int, kv_dtype: str | None = None) -> int:
         """The bytes new_pool(tokens, kv_dtype) would allocate (nothing is allocated)."""
-        c, spec = self.cfg, KvSpec.parse(kv_dtype or self.kv_dtype)
-        row = lambda fmt: KvFormat.get(fmt, c.head_dim).row_bytes            # noqa: E731
-        return sum(n * c.n_kv_heads * self.page_size * (row(spec.at(i)[0]) + row(spec.at(i)[1]))
+        spec = KvSpec.parse(kv_dtype or self.kv_dtype)
+        return sum(n * self.page_size * self.cfg.kv_row_bytes(*spec.at(i))
                    for i, n in enumerate(self._pool_pages(tokens)))
 
     # -- public steps -------------------------------------------------------------

@@ -283,18 +283,14 @@ def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
         return []
     _, rows = _load_rows(partial)
     names = [p.name for p in plan.policies]
-    by_sample: dict[tuple, list[dict]] = {}
-    for r in rows:
+    for r in rows:                           # (a row written twice was dropped by _load_rows)
         if r.get("seed") != seed or r["task"] not in plan.tasks or r["length"] not in plan.lengths \
                 or r["policy"] not in names or r["index"] >= plan.samples \
                 or r["depth"] != sample_depth(plan.depths, r["index"], plan.samples):
             raise EngineError(f"--resume: {partial} was written by another plan (sample {r['task']} "
                               f"{r['length']} #{r['index']}, seed {r.get('seed')}, depth {r['depth']}, policy {r['policy']}); "
                               f"run the same command, or drop --resume to start again")
-        group = by_sample.setdefault((r["task"], r["length"], r["index"]), [])
-        if all(x["policy"] != r["policy"] for x in group):      # a row written twice counts once
-            group.append(r)
-    return [r for group in by_sample.values() for r in group]
+    return rows
 
 
 def _write_json(path: str, doc: dict) -> None:
