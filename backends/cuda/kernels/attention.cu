@@ -439,6 +439,8 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
             const float p = vis ? __expf(sv - m_new) : 0.0f;
             const float psum = warp_sum(p);
             sc[qi * SS + lane] = p;
+            __syncwarp();                            // every lane has read mq[qi] (shuffles do not order
+                                                     // shared memory: compute-sanitizer racecheck, H100)
             if (lane == 0) {
                 const float alpha = m_new == NEG_INF ? 1.0f : __expf(m_old - m_new);
                 aq[qi] = alpha;
