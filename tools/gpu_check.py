@@ -13,7 +13,8 @@ git-ignored). Subcommands:
             + untracked files + bundle) and fails over 62 MiB. --no-download: cut the models only,
             count a fixed allowance for the rest.
   run       (GPU machine) every step a subprocess with its own timeout, the whole under --budget-s
-            (450 s); writes report.json + report.md (+ logs/, bench JSON) under --out after every step.
+            (450 s); writes report.json + report.md (+ logs.tar.gz, bench JSON: at most 8 files, what the
+            device tool returns) under --out after every step.
   dry-run   prepare + run here: CUDA on the CPU harness, Vulkan on lavapipe, heavy steps scaled down.
   parity | tiny | env | install | derive | compile | vulkan-env   the steps themselves (used by run).
 
@@ -63,6 +64,8 @@ PIP_PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementa
                 "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
                 "--platform", "manylinux_2_28_x86_64", "--no-deps"]
 SPIRV_TAR = "spirv.tar.xz"       # every shader variant compiled here: the device has no glslangValidator
+GLVND_DIR = "glvnd"
+LOGS_TAR = "logs.tar.gz"
 NVIDIA_ICD = {"file_format_version": "1.0.0", "ICD": {"library_path": "libGLX_nvidia.so.0", "api_version": "1.3"}}
 
 
@@ -118,15 +121,29 @@ def _download_wheels(dest: pathlib.Path) -> list[str]:
     return reqs
 
 
-def _download_vulkan_loader(dest: pathlib.Path) -> str:
-    """Debian's libvulkan1: its libvulkan.so.1, a plain file (links do not travel well)."""
+# Debian packages whose libraries the Vulkan steps carry, as plain files (links do not travel
+# well), each into its folder of the bundle's vulkan/: the loader, and glvnd's EGL, which
+# NVIDIA's Vulkan driver (libGLX_nvidia.so.0) loads at vkCreateInstance: without libEGL.so.1 it
+# gives the loader no vkCreateInstance and kp sees no device (the H100 image, 2026-12-05).
+VULKAN_DEBS = {"libvulkan1": ("", ["libvulkan.so.1"]),
+               "libegl1": (GLVND_DIR, ["libEGL.so.1"]),
+               "libglvnd0": (GLVND_DIR, ["libGLdispatch.so.0"])}
+
+
+def _download_vulkan_libs(dest: pathlib.Path) -> str:
+    """VULKAN_DEBS' libraries into `dest` (apt-get download, dpkg-deb -x): the .deb files' names."""
+    names = []
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["apt-get", "download", "-q", "libvulkan1"], cwd=tmp, check=True, capture_output=True)
-        deb = next(pathlib.Path(tmp).glob("libvulkan1_*.deb"))
-        subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], check=True)
-        lib = next(pathlib.Path(f"{tmp}/x").rglob("libvulkan.so.1"))
-        shutil.copyfile(lib.resolve(), dest / "libvulkan.so.1")
-        return deb.name
+        subprocess.run(["apt-get", "download", "-q", *VULKAN_DEBS], cwd=tmp, check=True, capture_output=True)
+        for pkg, (sub, libs) in VULKAN_DEBS.items():
+            deb = next(pathlib.Path(tmp).glob(f"{pkg}_*.deb"))
+            x = pathlib.Path(tmp) / pkg
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(x)], check=True)
+            (dest / sub).mkdir(parents=True, exist_ok=True)
+            for lib in libs:
+                shutil.copyfile(next(x.rglob(lib)).resolve(), dest / sub / lib)
+            names.append(deb.name)
+    return ", ".join(names)
 
 
 KP_VERSION = "0.9.0"
@@ -265,12 +282,12 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
     wheels = vulkan = kp = None
     if download:
         wheels = _download_wheels(bundle / "wheels")
-        vulkan = _download_vulkan_loader(bundle / "vulkan")
+        vulkan = _download_vulkan_libs(bundle / "vulkan")
         kp = _build_kp_py312(bundle / "vulkan" / "py312")
     (bundle / "vulkan" / "nvidia_icd.json").write_text(json.dumps(NVIDIA_ICD, indent=1) + "\n")
     spirv = _spirv_tar(bundle / "vulkan" / SPIRV_TAR)
     have_wheels = sorted(p.name for p in (bundle / "wheels").glob("*.whl"))
-    have_loader = (bundle / "vulkan" / "libvulkan.so.1").is_file()
+    have_loader = all((bundle / "vulkan" / sub / lib).is_file() for sub, libs in VULKAN_DEBS.values() for lib in libs)
     sizes = call_size(bundle)
     allowance = 0.0 if (have_wheels and have_loader) else ALLOWANCE_MIB * 2**20
     total = sum(sizes.values()) + allowance
@@ -279,7 +296,7 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
         "models": models,
         "wheels": [{"file": n, "bytes": (bundle / "wheels" / n).stat().st_size} for n in have_wheels],
         "wheel_requirements": wheels or [f"{d} (not downloaded)" for d in WHEELS.values()],
-        "vulkan_loader": vulkan or ("libvulkan.so.1 (kept)" if have_loader else "not downloaded"),
+        "vulkan_loader": vulkan or ("libvulkan.so.1, glvnd/ (kept)" if have_loader else "not downloaded"),
         "kp": kp or ("kept" if any((bundle / "vulkan" / "py312").glob("kp.*.so")) else "not built"),
         "spirv": spirv,
         "call_bytes": sizes, "allowance_bytes": allowance, "call_total_bytes": total,
@@ -362,6 +379,9 @@ def _vulkan_env(bundle: pathlib.Path, pythonpath: str = "", work: pathlib.Path |
         notes.append("no system Vulkan loader: using the bundle's libvulkan.so.1")
     else:
         notes.append("no Vulkan loader (system or bundle)")
+    if "libEGL.so.1" not in ldconfig and (bundle / "vulkan" / GLVND_DIR / "libEGL.so.1").is_file():
+        libs.append(str(bundle / "vulkan" / GLVND_DIR))
+        notes.append("no system libEGL.so.1 (NVIDIA's Vulkan driver loads it): using the bundle's glvnd/")
     if libs:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [*libs, os.environ.get("LD_LIBRARY_PATH")]))
     tar = bundle / "vulkan" / SPIRV_TAR
@@ -378,7 +398,18 @@ def _vulkan_env(bundle: pathlib.Path, pythonpath: str = "", work: pathlib.Path |
     icds = [str(p) for d in dict.fromkeys(icd_dirs) for p in sorted(pathlib.Path(d).glob("*.json"))]
     nvidia_json = [p for p in icds if "nvidia" in p.lower()]
     notes.append(f"ICD files: {', '.join(icds) or 'none'}")
-    if not nvidia_json and "libGLX_nvidia.so.0" in ldconfig:
+    # The NVIDIA container toolkit may mount the driver's own files under /usr/local/nvidia/share,
+    # where neither the Vulkan loader nor glvnd looks.
+    driver_share = pathlib.Path("/usr/local/nvidia/share")
+    egl_vendor = driver_share / "glvnd" / "egl_vendor.d" / "10_nvidia.json"
+    if egl_vendor.is_file() and not any((pathlib.Path(d) / "glvnd" / "egl_vendor.d" / "10_nvidia.json").is_file()
+                                        for d in ("/usr/share", "/etc")):
+        env["__EGL_VENDOR_LIBRARY_FILENAMES"] = str(egl_vendor)
+        notes.append(f"EGL vendor file from {egl_vendor}")
+    if not nvidia_json and (driver_share / "vulkan" / "icd.d" / "nvidia_icd.json").is_file():
+        env["VK_ICD_FILENAMES"] = str(driver_share / "vulkan" / "icd.d" / "nvidia_icd.json")
+        notes.append(f"NVIDIA ICD file from {env['VK_ICD_FILENAMES']}")
+    elif not nvidia_json and "libGLX_nvidia.so.0" in ldconfig:
         env["VK_ICD_FILENAMES"] = str(bundle / "vulkan" / "nvidia_icd.json")
         notes.append("libGLX_nvidia.so.0 present but no NVIDIA ICD file: using the bundle's nvidia_icd.json")
     elif not nvidia_json:
@@ -529,6 +560,13 @@ def _last_json(text: str) -> dict | None:
         return None
 
 
+def _pack_logs(logs: pathlib.Path, out: pathlib.Path) -> None:
+    tmp = out / (LOGS_TAR + ".tmp")
+    with tarfile.open(tmp, "w:gz") as t:
+        t.add(logs, arcname="logs")
+    os.replace(tmp, out / LOGS_TAR)
+
+
 def write_report(out: pathlib.Path, report: dict) -> None:
     tmp = out / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
@@ -560,7 +598,7 @@ def markdown(r: dict) -> str:
         lines += ["", "## Bundle", "", f"whole call {b.get('call_total_bytes', 0) / 2**20:.2f} MiB "
                   f"(limit {LIMIT_MIB:.0f}); models: " + "; ".join(f"{m['file']} {m['bytes'] / 2**20:.1f} MiB: {m['about']}"
                                                               for m in b.get("models", []))]
-    lines += ["", "## Steps (last lines of each log; full logs under logs/)"]
+    lines += ["", f"## Steps (last lines of each log; full logs in {LOGS_TAR})"]
     for s in r["steps"]:
         lines += ["", f"### {s['name']}: {s['status']}", "", f"`{s.get('command', '')}`"[:600]]
         if s.get("tail"):
@@ -571,9 +609,10 @@ def markdown(r: dict) -> str:
 def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, only: list[str] | None) -> int:
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "logs").mkdir(exist_ok=True)
     (REPO / WORK_DIR).mkdir(exist_ok=True)   # not /tmp: it may be noexec, and the wheels hold .so files
     work = pathlib.Path(tempfile.mkdtemp(prefix="run-", dir=REPO / WORK_DIR))
+    logs = work / "logs"                     # packed into out/logs.tar.gz after every step: the device
+    logs.mkdir()                             # tool returns at most 8 files
     manifest = {}
     if (bundle / "manifest.json").is_file():
         manifest = json.loads((bundle / "manifest.json").read_text())
@@ -613,12 +652,12 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
         elif left < step.min_s:
             rec["reason"] = "time budget"
         else:
-            log = out / "logs" / f"{step.name}.log"
+            log = logs / f"{step.name}.log"
             rec["status"], rec["reason"] = "running", None
             write_report(out, report)
             s0 = time.monotonic()
             status, rc = _run_step(step, {**env, **step.env}, log, min(step.timeout, left))
-            rec.update(status=status, rc=rc, duration_s=round(time.monotonic() - s0, 2), log=f"logs/{step.name}.log",
+            rec.update(status=status, rc=rc, duration_s=round(time.monotonic() - s0, 2), log=f"{LOGS_TAR}: logs/{step.name}.log",
                        tail=_tail(log, step.tail_lines), timeout_s=round(min(step.timeout, left), 1))
             if status == "skipped":
                 rec["reason"] = (rec["tail"].splitlines() or ["?"])[-1][:300]
@@ -630,6 +669,7 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
                 rec["reason"] = "sanitizer errors (see its log)"
             if step.name == "env" and status == "ok":
                 report["environment"] = _last_json(log.read_text(errors="replace"))
+            _pack_logs(logs, out)
         results[step.name] = rec
         report["duration_s"] = round(time.monotonic() - t0, 1)
         write_report(out, report)
@@ -937,6 +977,29 @@ def cmd_tiny(a) -> int:
     return 1 if failed else 0
 
 
+def _print_loader_errors() -> None:
+    """Why the Vulkan loader found no (GPU) driver: its own error and warning lines from a fresh
+    enumeration (VK_LOADER_DEBUG), then the libraries the drivers looked for and did not find."""
+    probe = "import kp; kp.Manager().list_devices()"
+    env = dict(os.environ, VK_LOADER_DEBUG="error,warn", LD_DEBUG="libs")
+    try:
+        p = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        print("loader diagnosis: the probe took over 60 s")
+        return
+    lines = (p.stdout + p.stderr).splitlines()
+    loader = [ln.strip() for ln in lines if ln.lstrip().startswith(("ERROR", "WARNING"))]
+    # LD_DEBUG=libs: "find library=X" then "trying file=..." per folder; X missing when no
+    # "calling init: .../X" follows
+    wanted = [ln.split("find library=")[1].split(" ")[0].strip(";") for ln in lines if "find library=" in ln]
+    loaded = {ln.rsplit("/", 1)[-1].split(" ")[0] for ln in lines if "calling init:" in ln}
+    missing = [lib for lib in dict.fromkeys(wanted) if lib not in loaded]
+    for ln in list(dict.fromkeys(loader))[:10]:
+        print(f"loader: {ln}")
+    if missing:
+        print(f"libraries looked for and not found: {', '.join(missing)}")
+
+
 def cmd_vulkan_env(a) -> int:
     print(f"LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')}")
     print(f"VK_ICD_FILENAMES={os.environ.get('VK_ICD_FILENAMES', '')}")
@@ -957,10 +1020,13 @@ def cmd_vulkan_env(a) -> int:
         return SKIPPED
     for d in devices:
         print(f"vulkan {d['index']}: {d['name']} ({d['type']}, {d['vendor']}, Vulkan {d['api_version']})")
+    no_gpu = a.gpu and not any(d["type"] in ("discrete", "integrated") for d in devices)
+    if no_gpu or not devices:
+        _print_loader_errors()
     if not devices:
         print("Vulkan: not run: kp imports but finds no Vulkan device")
         return SKIPPED
-    if a.gpu and not any(d["type"] in ("discrete", "integrated") for d in devices):
+    if no_gpu:
         print("Vulkan: not run: no GPU among the Vulkan devices (a CPU driver only: the NVIDIA ICD is missing)")
         return SKIPPED
     from backends.vulkan import shaders

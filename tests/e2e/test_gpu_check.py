@@ -13,6 +13,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -140,6 +141,10 @@ def test_dry_run_writes_a_complete_report(smollm2_path, tmp_path):
     assert [r["layer_windows"] for r in parity] == [[512, 512], [0, 0]] and all(r["ok"] for r in parity)
     bench = json.loads((out / "bench-cuda" / "bench-cuda.json").read_text())
     assert bench["backend"] == "cuda" and bench["cases"][0]["engine_snapkv"]["snapkv"]
+    returned = [f for f in out.rglob("*") if f.is_file()]          # the device tool returns at most 8
+    assert len(returned) <= 8, returned
+    with tarfile.open(out / gpu_check.LOGS_TAR) as t:
+        assert {f"logs/{n}.log" for n, s in steps.items() if s["status"] == "ok"} <= set(t.getnames())
     md = (out / "report.md").read_text()
     assert "DRY RUN" in md and all(f"| {name} |" in md for name in expected)
     manifest = json.loads((bundle / "manifest.json").read_text())
