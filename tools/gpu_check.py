@@ -439,6 +439,7 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         bench = ["--lengths", "96", "--kv-budget", "48", "--kv-window", "16", "--kv-min-tokens", "32",
                  "--decode-tokens", "2", "--prefill-chunk", "64"]
         vk_bench = fresh_bench = bench
+        chunk_bench = [*bench[:-1], "32", "--share-prefill"]
     else:
         parity = ["--tokens", "64", "--prompt-tokens", "300"]
         gemma_prompt = ["--tokens", "64", "--prompt-tokens", "640"]   # past the 512 window of the local layers
@@ -449,6 +450,9 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         bench = ["--lengths", "128,2048,32768", "--kv-budget", "2048"]
         fresh_bench = ["--lengths", "128,2048", "--kv-budget", "2048"]
         vk_bench = ["--lengths", "128,2048,8192", "--kv-budget", "2048"]
+        # the 2026-12-05 H100 run: 32K prefill at 1,042 t/s with chunks of 256 (the prefill
+        # attention grid is ceil(chunk / 64) x query heads = 36 blocks on 132 SMs): the same at 2048
+        chunk_bench = ["--lengths", "2048,32768", "--kv-budget", "2048", "--prefill-chunk", "2048", "--share-prefill"]
     pytest = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-o", "faulthandler_timeout=60", "-p",
               "no:cacheprovider", "--durations=15", "tests/cuda", "tests/backends", "-k", pytest_k]
     if not dry and (importlib.util.find_spec("xdist") or any((bundle / "wheels").glob("pytest_xdist-*.whl"))):
@@ -492,6 +496,10 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
              "launched from Python each token): decode against bench-cuda's replayed steps",
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-fresh"), *fresh_bench],
              90, env={"SHARPI_DECODE_REPLAY": "off"}, needs=bench_needs),
+        Step("bench-cuda-chunk", "bench-cuda at 2K and 32K with --prefill-chunk 2048 (one prefill per length): "
+             "prefill attention's grid grows with the chunk",
+             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-chunk"), *chunk_bench],
+             90, needs=bench_needs),
         Step("bench-vulkan", "engine bench --backend vulkan",
              engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench], 150,
              env=vk_env, needs=("vulkan-env", *bench_needs)),

@@ -132,7 +132,7 @@ def test_dry_run_writes_a_complete_report(smollm2_path, tmp_path):
         if s["status"] == "skipped":
             assert s["reason"], name
     for name in ("env", "install", "compile", "derive-gemma", "parity-cuda-smollm2", "parity-cuda-gemma3",
-                 "tiny-cuda-quick", "pytest-cuda", "bench-cuda", "bench-cuda-fresh"):
+                 "tiny-cuda-quick", "pytest-cuda", "bench-cuda", "bench-cuda-fresh", "bench-cuda-chunk"):
         assert steps[name]["status"] == "ok", name
     assert report["environment"]["executor"] == "cpu-harness"             # the env step's JSON, parsed
     assert any(n.startswith("SPIR-V from the bundle (") for n in report["vulkan_notes"])                            # the device has no shader compiler
