@@ -351,7 +351,8 @@ def run_bench(args, settings) -> int:
     d = report["decode_steps"]
     if d["launches_per_token"] is not None:
         print(f"decode steps: {d['launches_per_token']:.1f} launches and {d['host_us_per_token']:.0f} us "
-              f"before the logits are awaited, a token; {d['recordings']} recorded, {d['replays']} replayed")
+              f"before the logits are awaited, a token; {d['recordings']} recorded, {d['replays']} replayed"
+              + (f" ({d['replayed_host_us_per_token']:.0f} us a replayed token)" if d["replays"] else ""))
     theirs = f", llama.cpp's {max(r['peak_rss_mib'] for r in llama_rows):.0f} MiB" if llama_rows else ""
     print(f"peak RSS {report['peak_rss_mib']:.0f} MiB{theirs}; wrote {out}")
     return 0

@@ -200,7 +200,8 @@ class ForwardPass:
         # decode steps recorded and replayed (engine/replay.py), where the backend records
         self.replay = DecodeReplay(self) if replay and DecodeReplay.supported(backend) else None
         # decode and decode_batch since load, cumulative: see decode_stats
-        self.decode_counters = {"tokens": 0, "launches": 0, "host_s": 0.0, "recordings": 0, "replays": 0}
+        self.decode_counters = {"tokens": 0, "launches": 0, "host_s": 0.0, "recordings": 0, "replays": 0,
+                                "replayed_tokens": 0, "replayed_host_s": 0.0}
 
     def new_cache(self, kv_dtype: str | None = None, pool: PagePool | None = None) -> KvCache:
         """A cache for max_ctx positions; sliding-window layers get pages for their
@@ -375,14 +376,19 @@ class ForwardPass:
         logits [n, vocab], or with `argmax` of their argmax_rows [n], not yet awaited."""
         counts = self.decode_counters
         launches = getattr(self.backend, "launches", None)
+        replays = counts["replays"]
         t0 = time.perf_counter()
         if self.replay is not None and self.replay.usable(caches):
             out = self.replay.step(tokens, caches, s, argmax)
         else:
             self._forward(np.asarray(tokens, dtype=np.int32), [(cache, 1) for cache in caches], s)
             out = self._step_output(s, len(caches), argmax)
-        counts["host_s"] += time.perf_counter() - t0
+        host_s = time.perf_counter() - t0
+        counts["host_s"] += host_s
         counts["tokens"] += len(caches)
+        if counts["replays"] > replays:
+            counts["replayed_host_s"] += host_s
+            counts["replayed_tokens"] += len(caches)
         if launches is not None:
             counts["launches"] += self.backend.launches - launches
         return out
@@ -403,12 +409,16 @@ class ForwardPass:
         launch nothing, the CPU); host_us_per_token, the time until a token's
         work was issued, before its logits are awaited (host work alone where launches are
         asynchronous, as on a CUDA device; on the CUDA CPU harness and on Vulkan, whose
-        submissions are awaited, the device's work too); recordings and replays."""
+        submissions are awaited, the device's work too), over every step, recordings
+        included; replayed_host_us_per_token, the same over replayed steps alone (the
+        steady state; None without replays); recordings and replays."""
         c = {k: v - (since or {}).get(k, 0) for k, v in self.decode_counters.items()}
         n = c["tokens"]
         counts = getattr(self.backend, "launches", None) is not None
         return {"tokens": n, "launches_per_token": c["launches"] / n if n and counts else None,
                 "host_us_per_token": c["host_s"] * 1e6 / n if n else None,
+                "replayed_host_us_per_token": (c["replayed_host_s"] * 1e6 / c["replayed_tokens"]
+                                               if c["replayed_tokens"] else None),
                 "recordings": c["recordings"], "replays": c["replays"]}
 
     def decode_batch(self, tokens, caches: list[KvCache], argmax: bool = False) -> np.ndarray:

@@ -300,8 +300,11 @@ def test_replayed_steps_launch_nothing(backend, tiny):
         assert later["host_us_per_token"] > 0
         if m is on:
             assert later["launches_per_token"] == 0 and (later["recordings"], later["replays"]) == (0, 4)
+            assert first["replayed_host_us_per_token"] is None       # the recording is not a replay
+            assert later["replayed_host_us_per_token"] == pytest.approx(later["host_us_per_token"])
         else:
             assert later["launches_per_token"] == first["launches_per_token"] and later["replays"] == 0
+            assert later["replayed_host_us_per_token"] is None
 
 
 def test_replay_past_the_context_of_a_compacted_cache(backend, tiny):
