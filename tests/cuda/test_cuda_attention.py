@@ -497,6 +497,39 @@ def test_attention_prefill_quantized(ex, kv, n_q, n_kv, head_dim, page_size, sta
     assert np.all(np.isnan(got[:, :4])) and np.all(np.isnan(got[:, 4 + width:]))
 
 
+# (kv, n_q, n_kv, head_dim, page_size, start_row, n, window): grids small enough to split the
+# rows (attention.prefill_splits > 1; BQ 64, 32, 16), one whose first blocks see fewer tiles
+# than there are splits (empty splits), a window, and the formats whose values the combine
+# (tq) or rotate.cu (rq4_0) turns back.
+SPLIT_CASES = [(("bf16", "bf16"), 9, 3, 64, 16, 1500, 8, 0), (("bf16", "bf16"), 32, 8, 128, 16, 600, 45, 0),
+               (("bf16", "bf16"), 4, 1, 256, 16, 0, 1000, 0), (("bf16", "bf16"), 9, 3, 64, 16, 1400, 40, 512),
+               (("q8_0", "tq4"), 9, 3, 64, 16, 1500, 8, 0), (("tq3", "tq3"), 4, 1, 256, 16, 900, 40, 0),
+               (("rq4_0", "rq4_0"), 9, 3, 64, 16, 1500, 8, 0), (("q4_0", "q8_0"), 9, 3, 64, 16, 1400, 40, 512)]
+
+
+@pytest.mark.parametrize("kv,n_q,n_kv,head_dim,page_size,start_row,n,window", SPLIT_CASES,
+                         ids=["-".join(map(str, [*dict.fromkeys(c[0]), *c[1:]])) for c in SPLIT_CASES])
+def test_attention_prefill_split_rows(ex, kv, n_q, n_kv, head_dim, page_size, start_row, n, window):
+    """A grid too small for a GPU over long rows splits each block's rows and merges the
+    splits (the decode combine): the same output as the reference, every row written."""
+    bq = attention.prefill_kernel(head_dim)[1]
+    assert attention.prefill_splits(n, start_row, window, bq, n_q) > 1
+    rng = np.random.default_rng(start_row + n + head_dim + window)
+    pools = quant_pool(rng, start_row + n, n_kv, page_size, head_dim, kv)
+    if window:
+        pools = drop_below_any(*pools, max(0, start_row - window + 1))
+    width = n_q * head_dim
+    q = rng.standard_normal((n, width)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, *pools, start_row, n_q, scale, want, window, *kv)
+
+    out = ex.asarray(np.full_like(q, np.nan))                    # dense rows: the split path
+    attention.attention_prefill(ex, ex.asarray(q), *upload(ex, *pools), start_row, n_q, scale, out, window, *kv)
+    assert nmse(ex.to_host(out), want) < TOL
+    assert "attention_prefill_splits" in ex.cache
+
+
 @pytest.mark.parametrize("k_dtype", ["q8_0", "q4_0", "tq4", "tq3", "rq4_0"])
 @pytest.mark.parametrize("n_q,n_kv,head_dim,page_size,n_rows,window", [
     (9, 3, 64, 16, 301, 32), (4, 1, 256, 16, 1000, 32)])

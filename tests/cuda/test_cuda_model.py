@@ -62,6 +62,17 @@ def test_tiny_logits_and_greedy_tokens(executor, tiny_models, name):
     check_logits_and_tokens(cpu, cuda, PROMPT[:150], 8)
 
 
+def test_tiny_long_prompt_splits_prefill_rows(executor, tmp_path):
+    """Chunks past 512 rows in a grid of few blocks: the prefill attention splits the rows
+    (attention.prefill_splits) and the decode combine merges them, as on a GPU at 32K."""
+    from backends.cuda import attention
+    path = write_tiny_gguf(tmp_path / "long.gguf", **TINY["llama-q4_k-gqa4"], ctx=1024)
+    cpu, cuda = load_pair(path, prefill_chunk=64)
+    head_dim = cuda.config.head_dim
+    assert attention.prefill_splits(64, 640, 0, attention.prefill_kernel(head_dim)[1], cuda.config.n_heads) > 1
+    check_logits_and_tokens(cpu, cuda, (PROMPT * 3)[:720], 4)
+
+
 @pytest.mark.parametrize("name,kv_dtype", [("llama-q4_k-gqa4", "q8_0/tq4"), ("llama-q8", "tq3"),
                                            ("llama-q4_k-gqa4", "rq4_0:0=q8_0/rq4_0")])   # layer 0 apart
 def test_tiny_quantized_kv_cache(executor, tiny_models, name, kv_dtype):

@@ -34,8 +34,8 @@
 //   up to the table's capacity needs, and blocks past this length's splits return at once;
 //   the combine returns when the split kernel wrote out itself. Otherwise step is unread.
 // Prefill (n queries, query i sees rows 0 .. start_row + i, or its window of them):
-//   attention_prefill_d{64,128,256}  (BQ = 64, 32, 16) grid (ceil(n / BQ), n_q_heads),
-//                             PRE_THREADS threads, dynamic shared memory
+//   attention_prefill_d{64,128,256}  (BQ = 64, 32, 16) grid (ceil(n / BQ), n_q_heads,
+//                             n_splits), PRE_THREADS threads, dynamic shared memory
 //                             attention.prefill_smem_bytes(BQ, head_dim, formats) (<= 37 KiB).
 //                             A block stages BQ queries (scaled, f32, in key-unit order) once,
 //                             then walks 32-row tiles of the cache from the lowest row any of its
@@ -46,6 +46,12 @@
 //                             (into the K tile's buffer) -> O = alpha O + P V (registers, QO
 //                             queries x PRE_VALS values per thread). Queries of one block share
 //                             every K/V tile; one KV head's query heads run side by side.
+//                             n_splits > 1 (a grid too small for the device, long rows:
+//                             attention.prefill_splits): block z walks the z-th share of its
+//                             tiles and writes (max, sum, unnormalised O) per (query, head, split)
+//                             to part_ml / part_acc, laid out as the decode partials with query
+//                             i's head h as "head" i * n_q_heads + h; attention_decode_combine
+//                             then merges them into out (which must be dense rows).
 #include "kvrow.cuh"
 
 typedef KvRow<KV_K> KF;
@@ -252,7 +258,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_split
     }
 }
 
-// Splits of query head blockIdx.x -> out. part_acc f32 [n_q_heads, n_splits, head_dim],
+// Splits of query head blockIdx.x -> out (prefill: of query x / n_q_heads, head x % n_q_heads,
+// out dense [n][n_q_heads * head_dim]). part_acc f32 [n_q_heads, n_splits, head_dim],
 // part_ml f32 [n_q_heads, n_splits, 2] (max, sum). tq values: the merged row y is in the
 // rotated basis; out = R^T y with v_rot = R f32 [head_dim, head_dim] (read for tq only).
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attention_decode_combine(
@@ -329,7 +336,8 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
                                               int out_stride, const float* __restrict__ row_bias,
                                               int bias_stride, int n_bias, int n, int start_row, int n_q_heads,
                                               int n_kv, int head_dim, int page_size, int window, float scale,
-                                              float* smem) {
+                                              float* __restrict__ part_acc, float* __restrict__ part_ml,
+                                              int n_splits, float* smem) {
     typedef PrefillShape<BQ> Shape;
     constexpr int QT = Shape::QT, SS = Shape::SS, KU = KF::UNIT, VU = VF::UNIT;
     constexpr int QO = BQ * DL / PRE_THREADS, VPT = PRE_VALS / VU;
@@ -381,7 +389,12 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
 #pragma unroll
         for (int e = 0; e < PRE_VALS; ++e) acc[i][e] = 0.0f;
 
-    for (int k0 = k_lo; k0 < n_vis; k0 += PRE_BK) {
+    // split blockIdx.z of n_splits takes its share of the tiles k_lo .. n_vis-1 (none: m = -inf, l = 0)
+    const int n_tiles = (n_vis - k_lo + PRE_BK - 1) / PRE_BK;
+    const int tiles_per_split = (n_tiles + n_splits - 1) / n_splits;
+    const int k_begin = k_lo + (int)blockIdx.z * tiles_per_split * PRE_BK;
+    const int k_end = min(n_vis, k_begin + tiles_per_split * PRE_BK);
+    for (int k0 = k_begin; k0 < k_end; k0 += PRE_BK) {
         __syncthreads();                             // previous P V step is done with the tile and sc
         stage_units<KV_K, PRE_THREADS>(tw, kst, tsc, kss, k_pages, page_table, k0, PRE_BK, n_vis, g, n_kv,
                                        page_size, KF::row_bytes(head_dim), 0, nuk);
@@ -478,6 +491,29 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
         }
     }
 
+    __syncthreads();                                 // m, l as set up, where a split had no tiles
+    if (n_splits > 1) {                              // unnormalised partials for attention_decode_combine
+#pragma unroll
+        for (int i = 0; i < QO; ++i) {
+            const int qi = qo * QO + i;
+            if (qi >= nq) continue;
+            const long long slot = ((long long)(q0 + qi) * n_q_heads + h) * n_splits + blockIdx.z;
+            float* dst = part_acc + slot * head_dim;
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+                const int u = dl + DL * k;
+                if (u < nuv) {
+#pragma unroll
+                    for (int e = 0; e < VU; ++e) dst[VF::value(u, e)] = acc[i][k * VU + e];
+                }
+            }
+            if (dl == 0) {
+                part_ml[2 * slot] = mq[qi];
+                part_ml[2 * slot + 1] = lq[qi];
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < QO; ++i) {
         const int qi = qo * QO + i;
@@ -503,11 +539,12 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
             const u8* __restrict__ v_pages, const int* __restrict__ page_table,                              \
             const float* __restrict__ k_cb, const float* __restrict__ v_cb, float* __restrict__ out,         \
             int out_stride, const float* __restrict__ row_bias, int bias_stride, int n_bias, int n,          \
-            int start_row, int n_q_heads, int n_kv, int head_dim, int page_size, int window, float scale) {  \
+            int start_row, int n_q_heads, int n_kv, int head_dim, int page_size, int window, float scale,   \
+            float* __restrict__ part_acc, float* __restrict__ part_ml, int n_splits) {                       \
         DYN_SHARED(float, smem);                                                                             \
         prefill_block<BQ, DL>(q, q_stride, k_pages, v_pages, page_table, k_cb, v_cb, out, out_stride,       \
                               row_bias, bias_stride, n_bias, n, start_row, n_q_heads, n_kv, head_dim,        \
-                              page_size, window, scale, smem);                                               \
+                              page_size, window, scale, part_acc, part_ml, n_splits, smem);                  \
     }
 PREFILL_ENTRY(attention_prefill_d64, 64, 8, 4)
 PREFILL_ENTRY(attention_prefill_d128, 32, 16, 5)
