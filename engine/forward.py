@@ -376,17 +376,18 @@ class ForwardPass:
         logits [n, vocab], or with `argmax` of their argmax_rows [n], not yet awaited."""
         counts = self.decode_counters
         launches = getattr(self.backend, "launches", None)
-        replays = counts["replays"]
+        steady = False
         t0 = time.perf_counter()
         if self.replay is not None and self.replay.usable(caches):
             out = self.replay.step(tokens, caches, s, argmax)
+            steady = self.replay.steady
         else:
             self._forward(np.asarray(tokens, dtype=np.int32), [(cache, 1) for cache in caches], s)
             out = self._step_output(s, len(caches), argmax)
         host_s = time.perf_counter() - t0
         counts["host_s"] += host_s
         counts["tokens"] += len(caches)
-        if counts["replays"] > replays:
+        if steady:
             counts["replayed_host_s"] += host_s
             counts["replayed_tokens"] += len(caches)
         if launches is not None:
@@ -410,8 +411,9 @@ class ForwardPass:
         work was issued, before its logits are awaited (host work alone where launches are
         asynchronous, as on a CUDA device; on the CUDA CPU harness and on Vulkan, whose
         submissions are awaited, the device's work too), over every step, recordings
-        included; replayed_host_us_per_token, the same over replayed steps alone (the
-        steady state; None without replays); recordings and replays."""
+        included; replayed_host_us_per_token, the same over replayed steps alone but each
+        recording's first replay (which captures the CUDA graph): the steady state, None
+        without such steps; recordings and replays."""
         c = {k: v - (since or {}).get(k, 0) for k, v in self.decode_counters.items()}
         n = c["tokens"]
         counts = getattr(self.backend, "launches", None) is not None

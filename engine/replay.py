@@ -74,6 +74,9 @@ class DecodeReplay:
         self.forward = forward
         # (batch size, argmax) -> (key, recording, scratch, cache finalizers, the arrays in key)
         self._kept: dict[tuple[int, bool], tuple] = {}
+        self._replayed: set[tuple[int, bool]] = set()    # recordings replayed once: their graph exists
+        self.steady = False      # the last step replayed a recording replayed before (CUDA: its
+                                 # graph captured then, not in this step)
 
     @property
     def stats(self) -> dict:
@@ -123,7 +126,10 @@ class DecodeReplay:
         while limit <= top:
             limit *= 2
         kept = self._kept.get((n, argmax))
+        self.steady = False
         if kept is not None and kept[0] == key and top < kept[5]:
+            self.steady = (n, argmax) in self._replayed
+            self._replayed.add((n, argmax))
             fp.backend.replay(kept[1], values)
             for cache in caches:
                 for kv in cache.layers:
@@ -147,6 +153,7 @@ class DecodeReplay:
         (None: both), and the arrays they hold."""
         for size_argmax in [k for k in self._kept if n in (None, k[0]) and argmax in (None, k[1])]:
             kept = self._kept.pop(size_argmax, None)
+            self._replayed.discard(size_argmax)
             if kept is not None:
                 for owner in kept[3]:
                     owner.detach()
