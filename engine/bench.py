@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from .errors import EngineError
+from .forward import describe_decode_steps
 
 FILLER = ("The quick brown fox jumps over the lazy dog while the river runs past the old mill. "
           "Numbers like 1234 and 5678 appear in ledgers, and names such as Alice, Bob and Carol "
@@ -350,9 +351,7 @@ def run_bench(args, settings) -> int:
     os.replace(out + ".tmp", out)
     d = report["decode_steps"]
     if d["launches_per_token"] is not None:
-        print(f"decode steps: {d['launches_per_token']:.1f} launches and {d['host_us_per_token']:.0f} us "
-              f"before the logits are awaited, a token; {d['recordings']} recorded, {d['replays']} replayed"
-              + (f" ({d['replayed_host_us_per_token']:.0f} us a replayed token)" if d["replays"] else ""))
+        print(f"decode steps: {describe_decode_steps(d)}")
     theirs = f", llama.cpp's {max(r['peak_rss_mib'] for r in llama_rows):.0f} MiB" if llama_rows else ""
     print(f"peak RSS {report['peak_rss_mib']:.0f} MiB{theirs}; wrote {out}")
     return 0

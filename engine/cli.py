@@ -163,10 +163,8 @@ def _print_stats(s: dict) -> None:
     print(line, file=e)
     d = s.get("decode_steps")
     if d and d["tokens"]:
-        launches = "" if d["launches_per_token"] is None else f"{d['launches_per_token']:.1f} launches, "
-        print(f"-- decode steps: {launches}{d['host_us_per_token']:.0f} us before the logits are awaited, "
-              f"a token; {d['recordings']} recorded, {d['replays']} replayed"
-              + (f" ({d['replayed_host_us_per_token']:.0f} us a replayed token)" if d["replays"] else ""), file=e)
+        from .forward import describe_decode_steps
+        print(f"-- decode steps: {describe_decode_steps(d)}", file=e)
     print(f"-- peak RSS {s['peak_rss_mib']:.0f} MiB", file=e)
 
 

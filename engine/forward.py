@@ -115,6 +115,15 @@ def work_bytes(cfg: ModelConfig, n: int) -> int:
     return 4 * (floats + n * 2 * cfg.ffn_dim)
 
 
+def describe_decode_steps(d: dict) -> str:
+    """ForwardPass.decode_stats as one line."""
+    launches = "" if d["launches_per_token"] is None else f"{d['launches_per_token']:.1f} launches, "
+    steady = d["replayed_host_us_per_token"]
+    return (f"{launches}{d['host_us_per_token']:.0f} us before the logits are awaited, a token; "
+            f"{d['recordings']} recorded, {d['replays']} replayed"
+            + ("" if steady is None else f" ({steady:.0f} us a replayed token)"))
+
+
 def largest_work_buffer(cfg: ModelConfig, n: int) -> int:
     """Bytes of the largest single buffer of a prefill chunk of n tokens (work_bytes')."""
     return 4 * max(n * 2 * cfg.ffn_dim, n * (cfg.q_dim + 2 * cfg.kv_dim), cfg.vocab_size)

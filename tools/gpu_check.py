@@ -66,6 +66,7 @@ PIP_PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementa
 SPIRV_TAR = "spirv.tar.xz"       # every shader variant compiled here: the device has no glslangValidator
 GLVND_DIR = "glvnd"
 LOGS_TAR = "logs.tar.gz"
+NVIDIA_EGL_VENDOR = {"file_format_version": "1.0.0", "ICD": {"library_path": "libEGL_nvidia.so.0"}}
 NVIDIA_ICD = {"file_format_version": "1.0.0", "ICD": {"library_path": "libGLX_nvidia.so.0", "api_version": "1.3"}}
 
 
@@ -285,6 +286,8 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
         vulkan = _download_vulkan_libs(bundle / "vulkan")
         kp = _build_kp_py312(bundle / "vulkan" / "py312")
     (bundle / "vulkan" / "nvidia_icd.json").write_text(json.dumps(NVIDIA_ICD, indent=1) + "\n")
+    (bundle / "vulkan" / GLVND_DIR).mkdir(exist_ok=True)
+    (bundle / "vulkan" / GLVND_DIR / "10_nvidia.json").write_text(json.dumps(NVIDIA_EGL_VENDOR, indent=1) + "\n")
     spirv = _spirv_tar(bundle / "vulkan" / SPIRV_TAR)
     have_wheels = sorted(p.name for p in (bundle / "wheels").glob("*.whl"))
     have_loader = all((bundle / "vulkan" / sub / lib).is_file() for sub, libs in VULKAN_DEBS.values() for lib in libs)
@@ -402,10 +405,12 @@ def _vulkan_env(bundle: pathlib.Path, pythonpath: str = "", work: pathlib.Path |
     # where neither the Vulkan loader nor glvnd looks.
     driver_share = pathlib.Path("/usr/local/nvidia/share")
     egl_vendor = driver_share / "glvnd" / "egl_vendor.d" / "10_nvidia.json"
-    if egl_vendor.is_file() and not any((pathlib.Path(d) / "glvnd" / "egl_vendor.d" / "10_nvidia.json").is_file()
-                                        for d in ("/usr/share", "/etc")):
-        env["__EGL_VENDOR_LIBRARY_FILENAMES"] = str(egl_vendor)
-        notes.append(f"EGL vendor file from {egl_vendor}")
+    if not any((pathlib.Path(d) / "glvnd" / "egl_vendor.d" / "10_nvidia.json").is_file() for d in ("/usr/share", "/etc")):
+        if not egl_vendor.is_file() and "libEGL_nvidia.so.0" in ldconfig:
+            egl_vendor = bundle / "vulkan" / GLVND_DIR / "10_nvidia.json"     # glvnd finds the driver's EGL by it
+        if egl_vendor.is_file():
+            env["__EGL_VENDOR_LIBRARY_FILENAMES"] = str(egl_vendor)
+            notes.append(f"EGL vendor file {egl_vendor}")
     if not nvidia_json and (driver_share / "vulkan" / "icd.d" / "nvidia_icd.json").is_file():
         env["VK_ICD_FILENAMES"] = str(driver_share / "vulkan" / "icd.d" / "nvidia_icd.json")
         notes.append(f"NVIDIA ICD file from {env['VK_ICD_FILENAMES']}")
@@ -452,7 +457,8 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         vk_bench = ["--lengths", "128,2048,8192", "--kv-budget", "2048"]
         # the 2026-12-05 H100 run: 32K prefill at 1,042 t/s with chunks of 256 (the prefill
         # attention grid is ceil(chunk / 64) x query heads = 36 blocks on 132 SMs): the same at 2048
-        chunk_bench = ["--lengths", "2048,32768", "--kv-budget", "2048", "--prefill-chunk", "2048", "--share-prefill"]
+        # (--share-prefill needs every length compacted: above the budget)
+        chunk_bench = ["--lengths", "4096,32768", "--kv-budget", "2048", "--prefill-chunk", "2048", "--share-prefill"]
     pytest = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-o", "faulthandler_timeout=60", "-p",
               "no:cacheprovider", "--durations=15", "tests/cuda", "tests/backends", "-k", pytest_k]
     if not dry and (importlib.util.find_spec("xdist") or any((bundle / "wheels").glob("pytest_xdist-*.whl"))):
@@ -482,6 +488,8 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench], 150,
              needs=bench_needs),
         sanitizer_step("memcheck", 75),
+        sanitizer_step("racecheck", 75),
+        sanitizer_step("synccheck", 60),
         Step("tiny-cuda-quick", "tiny random models, one of each: architectures, a KV format pair, SnapKV, decode_batch",
              _me("tiny", "--backend", "cuda", "--quick"), 90, needs=("install",)),
         Step("derive-gemma", "Gemma 3 all-global variant of the cut model",
@@ -496,10 +504,6 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
              "launched from Python each token): decode against bench-cuda's replayed steps",
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-fresh"), *fresh_bench],
              90, env={"SHARPI_DECODE_REPLAY": "off"}, needs=bench_needs),
-        Step("bench-cuda-chunk", "bench-cuda at 2K and 32K with --prefill-chunk 2048 (one prefill per length): "
-             "prefill attention's grid grows with the chunk",
-             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-chunk"), *chunk_bench],
-             90, needs=bench_needs),
         Step("bench-vulkan", "engine bench --backend vulkan",
              engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench], 150,
              env=vk_env, needs=("vulkan-env", *bench_needs)),
@@ -509,10 +513,12 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         Step("tiny-cuda", "tiny random models: every architecture, weight type, KV format; SnapKV, decode_batch",
              None if dry else _me("tiny", "--backend", "cuda", "--rest"), 150, needs=("install",),
              skip_reason="dry run: tiny-cuda-quick only" if dry else None),
-        sanitizer_step("racecheck", 75),
-        sanitizer_step("synccheck", 60),
         Step("pytest-cuda", f"pytest tests/cuda tests/backends -k {pytest_k!r} on the "
              f"{'CPU harness' if dry else 'device'}", pytest, 150, needs=("install",)),
+        Step("bench-cuda-chunk", "bench-cuda at 4K and 32K with --prefill-chunk 2048 (one prefill per length): "
+             "prefill attention's grid grows with the chunk",
+             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-chunk"), *chunk_bench],
+             90, needs=bench_needs),
         Step("compile", "NVRTC compile of every kernel variant for the live arch: registers, spills",
              _me("compile", *compile_), 150, tail_lines=90),
     ]
@@ -619,8 +625,8 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
     out.mkdir(parents=True, exist_ok=True)
     (REPO / WORK_DIR).mkdir(exist_ok=True)   # not /tmp: it may be noexec, and the wheels hold .so files
     work = pathlib.Path(tempfile.mkdtemp(prefix="run-", dir=REPO / WORK_DIR))
-    logs = work / "logs"                     # packed into out/logs.tar.gz after every step: the device
-    logs.mkdir()                             # tool returns at most 8 files
+    logs = work / "logs"                     # the finished steps' logs, packed into out/logs.tar.gz after
+    logs.mkdir()                             # each: the device tool returns at most 8 files
     manifest = {}
     if (bundle / "manifest.json").is_file():
         manifest = json.loads((bundle / "manifest.json").read_text())
@@ -660,7 +666,7 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
         elif left < step.min_s:
             rec["reason"] = "time budget"
         else:
-            log = logs / f"{step.name}.log"
+            log = out / f"{step.name}.log"     # in out while it runs: a kill leaves it there
             rec["status"], rec["reason"] = "running", None
             write_report(out, report)
             s0 = time.monotonic()
@@ -677,6 +683,7 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
                 rec["reason"] = "sanitizer errors (see its log)"
             if step.name == "env" and status == "ok":
                 report["environment"] = _last_json(log.read_text(errors="replace"))
+            os.replace(log, logs / log.name)
             _pack_logs(logs, out)
         results[step.name] = rec
         report["duration_s"] = round(time.monotonic() - t0, 1)
