@@ -476,19 +476,25 @@ def test_attention_decode_quantized(ex, kv, n_q, n_kv, head_dim, page_size, n_ro
     assert np.all(np.isnan(got[:, :2])) and np.all(np.isnan(got[:, 2 + width:]))
 
 
+def quant_prefill_case(rng, kv, n_q, n_kv, head_dim, page_size, start_row, n, window):
+    """(pools, q, scale, the reference's output) of a prefill chunk of n queries at start_row
+    over pools of formats kv, rows below the first query's window gone."""
+    pools = quant_pool(rng, start_row + n, n_kv, page_size, head_dim, kv)
+    if window:
+        pools = drop_below_any(*pools, max(0, start_row - window + 1))
+    q = rng.standard_normal((n, n_q * head_dim)).astype(np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = np.empty_like(q)
+    REF.attention_prefill(q, *pools, start_row, n_q, scale, want, window, *kv)
+    return pools, q, scale, want
+
+
 @pytest.mark.parametrize("kv,n_q,n_kv,head_dim,page_size,start_row,n,window", quant_cases([
     (9, 3, 64, 16, 0, 45, 0), (4, 1, 256, 16, 300, 17, 0), (9, 3, 64, 16, 37, 70, 7), (6, 2, 40, 16, 20, 9, 0)]))
 def test_attention_prefill_quantized(ex, kv, n_q, n_kv, head_dim, page_size, start_row, n, window):
     rng = np.random.default_rng(start_row * 13 + n + head_dim + window)
-    pools = quant_pool(rng, start_row + n, n_kv, page_size, head_dim, kv)
-    if window:
-        pools = drop_below_any(*pools, max(0, start_row - window + 1))
+    pools, q, scale, want = quant_prefill_case(rng, kv, n_q, n_kv, head_dim, page_size, start_row, n, window)
     width = n_q * head_dim
-    q = rng.standard_normal((n, width)).astype(np.float32)
-    scale = 1.0 / math.sqrt(head_dim)
-    want = np.empty_like(q)
-    REF.attention_prefill(q, *pools, start_row, n_q, scale, want, window, *kv)
-
     _, q_dev = nan_view(ex, q, 0, 2 * n_kv * head_dim)          # q of a fused qkv row
     out_buf, out = nan_view(ex, np.full_like(q, np.nan), 4, 3)
     attention.attention_prefill(ex, q_dev, *upload(ex, *pools), start_row, n_q, scale, out, window, *kv)
@@ -515,15 +521,7 @@ def test_attention_prefill_split_rows(ex, kv, n_q, n_kv, head_dim, page_size, st
     bq = attention.prefill_kernel(head_dim)[1]
     assert attention.prefill_splits(n, start_row, window, bq, n_q) > 1
     rng = np.random.default_rng(start_row + n + head_dim + window)
-    pools = quant_pool(rng, start_row + n, n_kv, page_size, head_dim, kv)
-    if window:
-        pools = drop_below_any(*pools, max(0, start_row - window + 1))
-    width = n_q * head_dim
-    q = rng.standard_normal((n, width)).astype(np.float32)
-    scale = 1.0 / math.sqrt(head_dim)
-    want = np.empty_like(q)
-    REF.attention_prefill(q, *pools, start_row, n_q, scale, want, window, *kv)
-
+    pools, q, scale, want = quant_prefill_case(rng, kv, n_q, n_kv, head_dim, page_size, start_row, n, window)
     out = ex.asarray(np.full_like(q, np.nan))                    # dense rows: the split path
     attention.attention_prefill(ex, ex.asarray(q), *upload(ex, *pools), start_row, n_q, scale, out, window, *kv)
     assert nmse(ex.to_host(out), want) < TOL
