@@ -101,6 +101,24 @@ def _codebooks(ex, *dtypes):
     return tuple(kvrows.codebook_dev(ex, d) for d in dtypes)
 
 
+def _partials(ex, key: str, n_vec: int, n_splits: int, head_dim: int) -> tuple:
+    """Scratch `key` as the split kernels' partials: acc f32 [n_vec, n_splits, head_dim], then
+    (max, sum) f32 [n_vec, n_splits, 2] (what attention_decode_combine reads)."""
+    n_acc = n_vec * n_splits * head_dim
+    buf = scratch(ex, key, n_vec * n_splits * (head_dim + 2))
+    return buf[:n_acc], buf[n_acc:]
+
+
+def _combine(ex, defines, v_dtype: str, head_dim: int, part_acc, part_ml, out, n_vec: int, n_splits: int,
+             at: tuple, window: int, split_blocks: int) -> None:
+    """attention_decode_combine: each of n_vec vectors' splits merged into its row of out
+    (dense), tq values rotated back from their basis there. at: step_args."""
+    v_rot = kvrows.rotation(ex, v_dtype, head_dim)[1] if kvrows.SPECS[v_dtype].coded else part_ml   # unread
+    ex.function("attention.cu", "attention_decode_combine", defines)(
+        (n_vec,), (DEC_THREADS,), (part_acc, part_ml, v_rot, out, _i32(n_splits), _i32(head_dim), *at,
+                                   _i32(window), _i32(split_blocks)))
+
+
 # -- prefill -------------------------------------------------------------------------------
 
 def prefill_kernel(head_dim: int) -> tuple[str, int]:
@@ -163,21 +181,17 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
     defines = kvrows.defines(k_dtype, v_dtype)
     n_splits = prefill_splits(n, start_row, window, bq, n_q_heads) if row_stride(out) == width else 1
     part_acc = part_ml = out                         # unread with one split
-    if n_splits > 1:                                 # partials as the decode combine reads them
-        n_acc = n * n_q_heads * n_splits * head_dim
-        buf = scratch(ex, "attention_prefill_splits", n_acc + 2 * n * n_q_heads * n_splits)
-        part_acc, part_ml = buf[:n_acc], buf[n_acc:]
+    if n_splits > 1:                                 # query i's head h as the combine's vector i * n_q_heads + h
+        part_acc, part_ml = _partials(ex, "attention_prefill_splits", n * n_q_heads, n_splits, head_dim)
     ex.function("attention.cu", name, defines)(
         (-(-n // bq), n_q_heads, n_splits), (PRE_THREADS,),
         (q_in, _i32(q_stride), k_pages, v_pages, page_table, *_codebooks(ex, k_dtype, v_dtype), out,
          row_stride(out), *bias, _i32(n), _i32(start_row), _i32(n_q_heads), _i32(n_kv), _i32(head_dim),
          _i32(page_size), _i32(window), _f32(scale), part_acc, part_ml, _i32(n_splits)),
         shared_mem=prefill_smem_bytes(bq, head_dim, k_dtype, v_dtype))
-    if n_splits > 1:                                 # tq values: the combine rotates them back too
-        v_rot = kvrows.rotation(ex, v_dtype, head_dim)[1] if v_spec.coded else part_ml     # any pointer: unread
-        ex.function("attention.cu", "attention_decode_combine", defines)(
-            (n * n_q_heads,), (DEC_THREADS,), (part_acc, part_ml, v_rot, out, _i32(n_splits), _i32(head_dim),
-                                               *step_args(None, part_ml), _i32(window), _i32(0)))
+    if n_splits > 1:
+        _combine(ex, defines, v_dtype, head_dim, part_acc, part_ml, out, n * n_q_heads, n_splits,
+                 step_args(None, part_ml), window, 0)
     if v_spec.rotated and not (n_splits > 1 and v_spec.coded):      # out = R^T y, in place
         rotate(ex, out, row_stride(out), out, row_stride(out), kvrows.rotation(ex, v_dtype, head_dim)[1],
                n * n_q_heads, n_q_heads, head_dim)
@@ -226,11 +240,8 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
         capacity = page_table.shape[0] * page_size
         launch_splits = decode_split_bound(min(capacity, window) if window > 0 else capacity, n_q_heads, n_kv)
     at = step_args(step, page_table)
-    # partials: acc f32 [n_q_heads, n_splits, head_dim] then (max, sum) f32 [n_q_heads, n_splits, 2]
-    # at fixed offsets, sized once for DEC_MAX_SPLITS so a growing context never reallocates
-    n_acc = n_q_heads * DEC_MAX_SPLITS * head_dim
-    buf = scratch(ex, "attention_decode", n_q_heads * DEC_MAX_SPLITS * (head_dim + 2))
-    part_acc, part_ml = buf[:n_acc], buf[n_acc:]
+    # partials sized once for DEC_MAX_SPLITS, so a growing context never reallocates
+    part_acc, part_ml = _partials(ex, "attention_decode", n_q_heads, DEC_MAX_SPLITS, head_dim)
     k_spec, v_spec = kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype]
     defines = kvrows.defines(k_dtype, v_dtype)
     if k_spec.rotated:                               # q' = R q, once per query head
@@ -245,10 +256,8 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
          _i32(page_size), _i32(heads_per_block), _f32(scale), *at, _i32(window)))
     # tq values: the combine rotates them back; rq4_0 values (read as q4_0 rows): rotate.cu after
     if launch_splits > 1 or v_spec.coded:            # else the first kernel wrote out
-        v_rot = kvrows.rotation(ex, v_dtype, head_dim)[1] if v_spec.coded else part_ml     # any pointer: unread
-        ex.function("attention.cu", "attention_decode_combine", defines)(
-            (n_q_heads,), (DEC_THREADS,), (part_acc, part_ml, v_rot, out, _i32(n_splits), _i32(head_dim),
-                                           *at, _i32(window), _i32(n_kv * n_chunks)))
+        _combine(ex, defines, v_dtype, head_dim, part_acc, part_ml, out, n_q_heads, n_splits, at, window,
+                 n_kv * n_chunks)
     if v_spec.rotated and not v_spec.coded:          # out = R^T y, in place
         rotate(ex, out, row_stride(out), out, row_stride(out), kvrows.rotation(ex, v_dtype, head_dim)[1],
                n_q_heads, n_q_heads, head_dim)

@@ -492,40 +492,30 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
     }
 
     __syncthreads();                                 // m, l as set up, where a split had no tiles
-    if (n_splits > 1) {                              // unnormalised partials for attention_decode_combine
-#pragma unroll
-        for (int i = 0; i < QO; ++i) {
-            const int qi = qo * QO + i;
-            if (qi >= nq) continue;
-            const long long slot = ((long long)(q0 + qi) * n_q_heads + h) * n_splits + blockIdx.z;
-            float* dst = part_acc + slot * head_dim;
-#pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-                const int u = dl + DL * k;
-                if (u < nuv) {
-#pragma unroll
-                    for (int e = 0; e < VU; ++e) dst[VF::value(u, e)] = acc[i][k * VU + e];
-                }
-            }
-            if (dl == 0) {
-                part_ml[2 * slot] = mq[qi];
-                part_ml[2 * slot + 1] = lq[qi];
-            }
-        }
-        return;
-    }
 #pragma unroll
     for (int i = 0; i < QO; ++i) {
         const int qi = qo * QO + i;
         if (qi >= nq) continue;
-        const float inv = 1.0f / lq[qi];
-        float* dst = out + (long long)(q0 + qi) * out_stride + (long long)h * head_dim;
+        float* dst;
+        float mul;
+        if (n_splits > 1) {                          // unnormalised partials for attention_decode_combine
+            const long long slot = ((long long)(q0 + qi) * n_q_heads + h) * n_splits + blockIdx.z;
+            dst = part_acc + slot * head_dim;
+            mul = 1.0f;
+            if (dl == 0) {
+                part_ml[2 * slot] = mq[qi];
+                part_ml[2 * slot + 1] = lq[qi];
+            }
+        } else {
+            dst = out + (long long)(q0 + qi) * out_stride + (long long)h * head_dim;
+            mul = 1.0f / lq[qi];
+        }
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             const int u = dl + DL * k;
             if (u < nuv) {
 #pragma unroll
-                for (int e = 0; e < VU; ++e) dst[VF::value(u, e)] = acc[i][k * VU + e] * inv;
+                for (int e = 0; e < VU; ++e) dst[VF::value(u, e)] = acc[i][k * VU + e] * mul;
             }
         }
     }
