@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from .errors import EngineError
-from .forward import describe_decode_steps
+from .forward import decode_stats_of, describe_decode_steps
 
 FILLER = ("The quick brown fox jumps over the lazy dog while the river runs past the old mill. "
           "Numbers like 1234 and 5678 appear in ledgers, and names such as Alice, Bob and Carol "
@@ -26,19 +26,21 @@ def bench_prompt(tokenizer, n: int) -> list[int]:
     return (ids * reps)[:n]
 
 
-def _engine_case(model, ids, n_decode: int, snapkv=None, kv_dtype: str | None = None) -> dict:
-    """snapkv: None = the model's policy, False = full cache; kv_dtype: None = the model's.
-    peak_rss_mib: the process's peak during the case (reset_peak_rss before it; where
-    the kernel cannot reset it, the peak so far)."""
+def _engine_case(model, ids, n_decode: int, snapkv=None, kv_dtype: str | None = None,
+                 fresh: dict | None = None) -> dict:
+    """snapkv: None = the model's policy, False = full cache; kv_dtype: None = the model's;
+    fresh: _decode_case's. peak_rss_mib: the process's peak during the case (reset_peak_rss
+    before it; where the kernel cannot reset it, the peak so far)."""
     from .model import reset_peak_rss
     reset_peak_rss()
     cache = model.new_cache(kv_dtype=kv_dtype)
     t0 = time.perf_counter()
     cache, logits = model.prefill(ids, cache, snapkv=snapkv)
-    return _decode_case(model, cache, logits, len(ids), time.perf_counter() - t0, n_decode)
+    return _decode_case(model, cache, logits, len(ids), time.perf_counter() - t0, n_decode, fresh)
 
 
-def _shared_cases(model, ids, n_decode: int, kv_dtype: str | None) -> tuple[dict, dict]:
+def _shared_cases(model, ids, n_decode: int, kv_dtype: str | None,
+                  fresh: dict | None = None) -> tuple[dict, dict]:
     """(the SnapKV case, the full-cache case) of `--share-prefill`: one prefill with the
     model's policy, the cache copied (KvCache.copy) just before SnapKV compacts it. The
     full case's prefill time ends where the copy begins, the SnapKV case's leaves the
@@ -59,23 +61,50 @@ def _shared_cases(model, ids, n_decode: int, kv_dtype: str | None) -> tuple[dict
     if "full" not in held:
         raise EngineError(f"--share-prefill: SnapKV did not compact the {len(ids)}-token prompt (its budget "
                           f"keeps every row): run without --share-prefill")
-    snap = _decode_case(model, cache, logits, len(ids), t1 - t0 - held["copy_s"], n_decode)
-    full = _decode_case(model, held["full"], logits, len(ids), held["t"] - t0, n_decode)
+    snap = _decode_case(model, cache, logits, len(ids), t1 - t0 - held["copy_s"], n_decode, fresh)
+    full = _decode_case(model, held["full"], logits, len(ids), held["t"] - t0, n_decode, fresh)
     return snap, full
 
 
-def _decode_case(model, cache, logits, n_prompt: int, prefill_s: float, n_decode: int) -> dict:
+def _greedy(model, cache, token: int, n: int) -> tuple[list[int], float]:
+    """(n greedy tokens decoded after `token`, the seconds they took)."""
+    out = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        token = model.forward.decode_argmax(token, cache)
+        out.append(token)
+    return out, time.perf_counter() - t0
+
+
+def _decode_case(model, cache, logits, n_prompt: int, prefill_s: float, n_decode: int,
+                 fresh: dict | None = None) -> dict:
     """A case's report: n_decode greedy tokens decoded after a prefill of n_prompt tokens
-    that took prefill_s and left `cache` and the last token's `logits`."""
+    that took prefill_s and left `cache` and the last token's `logits`. `fresh` (a dict, for
+    --compare-replay): the same tokens decoded again, each kernel launched from Python,
+    from a copy of the cache taken before the first (decode_fresh_tok_s, replay_speedup,
+    replay_same_tokens: how many of the greedy tokens agree); decode_counters are left as
+    the replayed decode left them and those decodes' own added into `fresh`."""
     from .model import peak_rss_mib
     token = int(np.argmax(logits))
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        token = model.forward.decode_argmax(token, cache)
-    decode_s = time.perf_counter() - t0
-    return {"prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_decode / decode_s,
+    twin = cache.copy() if fresh is not None else None
+    tokens, decode_s = _greedy(model, cache, token, n_decode)
+    case = {"prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_decode / decode_s,
             "prefill_s": prefill_s, "kv_bytes": cache.bytes, "kv_rows": cache.length,
-            "kv_dtype": cache.kv_dtype, "snapkv": cache.eviction, "peak_rss_mib": peak_rss_mib()}
+            "kv_dtype": cache.kv_dtype, "snapkv": cache.eviction}
+    if twin is not None:
+        forward = model.forward
+        replay, counters = forward.replay, dict(forward.decode_counters)
+        forward.replay = None
+        try:
+            fresh_tokens, fresh_s = _greedy(model, twin, token, n_decode)
+        finally:
+            forward.replay = replay
+            for k, v in forward.decode_counters.items():
+                fresh[k] = fresh.get(k, 0) + v - counters[k]
+            forward.decode_counters.update(counters)
+        case.update(decode_fresh_tok_s=n_decode / fresh_s, replay_speedup=fresh_s / decode_s,
+                    replay_same_tokens=sum(a == b for a, b in zip(tokens, fresh_tokens)))
+    return dict(case, peak_rss_mib=peak_rss_mib())
 
 
 def _llama_cpp_last_logits(llm) -> np.ndarray:
@@ -182,10 +211,13 @@ def _median_case(runs: list[dict]) -> dict:
     when there are several), its peak RSS the highest, the rest the first run's."""
     case = dict(runs[0])
     if len(runs) > 1:
-        for f in TIMED:
+        for f in TIMED + (("decode_fresh_tok_s",) if "decode_fresh_tok_s" in case else ()):
             values = [r[f] for r in runs]
             case[f], case[f"runs_{f}"] = float(np.median(values)), values
         case["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
+        if "decode_fresh_tok_s" in case:      # --compare-replay: of the medians; the fewest tokens agreeing
+            case["replay_speedup"] = case["decode_tok_s"] / case["decode_fresh_tok_s"]
+            case["replay_same_tokens"] = min(r["replay_same_tokens"] for r in runs)
     return case
 
 
@@ -262,14 +294,19 @@ def run_bench(args, settings) -> int:
             _engine_case(model, bench_prompt(model.tokenizer, n), 1, snapkv=cfg, kv_dtype=dtype)
     load_peak = peak_rss_mib()
     share = bool(getattr(args, "share_prefill", False))
+    fresh = {} if getattr(args, "compare_replay", False) else None
+    if fresh is not None and model.forward.replay is None:
+        raise EngineError(f"--compare-replay: the {model.backend.name} backend does not replay recorded decode "
+                          f"steps here" + (" (SHARPI_DECODE_REPLAY=off)" if settings.decode_replay == "off" else ""))
     if share and (not evicting or min(lengths) < model.snapkv.window or not model.snapkv.compacts(min(lengths))):
         raise EngineError("--share-prefill needs --kv-budget and prompts SnapKV compacts (longer than its "
                           "budget and window)")
     cases = [(i, n, ids, dtype) for i, (n, ids) in enumerate(zip(lengths, prompts)) for dtype in dtypes]
 
-    header = (f"{'prompt':>7} {'KV':>5} | {'engine prefill':>14} {'decode':>8} {'KV MiB':>7} |"
-              + (f" {'SnapKV prefill':>14} {'decode':>8} {'KV MiB':>7} |" if evicting else "")
-              + (f" {'llama.cpp prefill':>17} {'decode':>8} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else "")
+    fresh_col = f" {'fresh':>10}" if fresh is not None else ""     # decode without replay
+    header = (f"{'prompt':>7} {'KV':>5} | {'engine prefill':>14} {'decode':>10}{fresh_col} {'KV MiB':>7} |"
+              + (f" {'SnapKV prefill':>14} {'decode':>10}{fresh_col} {'KV MiB':>7} |" if evicting else "")
+              + (f" {'llama.cpp prefill':>17} {'decode':>10} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else "")
               + (f"   (medians of {repeats} runs)" if repeats > 1 else ""))
     rows = []
 
@@ -277,16 +314,17 @@ def run_bench(args, settings) -> int:
         """A case's row, printed as the table's next line."""
         _, n, _, dtype = cases[c]
         row = {"prompt_tokens": n, "kv_dtype": dtype, "engine": full}
-        line = (f"{n:>7} {dtype:>5} | {full['prefill_tok_s']:>10.1f} t/s {full['decode_tok_s']:>6.1f} t/s "
-                f"{full['kv_bytes'] / 2**20:>7.1f} |")
+        def decode(case) -> str:
+            rate = f"{case['decode_tok_s']:>6.1f} t/s "
+            return rate + (f"{case['decode_fresh_tok_s']:>6.1f} t/s " if fresh is not None else "")
+        line = f"{n:>7} {dtype:>5} | {full['prefill_tok_s']:>10.1f} t/s {decode(full)}{full['kv_bytes'] / 2**20:>7.1f} |"
         if evicting:
             row["engine_snapkv"] = k
             row["snapkv_decode_speedup"] = k["decode_tok_s"] / full["decode_tok_s"]
             row["snapkv_kv_ratio"] = full["kv_bytes"] / k["kv_bytes"]
             if k["snapkv"]:
                 row["snapkv_overhead"] = k["snapkv"]["seconds"] / k["prefill_s"]   # share of prefill time
-            line += (f" {k['prefill_tok_s']:>10.1f} t/s {k['decode_tok_s']:>6.1f} t/s "
-                     f"{k['kv_bytes'] / 2**20:>7.1f} |")
+            line += f" {k['prefill_tok_s']:>10.1f} t/s {decode(k)}{k['kv_bytes'] / 2**20:>7.1f} |"
         if llama_row is not None:
             row["llama_cpp"] = llama_row
             row["ratio_prefill"] = full["prefill_tok_s"] / llama_row["prefill_tok_s"]
@@ -302,10 +340,11 @@ def run_bench(args, settings) -> int:
         out = []
         for c, (i, _, ids, dtype) in enumerate(cases):
             if share:
-                out.append(_shared_cases(model, ids, args.decode_tokens, dtype))
+                out.append(_shared_cases(model, ids, args.decode_tokens, dtype, fresh))
             else:   # the evicting case first: its peak RSS is then its own, not the full cache's
-                k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype) if evicting else None
-                out.append((k, _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype)))
+                k = _engine_case(model, ids, args.decode_tokens, kv_dtype=dtype, fresh=fresh) if evicting else None
+                out.append((k, _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype,
+                                            fresh=fresh)))
             if live:
                 report_case(c, *out[-1], llama_runs[0][i] if use_llama_cpp else None)
         return out
@@ -340,8 +379,11 @@ def run_bench(args, settings) -> int:
         "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu,
         "llama_cpp_flash_attn": use_llama_cpp and flash_attn,
         "llama_cpp_cache_type": cache_type if use_llama_cpp else None, "cases": rows,
-        # every decode of one sequence above (warm-up included): ForwardPass.decode_stats
+        # every decode of one sequence above (warm-up included): ForwardPass.decode_stats;
+        # --compare-replay's decodes without replay apart
         "decode_steps": model.forward.decode_stats(),
+        "compare_replay": fresh is not None,
+        "decode_steps_fresh": decode_stats_of(fresh, model.forward.counts_launches) if fresh else None,
     }
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"bench-{model.backend.name}.json")
@@ -352,6 +394,8 @@ def run_bench(args, settings) -> int:
     d = report["decode_steps"]
     if d["launches_per_token"] is not None:
         print(f"decode steps: {describe_decode_steps(d)}")
+    if report["decode_steps_fresh"]:
+        print(f"decode steps without replay: {describe_decode_steps(report['decode_steps_fresh'])}")
     theirs = f", llama.cpp's {max(r['peak_rss_mib'] for r in llama_rows):.0f} MiB" if llama_rows else ""
     print(f"peak RSS {report['peak_rss_mib']:.0f} MiB{theirs}; wrote {out}")
     return 0

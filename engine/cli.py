@@ -367,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one prefill per length and KV type: the full-cache case decodes a copy of the "
                             "cache taken just before SnapKV compacts it (half the prefill time; peak RSS "
                             "then counts both caches); needs --kv-budget")
+    bench.add_argument("--compare-replay", dest="compare_replay", action="store_true",
+                       help="also decode each case without the recorded decode steps (every kernel launched "
+                            "from Python each token), from a copy of its cache: both speeds from one prefill "
+                            "(CUDA, Vulkan; peak RSS counts the copy)")
     bench.add_argument("--repeats", type=int, default=1,
                        help="measure every case this many times, alternating with llama.cpp in pairs "
                             "(llama.cpp, ours | ours, llama.cpp | ...), and report medians (each run's "

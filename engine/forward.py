@@ -115,6 +115,16 @@ def work_bytes(cfg: ModelConfig, n: int) -> int:
     return 4 * (floats + n * 2 * cfg.ffn_dim)
 
 
+def decode_stats_of(c: dict, counts_launches: bool) -> dict:
+    """ForwardPass.decode_stats of counters `c` (as decode_counters)."""
+    n = c["tokens"]
+    return {"tokens": n, "launches_per_token": c["launches"] / n if n and counts_launches else None,
+            "host_us_per_token": c["host_s"] * 1e6 / n if n else None,
+            "replayed_host_us_per_token": (c["replayed_host_s"] * 1e6 / c["replayed_tokens"]
+                                           if c["replayed_tokens"] else None),
+            "recordings": c["recordings"], "replays": c["replays"]}
+
+
 def describe_decode_steps(d: dict) -> str:
     """ForwardPass.decode_stats as one line."""
     launches = "" if d["launches_per_token"] is None else f"{d['launches_per_token']:.1f} launches, "
@@ -424,13 +434,12 @@ class ForwardPass:
         recording's first replay (which captures the CUDA graph): the steady state, None
         without such steps; recordings and replays."""
         c = {k: v - (since or {}).get(k, 0) for k, v in self.decode_counters.items()}
-        n = c["tokens"]
-        counts = getattr(self.backend, "launches", None) is not None
-        return {"tokens": n, "launches_per_token": c["launches"] / n if n and counts else None,
-                "host_us_per_token": c["host_s"] * 1e6 / n if n else None,
-                "replayed_host_us_per_token": (c["replayed_host_s"] * 1e6 / c["replayed_tokens"]
-                                               if c["replayed_tokens"] else None),
-                "recordings": c["recordings"], "replays": c["replays"]}
+        return decode_stats_of(c, self.counts_launches)
+
+    @property
+    def counts_launches(self) -> bool:
+        """Whether the backend counts the kernel launches or dispatches it issues."""
+        return getattr(self.backend, "launches", None) is not None
 
     def decode_batch(self, tokens, caches: list[KvCache], argmax: bool = False) -> np.ndarray:
         """One decode step of several sequences at once: token i at position

@@ -443,8 +443,8 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         pytest_k = "cuda and (test_cuda_kv or rope or eltwise) and not default_model and not test_compile"
         bench = ["--lengths", "96", "--kv-budget", "48", "--kv-window", "16", "--kv-min-tokens", "32",
                  "--decode-tokens", "2", "--prefill-chunk", "64"]
-        vk_bench = fresh_bench = bench
-        chunk_bench = [*bench[:-1], "32", "--share-prefill"]
+        vk_bench = bench
+        chunk_bench = vk_long = [*bench[:-1], "32", "--share-prefill"]
     else:
         parity = ["--tokens", "64", "--prompt-tokens", "300"]
         gemma_prompt = ["--tokens", "64", "--prompt-tokens", "640"]   # past the 512 window of the local layers
@@ -453,8 +453,9 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         # the CPU harness (g++), which CI covers
         pytest_k = "cuda and not harness and not test_compile and not test_device_errors"
         bench = ["--lengths", "128,2048,32768", "--kv-budget", "2048"]
-        fresh_bench = ["--lengths", "128,2048", "--kv-budget", "2048"]
-        vk_bench = ["--lengths", "128,2048,8192", "--kv-budget", "2048"]
+        vk_bench = ["--lengths", "128,2048", "--kv-budget", "2048"]
+        # Vulkan's prefill never ran on a GPU: 32K apart and late, one prefill
+        vk_long = ["--lengths", "32768", "--kv-budget", "2048", "--share-prefill"]
         # the 2026-12-05 H100 run: 32K prefill at 1,042 t/s with chunks of 256 (the prefill
         # attention grid is ceil(chunk / 64) x query heads = 36 blocks on 132 SMs): the same at 2048
         # (--share-prefill needs every length compacted: above the budget)
@@ -463,7 +464,8 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
               "no:cacheprovider", "--durations=15", "tests/cuda", "tests/backends", "-k", pytest_k]
     if not dry and (importlib.util.find_spec("xdist") or any((bundle / "wheels").glob("pytest_xdist-*.whl"))):
         pytest += ["-n", str(min(cores, 16))]
-    engine_cli = [sys.executable, "-m", "engine.cli", "bench", "--no-llama-cpp"]
+    # each case's decode also without replay (every kernel launched from Python), from one prefill
+    engine_cli = [sys.executable, "-m", "engine.cli", "bench", "--no-llama-cpp", "--compare-replay"]
 
     def sanitizer_step(tool: str, timeout: float) -> Step:
         return Step(f"sanitizer-{tool}", f"compute-sanitizer --tool {tool} over a short tiny-model run",
@@ -484,7 +486,8 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
              skip_reason="dry run: the bench uses the cut SmolLM2" if dry else None),
         Step("parity-cuda-smollm2", "cut SmolLM2 (real weights): CPU vs CUDA logits, greedy tokens, SnapKV",
              _me("parity", "--backend", "cuda", smol, *parity), 150, needs=("install",)),
-        Step("bench-cuda", "engine bench --backend cuda (with and without SnapKV)",
+        Step("bench-cuda", "engine bench --backend cuda (with and without SnapKV; decode with and without "
+             "replay)",
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench], 150,
              needs=bench_needs),
         sanitizer_step("memcheck", 75),
@@ -500,12 +503,8 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
              60, env=vk_env, needs=("install",)),
         Step("parity-vulkan-smollm2", "cut SmolLM2: CPU vs Vulkan logits, greedy tokens, SnapKV",
              _me("parity", "--backend", "vulkan", smol, *parity), 150, env=vk_env, needs=("vulkan-env",)),
-        Step("bench-cuda-fresh", "engine bench --backend cuda with SHARPI_DECODE_REPLAY=off (every kernel "
-             "launched from Python each token): decode against bench-cuda's replayed steps",
-             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-fresh"), *fresh_bench],
-             90, env={"SHARPI_DECODE_REPLAY": "off"}, needs=bench_needs),
-        Step("bench-vulkan", "engine bench --backend vulkan",
-             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench], 150,
+        Step("bench-vulkan", "engine bench --backend vulkan at 128 and 2048 tokens",
+             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench], 90,
              env=vk_env, needs=("vulkan-env", *bench_needs)),
         Step("parity-vulkan-gemma3", "cut Gemma 3: CPU vs Vulkan",
              _me("parity", "--backend", "vulkan", gemma, gemma_global, *gemma_prompt), 120, env=vk_env,
@@ -519,6 +518,9 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
              "prefill attention's grid grows with the chunk",
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-chunk"), *chunk_bench],
              90, needs=bench_needs),
+        Step("bench-vulkan-32k", "engine bench --backend vulkan at 32768 tokens (--share-prefill: one prefill)",
+             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan-32k"), *vk_long], 120,
+             env=vk_env, needs=("vulkan-env", *bench_needs)),
         Step("compile", "NVRTC compile of every kernel variant for the live arch: registers, spills",
              _me("compile", *compile_), 150, tail_lines=90),
     ]

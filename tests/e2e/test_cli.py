@@ -136,10 +136,10 @@ def test_bench_repeats_alternate_with_llama_cpp(tiny_llama, tmp_path, monkeypatc
     monkeypatch.setattr(bench, "run_llama_cpp", llama)
     real = bench._engine_case
 
-    def ours(model, ids, n_decode, snapkv=None, kv_dtype=None):
+    def ours(model, ids, n_decode, snapkv=None, kv_dtype=None, fresh=None):
         if len(ids) == 100 and snapkv is False:
             order.append("O")
-        return real(model, ids, n_decode, snapkv=snapkv, kv_dtype=kv_dtype)
+        return real(model, ids, n_decode, snapkv=snapkv, kv_dtype=kv_dtype, fresh=fresh)
     monkeypatch.setattr(bench, "_engine_case", ours)
     assert main(["bench", str(tiny_llama), "--lengths", "100", "--decode-tokens", "2", "--kv-budget", "0",
                  "--out", str(tmp_path), "--repeats", "4"]) == 0
@@ -183,6 +183,35 @@ def test_bench_reports_decode_replay_on_a_recording_backend(tiny_llama, tmp_path
     assert (d["tokens"], d["recordings"], d["replays"]) == (9, 2, 3 + 4)   # warm-up 4 tokens, the case 5
     assert 0 < d["launches_per_token"] < 1e9 and d["host_us_per_token"] > 0
     assert "; 2 recorded, 7 replayed" in r.stdout
+
+
+def test_bench_compare_replay(tiny_llama, tmp_path):
+    """--compare-replay on Vulkan (lavapipe): each case decoded twice from one prefill,
+    through recorded steps and with every dispatch issued from Python, the same greedy
+    tokens; the replayed decodes' counters are what they are without it, the others'
+    reported apart. Where nothing replays (the CPU) it is refused in one line."""
+    if "vulkan" not in available_backends():
+        pytest.skip("no Vulkan device / kp")
+    r = cli("bench", str(tiny_llama), "--backend", "vulkan", "--lengths", "40,100", "--decode-tokens", "5",
+            "--no-llama-cpp", "--kv-budget", "80", "--kv-window", "16", "--compare-replay", "--repeats", "2",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "bench-vulkan.json").read_text())
+    assert report["compare_replay"] is True
+    for case in report["cases"]:
+        for c in (case["engine"], case["engine_snapkv"]):
+            assert c["replay_same_tokens"] == 5 and len(c["runs_decode_fresh_tok_s"]) == 2
+            assert c["replay_speedup"] == c["decode_tok_s"] / c["decode_fresh_tok_s"] > 0
+    d, f = report["decode_steps"], report["decode_steps_fresh"]
+    # a warm-up and a compacting warm-up, then 2 repeats x 2 lengths x 2 cases, each of 5 tokens
+    assert (d["tokens"], d["replays"]) == (4 + 1 + 8 * 5, 3 + 8 * 4)
+    assert (f["tokens"], f["replays"], f["recordings"], f["replayed_host_us_per_token"]) == (8 * 5, 0, 0, None)
+    assert f["launches_per_token"] > 0 and f["host_us_per_token"] > 0
+    assert "decode steps without replay: " in r.stdout and " fresh " in r.stdout.splitlines()[0]
+    r = cli("bench", str(tiny_llama), "--lengths", "40", "--no-llama-cpp", "--compare-replay", "--out", str(tmp_path))
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == ("error: --compare-replay: the cpu backend does not replay "
+                                                 "recorded decode steps here")
 
 
 def test_info_devices_lists_vulkan():

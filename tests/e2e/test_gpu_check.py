@@ -132,7 +132,7 @@ def test_dry_run_writes_a_complete_report(smollm2_path, tmp_path):
         if s["status"] == "skipped":
             assert s["reason"], name
     for name in ("env", "install", "compile", "derive-gemma", "parity-cuda-smollm2", "parity-cuda-gemma3",
-                 "tiny-cuda-quick", "pytest-cuda", "bench-cuda", "bench-cuda-fresh", "bench-cuda-chunk"):
+                 "tiny-cuda-quick", "pytest-cuda", "bench-cuda", "bench-cuda-chunk"):
         assert steps[name]["status"] == "ok", name
     assert report["environment"]["executor"] == "cpu-harness"             # the env step's JSON, parsed
     assert any(n.startswith("SPIR-V from the bundle (") for n in report["vulkan_notes"])                            # the device has no shader compiler
@@ -141,6 +141,8 @@ def test_dry_run_writes_a_complete_report(smollm2_path, tmp_path):
     assert [r["layer_windows"] for r in parity] == [[512, 512], [0, 0]] and all(r["ok"] for r in parity)
     bench = json.loads((out / "bench-cuda" / "bench-cuda.json").read_text())
     assert bench["backend"] == "cuda" and bench["cases"][0]["engine_snapkv"]["snapkv"]
+    # --compare-replay: replayed and fresh decodes from one prefill, the same greedy tokens
+    assert all(c[k]["replay_same_tokens"] == 2 for c in bench["cases"] for k in ("engine", "engine_snapkv"))
     returned = [f for f in out.rglob("*") if f.is_file()]          # the device tool returns at most 8
     assert len(returned) <= 8, returned
     with tarfile.open(out / gpu_check.LOGS_TAR) as t:
