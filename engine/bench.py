@@ -82,11 +82,15 @@ def _decode_case(model, cache, logits, n_prompt: int, prefill_s: float, n_decode
     that took prefill_s and left `cache` and the last token's `logits`. `fresh` (a dict, for
     --compare-replay): the same tokens decoded again, each kernel launched from Python,
     from a copy of the cache taken before the first (decode_fresh_tok_s, replay_speedup,
-    replay_same_tokens: how many of the greedy tokens agree); decode_counters are left as
-    the replayed decode left them and those decodes' own added into `fresh`."""
+    replay_same_tokens: how many greedy tokens agree before the first that differs);
+    decode_counters are left as the replayed decode left them and those decodes' own added
+    into `fresh`."""
     from .model import peak_rss_mib
     token = int(np.argmax(logits))
-    twin = cache.copy() if fresh is not None else None
+    twin = None
+    if fresh is not None:
+        twin = cache.copy()
+        model.backend.synchronize()      # the copy's device work, outside the decode's timer
     tokens, decode_s = _greedy(model, cache, token, n_decode)
     case = {"prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_decode / decode_s,
             "prefill_s": prefill_s, "kv_bytes": cache.bytes, "kv_rows": cache.length,
@@ -103,7 +107,8 @@ def _decode_case(model, cache, logits, n_prompt: int, prefill_s: float, n_decode
                 fresh[k] = fresh.get(k, 0) + v - counters[k]
             forward.decode_counters.update(counters)
         case.update(decode_fresh_tok_s=n_decode / fresh_s, replay_speedup=fresh_s / decode_s,
-                    replay_same_tokens=sum(a == b for a, b in zip(tokens, fresh_tokens)))
+                    replay_same_tokens=next((i for i, (a, b) in enumerate(zip(tokens, fresh_tokens)) if a != b),
+                                            n_decode))
     return dict(case, peak_rss_mib=peak_rss_mib())
 
 
@@ -259,6 +264,10 @@ def run_bench(args, settings) -> int:
     if settings.ctx is None:
         settings = settings.with_overrides(ctx=need_ctx)
     model = Model(path, settings)
+    fresh = {} if getattr(args, "compare_replay", False) else None
+    if fresh is not None and model.forward.replay is None:
+        raise EngineError(f"--compare-replay: the {model.backend.name} backend does not replay recorded decode "
+                          f"steps here" + (" (SHARPI_DECODE_REPLAY=off)" if settings.decode_replay == "off" else ""))
     # checked now, canonical: two spellings of one layout are measured once
     dtypes = list(dict.fromkeys(model.kv_dtype_of(t) for t in dtypes)) or [model.kv_dtype]
     if need_ctx > model.ctx:
@@ -294,10 +303,6 @@ def run_bench(args, settings) -> int:
             _engine_case(model, bench_prompt(model.tokenizer, n), 1, snapkv=cfg, kv_dtype=dtype)
     load_peak = peak_rss_mib()
     share = bool(getattr(args, "share_prefill", False))
-    fresh = {} if getattr(args, "compare_replay", False) else None
-    if fresh is not None and model.forward.replay is None:
-        raise EngineError(f"--compare-replay: the {model.backend.name} backend does not replay recorded decode "
-                          f"steps here" + (" (SHARPI_DECODE_REPLAY=off)" if settings.decode_replay == "off" else ""))
     if share and (not evicting or min(lengths) < model.snapkv.window or not model.snapkv.compacts(min(lengths))):
         raise EngineError("--share-prefill needs --kv-budget and prompts SnapKV compacts (longer than its "
                           "budget and window)")

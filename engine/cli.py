@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare-replay", dest="compare_replay", action="store_true",
                        help="also decode each case without the recorded decode steps (every kernel launched "
                             "from Python each token), from a copy of its cache: both speeds from one prefill "
-                            "(CUDA, Vulkan; peak RSS counts the copy)")
+                            "(CUDA, Vulkan; the copy is a second KV pool in device memory)")
     bench.add_argument("--repeats", type=int, default=1,
                        help="measure every case this many times, alternating with llama.cpp in pairs "
                             "(llama.cpp, ours | ours, llama.cpp | ...), and report medians (each run's "

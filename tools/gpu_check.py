@@ -464,8 +464,9 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
               "no:cacheprovider", "--durations=15", "tests/cuda", "tests/backends", "-k", pytest_k]
     if not dry and (importlib.util.find_spec("xdist") or any((bundle / "wheels").glob("pytest_xdist-*.whl"))):
         pytest += ["-n", str(min(cores, 16))]
+    engine_cli = [sys.executable, "-m", "engine.cli", "bench", "--no-llama-cpp"]
     # each case's decode also without replay (every kernel launched from Python), from one prefill
-    engine_cli = [sys.executable, "-m", "engine.cli", "bench", "--no-llama-cpp", "--compare-replay"]
+    compare = ["--compare-replay"]
 
     def sanitizer_step(tool: str, timeout: float) -> Step:
         return Step(f"sanitizer-{tool}", f"compute-sanitizer --tool {tool} over a short tiny-model run",
@@ -488,7 +489,7 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
              _me("parity", "--backend", "cuda", smol, *parity), 150, needs=("install",)),
         Step("bench-cuda", "engine bench --backend cuda (with and without SnapKV; decode with and without "
              "replay)",
-             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench], 150,
+             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench, *compare], 150,
              needs=bench_needs),
         sanitizer_step("memcheck", 75),
         sanitizer_step("racecheck", 75),
@@ -504,7 +505,7 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
         Step("parity-vulkan-smollm2", "cut SmolLM2: CPU vs Vulkan logits, greedy tokens, SnapKV",
              _me("parity", "--backend", "vulkan", smol, *parity), 150, env=vk_env, needs=("vulkan-env",)),
         Step("bench-vulkan", "engine bench --backend vulkan at 128 and 2048 tokens",
-             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench], 90,
+             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench, *compare], 90,
              env=vk_env, needs=("vulkan-env", *bench_needs)),
         Step("parity-vulkan-gemma3", "cut Gemma 3: CPU vs Vulkan",
              _me("parity", "--backend", "vulkan", gemma, gemma_global, *gemma_prompt), 120, env=vk_env,
@@ -519,8 +520,9 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
              engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-chunk"), *chunk_bench],
              90, needs=bench_needs),
         Step("bench-vulkan-32k", "engine bench --backend vulkan at 32768 tokens (--share-prefill: one prefill)",
-             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan-32k"), *vk_long], 120,
-             env=vk_env, needs=("vulkan-env", *bench_needs)),
+             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan-32k"), *vk_long,
+                           *compare], 120, env=vk_env, needs=("vulkan-env", *bench_needs),
+             min_s=100),   # started with less, a kill mid-prefill would read as a failure
         Step("compile", "NVRTC compile of every kernel variant for the live arch: registers, spills",
              _me("compile", *compile_), 150, tail_lines=90),
     ]
