@@ -1048,6 +1048,12 @@ def cmd_vulkan_env(a) -> int:
     if no_gpu:
         print("Vulkan: not run: no GPU among the Vulkan devices (a CPU driver only: the NVIDIA ICD is missing)")
         return SKIPPED
+    try:                                 # without it a GPU runs one submission a dispatch (slow)
+        from backends.vulkan._kp_barrier import OpGlobalBarrier  # noqa: F401
+        print("dispatch ordering: global barriers in one sequence (_kp_barrier)")
+    except ImportError as e:
+        print(f"{'WARNING: ' if a.gpu else ''}dispatch ordering: one submission a dispatch, _kp_barrier does not "
+              f"import ({e}): correct but far slower than the backend runs with it; its bench numbers mean little")
     from backends.vulkan import shaders
     if not (shaders.compiler_available() or shaders.all_cached()):
         print(f"Vulkan: not run: no glslangValidator and SPIR-V for only some variants in {shaders._cache_dir()} "

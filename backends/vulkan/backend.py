@@ -138,6 +138,9 @@ class VulkanBackend:
         self._keepalive: list = []                         # transient buffers of the pending batch
         self._pending_serials: set = set()                 # buffers the pending batch binds
         self._in_flight: list = []                         # (sequence, transient buffers, serials) not awaited
+        self._step = None                                  # the step buffer of the recording under way
+        self._max_position = 0                             # ... and the positions it may hold
+        self._read_back = None                             # (serial, host tensor) the last replay copied back
         self._dummy = self._buffer(np.zeros(1, np.uint32))
         self._rope_tables: dict = {}                       # (rot_dim, inv_freq) -> (DeviceArray, max positions)
         self._rot_tables: dict = {}                        # head_dim -> f32 [2, hd, hd] (R^T, R) DeviceArray
@@ -159,9 +162,6 @@ class VulkanBackend:
         self._readback: dict[int, Buffer] = {}             # device-only buffer serial -> host copy
         self.bytes_to_device = 0                           # host<->device traffic counters
         self.bytes_to_host = 0
-        self._step = None                                  # the step buffer of the recording under way
-        self._max_position = 0                             # ... and the positions it may hold
-        self._read_back = None                             # (serial, host tensor) the last replay copied back
         self._step_arrays: dict[int, DeviceArray] = {}     # step buffers by length, reused (their
                                                            # pipelines stay cached)
 
@@ -281,8 +281,13 @@ class VulkanBackend:
             self._copy_words(None if zeros else self._host_buffer(words), buf)
             if not zeros:
                 self.flush()                               # the transient host copy goes now
-        elif self._ttype == kp.TensorTypes.device:
-            self.mgr.sequence().eval(kp.OpTensorSyncDevice([buf.tensor]))
+        elif self._ttype == kp.TensorTypes.device and self._sync == "barrier" and self._step is None:
+            read_back = self._read_back                    # (a new buffer leaves a replay's copy back valid)
+            self._record(kp.OpTensorSyncDevice([buf.tensor]))   # the staging copy joins the pending batch:
+            self._read_back = read_back                    # no wait for the device's work in flight
+            self._pending_serials.add(buf.serial)
+        elif self._ttype == kp.TensorTypes.device:         # alone (in a recording: that step is not kept,
+            self.mgr.sequence().eval(kp.OpTensorSyncDevice([buf.tensor]))   # record_step)
             self.submissions += 1
         return buf
 

@@ -142,6 +142,25 @@ def test_sync_follows_the_device_type_not_the_memory_type(monkeypatch, device_ty
     np.testing.assert_array_equal(b.download(out), 2 * x)
 
 
+def test_small_uploads_join_the_pending_batch_on_gpus(monkeypatch):
+    """On a GPU (device-local buffers and barriers, imitated on lavapipe) a small upload's
+    staging copy is recorded into the pending batch, not submitted and awaited alone, so
+    the host does not wait there for the work in flight (each prefill chunk uploads its
+    token ids); the dispatches after it read its data."""
+    mod, index = vulkan_reporting(monkeypatch, "discrete")
+    b = mod.VulkanBackend(device=index, device_local=True)
+    if b._sync != "barrier":
+        pytest.skip("the kp barrier extension is not built (tools/build_kp_barrier.py)")
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out = b.alloc((3, 4))
+    b.synchronize()
+    before = b.submissions
+    b.add(b.upload(x), b.upload(x + 1), out)
+    assert b.submissions == before
+    np.testing.assert_array_equal(b.download(out), 2 * x + 1)
+    assert b.submissions == before + 1
+
+
 def test_small_device_limits_fail_with_the_named_limit(monkeypatch):
     """A device below what our shaders bind, allocate or dispatch fails in one line that
     names the limit, before anything is created (simulated limits on lavapipe)."""
