@@ -293,13 +293,6 @@ def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
     return rows
 
 
-def _write_json(path: str, doc: dict) -> None:
-    import json
-    with open(path + ".tmp", "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(path + ".tmp", path)
-
-
 def _baselines(text: str | None, policies: list[str]) -> list[str]:
     """--baseline: the named policies, each one of the run's."""
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
@@ -379,7 +372,7 @@ def cmd_eval(args) -> int:
                 raise EngineError(f"--resume: {partial} was run with {key} {value}, this command has "
                                   f"{identity[key]}: run the same command, or drop --resume to start again")
         done = _resumed_rows(partial, plan, args.seed)
-    _write_json(_identity_path(partial), identity)
+    report.write_doc(_identity_path(partial), identity)
     rows = runner.run(progress=args.progress, partial_path=partial, done=done)
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -151,7 +151,11 @@ def paired_against(rows: list[dict], policies: list[str], reference: str = "full
 
 # -- JSON -----------------------------------------------------------------------------
 def write_json(path: str, meta: dict, rows: list[dict], summary: dict) -> None:
-    doc = {"schema": SCHEMA_VERSION, "meta": meta, "summary": summary, "samples": rows}
+    write_doc(path, {"schema": SCHEMA_VERSION, "meta": meta, "summary": summary, "samples": rows})
+
+
+def write_doc(path: str, doc: dict) -> None:
+    """`doc` as JSON at `path`, whole or not at all (a temporary file renamed over it)."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1, default=_jsonable)
