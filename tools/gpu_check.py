@@ -1048,12 +1048,13 @@ def cmd_vulkan_env(a) -> int:
     if no_gpu:
         print("Vulkan: not run: no GPU among the Vulkan devices (a CPU driver only: the NVIDIA ICD is missing)")
         return SKIPPED
-    try:                                 # without it a GPU runs one submission a dispatch (slow)
-        from backends.vulkan._kp_barrier import OpGlobalBarrier  # noqa: F401
+    from backends.vulkan import backend as vk          # without _kp_barrier a GPU submits each dispatch alone
+    if vk.KP_BARRIER_ERROR is None:
         print("dispatch ordering: global barriers in one sequence (_kp_barrier)")
-    except ImportError as e:
+    else:
         print(f"{'WARNING: ' if a.gpu else ''}dispatch ordering: one submission a dispatch, _kp_barrier does not "
-              f"import ({e}): correct but far slower than the backend runs with it; its bench numbers mean little")
+              f"import ({vk.KP_BARRIER_ERROR}): correct but far slower than the backend runs with it; its bench "
+              f"numbers mean little")
     from backends.vulkan import shaders
     if not (shaders.compiler_available() or shaders.all_cached()):
         print(f"Vulkan: not run: no glslangValidator and SPIR-V for only some variants in {shaders._cache_dir()} "

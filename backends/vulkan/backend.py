@@ -61,8 +61,10 @@ except Exception as _e:   # pragma: no cover - depends on the machine
 
 try:
     from ._kp_barrier import OpGlobalBarrier
-except ImportError:        # not built (tools/build_kp_barrier.py): submit each dispatch alone on GPUs
+    KP_BARRIER_ERROR = None
+except ImportError as _e:  # not built (tools/build_kp_barrier.py): submit each dispatch alone on GPUs
     OpGlobalBarrier = None
+    KP_BARRIER_ERROR = str(_e)
 
 F32 = np.dtype(np.float32)
 _MAX_ALGOS = 4096
