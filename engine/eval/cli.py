@@ -154,9 +154,9 @@ def resolve(args) -> dict:
 ROW_KEYS = ("task", "length", "index", "policy", "prompt_tokens")   # what every sample row holds
 
 
-def _load_rows(path: str) -> tuple[dict, list[dict]]:
+def _load_rows(path: str, flag: str = "--render", empty_ok: bool = False) -> tuple[dict, list[dict]]:
     """(meta, rows) from a results.json, or rows from a samples.partial.jsonl with the
-    meta rebuilt from them."""
+    meta rebuilt from them; errors name `flag`. No rows is an error unless `empty_ok`."""
     import json
     try:
         with open(path) as f:
@@ -166,18 +166,18 @@ def _load_rows(path: str) -> tuple[dict, list[dict]]:
                 doc = json.load(f)
                 rows, meta = doc["samples"], doc["meta"]
     except FileNotFoundError:
-        raise EngineError(f"--render: no such file: {path}") from None
+        raise EngineError(f"{flag}: no such file: {path}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise EngineError(f"--render: {path} is not an eval results.json or samples jsonl ({e})") from None
-    if not rows:
-        raise EngineError(f"--render: {path} holds no samples")
+        raise EngineError(f"{flag}: {path} is not an eval results.json or samples jsonl ({e})") from None
+    if not rows and not empty_ok:
+        raise EngineError(f"{flag}: {path} holds no samples")
     if not isinstance(rows, list) or not isinstance(meta, dict):
-        raise EngineError(f"--render: {path} is not an eval results.json or samples jsonl (its layout)")
+        raise EngineError(f"{flag}: {path} is not an eval results.json or samples jsonl (its layout)")
     for i, r in enumerate(rows):
         missing = [k for k in ROW_KEYS if k not in r] if isinstance(r, dict) else list(ROW_KEYS)
         if missing:
-            raise EngineError(f"--render: {path} sample {i} is not an eval sample (missing {', '.join(missing)})")
-    if path.endswith(".jsonl"):
+            raise EngineError(f"{flag}: {path} sample {i} is not an eval sample (missing {', '.join(missing)})")
+    if path.endswith(".jsonl") and rows:
         meta = {**_meta_from_rows(rows, meta.get("model")), **meta}
     return meta, _unique(rows)
 
@@ -210,7 +210,7 @@ def _unique(rows: list[dict]) -> list[dict]:
     return out
 
 
-IDENTITY = ("model", "model_bytes", "backend", "seed", "max_new_tokens", "fidelity_tokens")
+IDENTITY = ("model", "model_bytes", "backend", "ctx", "seed", "max_new_tokens", "fidelity_tokens")
 
 
 def _identity_path(partial: str) -> str:
@@ -241,8 +241,19 @@ def _meta_from_rows(rows: list[dict], model: str | None) -> dict:
             "seed": rows[0].get("seed"), "tasks": list(dict.fromkeys(r["task"] for r in rows)),
             "lengths": sorted({r["length"] for r in rows}),
             "defaults": {k: getattr(P.DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
-            "timings": {"prefill_s": sum(r["prefill_s"] for r in rows if r["policy"] == names[0]),
-                        "prefill_tokens": sum(r["prompt_tokens"] for r in rows if r["policy"] == names[0])}}
+            "timings": _row_timings(rows)}
+
+
+def _row_timings(rows: list[dict]) -> dict:
+    """The timings that rows hold (of a run cut short, resumed, or split over runs; no wall
+    time): each prefill once (a sample's policies of one KV type share its prefill, each
+    KV type has its own), evictions and decodes summed."""
+    prefills = {(r["task"], r["length"], r["index"], r.get("seed"), P.parse_policy(r["policy"]).kv_dtype):
+                (r.get("prefill_s", 0.0), r["prompt_tokens"]) for r in rows}
+    return {"prefill_s": sum(s for s, _ in prefills.values()),
+            "prefill_tokens": sum(n for _, n in prefills.values()),
+            "evict_s": sum(r.get("evict_s", 0.0) for r in rows),
+            "decode_s": sum(r.get("decode_s", 0.0) for r in rows)}
 
 
 def _union(paths: list[str]) -> tuple[dict, list[dict]]:
@@ -281,7 +292,7 @@ def _resumed_rows(partial: str, plan, seed: int) -> list[dict]:
     added to the plan since) runs only the others (Runner.run)."""
     if not os.path.exists(partial) or not os.path.getsize(partial):
         return []
-    _, rows = _load_rows(partial)
+    _, rows = _load_rows(partial, "--resume", empty_ok=True)   # (a lone line cut short: none)
     names = [p.name for p in plan.policies]
     for r in rows:                           # (a row written twice was dropped by _load_rows)
         if r.get("seed") != seed or r["task"] not in plan.tasks or r["length"] not in plan.lengths \
@@ -353,6 +364,9 @@ def cmd_eval(args) -> int:
     if not args.resume and os.path.exists(partial):
         raise EngineError(f"{partial} holds the rows of a run cut short: add --resume to continue it, "
                           f"or delete it to start again")
+    if args.resume and not os.path.exists(partial) and os.path.exists(os.path.join(out, "results.json")):
+        raise EngineError(f"--resume: {out} holds a finished run (results.json, no samples.partial.jsonl): "
+                          f"nothing to resume; drop --resume to run it again")
     model = Model(path, settings.with_overrides(ctx=plan.context(model_ctx)))
     # each KV type checked against the model before any prefill, named as the model names it
     # (two spellings of one layout are one policy: one prefill, one name in the results)
@@ -363,7 +377,8 @@ def cmd_eval(args) -> int:
     baselines = [named[b].name for b in baselines]
     runner = Runner(model, plan)
     identity = {"model": os.path.basename(str(path)), "model_bytes": os.path.getsize(path),
-                "backend": model.backend.name, "seed": args.seed, "max_new_tokens": plan.max_new_tokens,
+                "backend": model.backend.name, "ctx": model.ctx, "seed": args.seed,
+                "max_new_tokens": plan.max_new_tokens,
                 "fidelity_tokens": plan.fidelity_tokens}
     done = []
     if args.resume:
@@ -384,8 +399,9 @@ def cmd_eval(args) -> int:
         "n_samples": len(rows) // max(len(plan.policies), 1),
         "policies": {p.name: p.describe() for p in plan.policies},
         "defaults": {k: getattr(P.DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
-        "timings": runner.timings.as_dict(), "quick": bool(args.quick),
-        "resumed_samples": len(done) // max(len(plan.policies), 1),   # timings cover only the rest
+        # a resumed run's timings: those its rows hold, over every session
+        "timings": _row_timings(rows) if done else runner.timings.as_dict(), "quick": bool(args.quick),
+        "resumed_samples": len(done) // max(len(plan.policies), 1),
         "baselines": baselines,
     }
     paths = report.write_all(out, meta, rows, plan.lengths, plan.tasks)

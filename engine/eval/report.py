@@ -184,8 +184,9 @@ def _mib(x) -> str:
 def markdown(meta: dict, summary: dict, lengths: list[int], tasks: list[str]) -> str:
     lines = [f"# Long-context evaluation: {meta.get('model', '?')}", ""]
     t = meta.get("timings", {})
+    wall = f"wall {t['wall_s']:.0f} s " if t.get("wall_s") else ""      # none for rows of several runs
     lines.append(f"{meta.get('n_samples', '?')} prompts x {len(summary)} policies, backend "
-                 f"{meta.get('backend', '?')}, seed {meta.get('seed')}, wall {t.get('wall_s', 0):.0f} s "
+                 f"{meta.get('backend', '?')}, seed {meta.get('seed')}, {wall}"
                  f"(prefill {t.get('prefill_s', 0):.0f} s for {t.get('prefill_tokens', 0)} tokens). "
                  "Accuracy: every expected number appears in the greedy answer (code questions: the answer "
                  "gives exactly the expected path, value or function). A policy whose budget "
@@ -320,7 +321,7 @@ def plot_bytes_vs_accuracy(path: str, summary: dict) -> None:
         ax.annotate(p.replace("snapkv-", ""), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("mean KV cache after prefill (MiB, bf16)")
+    ax.set_xlabel("mean KV cache after eviction (MiB, as stored)")
     ax.set_ylabel("retrieval accuracy (all tasks, lengths)")
     ax.set_title("KV bytes vs accuracy")
     fig.tight_layout()

@@ -167,7 +167,7 @@ class Runner:
         cases = [c for c in self.plan.cases() if not names <= {r["policy"] for r in known.get(c[:3], ())}]
         t0 = time.perf_counter()
         rows: list[dict] = list(done)
-        if partial_path and done:               # drop a sample cut short mid-write
+        if partial_path and os.path.exists(partial_path):   # drop a sample cut short mid-write
             with open(partial_path + ".tmp", "w") as f:
                 f.writelines(json.dumps(r, default=str) + "\n" for r in done)
             os.replace(partial_path + ".tmp", partial_path)

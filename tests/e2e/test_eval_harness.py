@@ -261,6 +261,38 @@ def test_resume_runs_only_the_samples_missing(tiny_llama, tmp_path):
     assert not partial.exists() and not (tmp_path / "samples.meta.json").exists()
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["meta"]["resumed_samples"] == 2 and sorted(map(key, doc["samples"])) == sorted(map(key, first))
+    # a resumed run's timings are its rows', over every session: one prefill a sample (one KV type), no wall time
+    t = doc["meta"]["timings"]
+    assert "wall_s" not in t and "wall " not in (tmp_path / "summary.md").read_text()
+    assert t["prefill_s"] == pytest.approx(sum(r["prefill_s"] for r in doc["samples"] if r["policy"] == "full"))
+    # a finished run is not resumed (that would start it again and replace its results)
+    with pytest.raises(EngineError, match="holds a finished run"):
+        args.func(_parse(argv + ["--resume"]))
+    # a partial file holding only a line cut short resumes nothing and runs every sample
+    partial.write_text(json.dumps(cut[0])[:40])
+    assert args.func(_parse(argv + ["--resume"])) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["resumed_samples"] == 0 and sorted(map(key, doc["samples"])) == sorted(map(key, first))
+    assert doc["meta"]["timings"]["wall_s"] > 0
+    # the context a run cut short had (it sets the prompts' lengths) must be the resumed run's
+    partial.write_text(json.dumps(first[0]) + "\n")
+    (tmp_path / "samples.meta.json").write_text(json.dumps({"ctx": 4096, "seed": 0}))
+    with pytest.raises(EngineError, match="was run with ctx 4096"):
+        args.func(_parse(argv + ["--resume"]))
+
+
+def test_row_timings_count_each_prefill_once():
+    """Rows rebuilt into a report (a partial or resumed run) count a sample's prefill once
+    per KV type: policies of one KV type share it, another KV type has its own."""
+    from engine.eval.cli import _row_timings
+    row = {"task": "passkey", "length": 300, "index": 0, "seed": 0, "prompt_tokens": 290, "evict_s": 0.5, "decode_s": 1.0}
+    rows = [dict(row, policy="full", prefill_s=10.0, evict_s=0.0),
+            dict(row, policy="snapkv-b64-head-avg-k5-w16-s4", prefill_s=10.0),
+            dict(row, policy="snapkv-b64-head-avg-k5-w16-s4+tq4", prefill_s=12.0),
+            dict(row, index=1, policy="full", prefill_s=11.0, evict_s=0.0)]
+    t = _row_timings(rows)
+    assert t["prefill_s"] == 33.0 and t["prefill_tokens"] == 870
+    assert t["evict_s"] == 1.0 and t["decode_s"] == 4.0
 
 
 def test_two_spellings_of_one_kv_layout_are_one_policy(tmp_path):
