@@ -98,11 +98,12 @@ class Sampler:
         p = self.p
         if p.temperature == 0:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / p.temperature
+        z = logits.astype(np.float64)
+        with np.errstate(over="ignore"):       # max first: a tiny temperature gives -inf, never inf - inf
+            z = (z - z.max()) / p.temperature
         if p.top_k and p.top_k < z.size:
             cut = np.partition(z, -p.top_k)[-p.top_k]
             z = np.where(z >= cut, z, -np.inf)
-        z -= z.max()
         probs = np.exp(z)
         probs /= probs.sum()
         if p.top_p < 1.0:

@@ -38,6 +38,7 @@ class CudaBackend:
     "device" or "cpu-harness" (default: SHARPI_CUDA_EXECUTOR, i.e. "device")."""
 
     name = "cuda"
+    reserve_bytes = RESERVE_BYTES        # device memory a KV pool leaves free (the server's check)
     kv_dtypes = KV_DTYPES     # every row format, keys and values independently (kvrows.py)
     rope_write_keys = elementwise.ROPE_WRITE_KEYS   # rope_kv_write's key formats (kv.cu)
 

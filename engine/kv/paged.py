@@ -132,6 +132,13 @@ class PagePool:
         """Bytes of every page of the pool, each segment in its formats."""
         return sum(s.n_pages * s.page_bytes for s in self.segments)
 
+    @property
+    def untouched_bytes(self) -> int:
+        """Bytes of the pages never handed out: memory a host backend has reserved but not
+        yet committed (the OS maps it on first write), so it is absent from what the OS
+        reports taken, and still to be taken."""
+        return sum((s.n_pages - s.touched) * s.page_bytes for s in self.segments)
+
 
 def _page_bytes(pool: PagePool, k_dtype: str, v_dtype: str) -> int:
     """K + V bytes of one page of `pool`'s shape in these row formats (scales included)."""
@@ -154,6 +161,7 @@ class PageSegment:
         self.k_pages, self.v_pages = pool.backend.alloc_kv_pool(n_pages, pool.n_kv_heads, pool.page_size,
                                                                 pool.head_dim, k_dtype=k_dtype, v_dtype=v_dtype)
         self._free = list(range(n_pages - 1, -1, -1))   # stack: lowest page id handed out first
+        self.touched = 0        # pages below it were handed out at least once (written: host memory committed)
         self._head_view = None
 
     @property
@@ -178,7 +186,9 @@ class PageSegment:
     def take(self) -> int:
         if not self._free:
             raise KvCacheError("KV page pool exhausted: the context is full")
-        return self._free.pop()
+        page = self._free.pop()
+        self.touched = max(self.touched, page + 1)
+        return page
 
     def give(self, page: int) -> None:
         self._free.append(page)
@@ -715,7 +725,7 @@ class KvCache:
             used = self._used_pages(s)
             if used.size:
                 p.backend.kv_copy_pages(mine.k_pages, mine.v_pages, theirs.k_pages, theirs.v_pages, used)
-            theirs._free = list(mine._free)
+            theirs._free, theirs.touched = list(mine._free), mine.touched
         return self._copy_state(other, [None] * len(p.segments))
 
     def branch(self) -> "KvCache":

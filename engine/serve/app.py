@@ -35,6 +35,30 @@ CHAT_PAGE = pathlib.Path(__file__).parent / "static" / "chat.html"     # GET /: 
 OPEN_PATHS = ("/", "/health", "/metrics")   # served without the API key (as vLLM does)
 
 
+class RequireKey:
+    """ASGI middleware: a request outside OPEN_PATHS (and not a CORS preflight) needs
+    `Authorization: Bearer <key>` for one of `keys` (the header's bytes, see api_keys),
+    else 401. Plain ASGI, not Starlette's BaseHTTPMiddleware: behind that, a route never
+    sees its client disconnect, and a plain request whose client left would run on."""
+
+    def __init__(self, app, keys: list[bytes]):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            ok = False
+            for expected in self.keys:           # every key compared, in constant time
+                ok |= hmac.compare_digest(given, expected)
+            if not ok:
+                answer = JSONResponse(protocol.error("invalid or missing API key: send the header "
+                                                     "'Authorization: Bearer <key>' with the server's --api-key",
+                                                     "invalid_request_error", None, "invalid_api_key"),
+                                      status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await answer(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class Submission:
     """A job on the scheduler with its events as an asyncio queue (filled from the
     worker thread). `close()` cancels it unless it has finished."""
@@ -113,19 +137,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
 
     keys = api_keys(api_key)
     if keys:
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            given = next((v for k, v in request.scope["headers"] if k == b"authorization"), b"")
-            ok = False
-            for expected in keys:                # every key compared, in constant time
-                ok |= hmac.compare_digest(given, expected)
-            if request.url.path not in OPEN_PATHS and request.method != "OPTIONS" and not ok:
-                return JSONResponse(protocol.error("invalid or missing API key: send the header "
-                                                   "'Authorization: Bearer <key>' with the server's --api-key",
-                                                   "invalid_request_error", None, "invalid_api_key"),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            return await call_next(request)
-
+        app.add_middleware(RequireKey, keys=keys)
     if allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
@@ -203,7 +215,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
     async def tokenize(body: TokenizeRequest):
         """Extension (vLLM's and llama.cpp's): text or a chat -> token ids."""
         _check_model(body.model)
-        rendered = await renderer.render(jobs.chat_messages(body.messages, model.ctx)) if body.messages else None
+        rendered = await _render_chat(body.messages) if body.messages else None
         ids = await run_in_threadpool(jobs.tokenize, model, body, rendered, limits)
         return {"tokens": ids, "count": len(ids), "max_model_len": model.ctx}
 
@@ -227,9 +239,16 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
         _check_model(body.model)
         jobs.check_stop(body.stop, limits)
         plan = structured.tool_plan(body, tok.chat_template)
-        rendered = await renderer.render(jobs.chat_messages(body.messages, model.ctx), tools=plan.tools)
+        rendered = await _render_chat(body.messages, plan.tools)
         job = await run_in_threadpool(jobs.chat_job, model, body, rendered, limits, plan)
         return await _respond(request, body, job, True, start, plan.parse)
+
+    async def _render_chat(request_messages, tools=None) -> jobs.RenderedChat:
+        """The chat template's output, and its skeleton where content must stay plain text."""
+        messages = jobs.chat_messages(request_messages, model.ctx)
+        marked = jobs.marked_messages(tok, messages) if limits.content_specials == "text" else None
+        text = await renderer.render(messages, tools=tools)
+        return jobs.RenderedChat(text, await renderer.render(marked, tools=tools) if marked else None)
 
     def _check_model(name: str | None) -> None:
         if name is not None and name not in names:

@@ -306,18 +306,27 @@ class Scheduler:
 
     def _short_of_memory(self, name: str, reclaim: int = 0) -> str | None:
         """Why a pool of `name` would not fit in the memory free now (plus `reclaim` bytes
-        a dropped pool would give back), or None: device memory on CUDA, host memory on
-        the CPU; unknown elsewhere (None)."""
+        a dropped pool would give back), or None: device memory on CUDA, less a reserve
+        for the steps' buffers; host memory on the CPU, less the pages of the pools
+        held that were never written (allocated but not yet taken from the OS: every
+        pool can fill); unknown elsewhere (None)."""
         backend = self.model.backend
         device_free = getattr(backend, "free_memory_bytes", None)
         free = device_free() if device_free is not None else (
             available_memory_bytes() if backend.name in ("cpu", "reference") else None)
+        if free is None:
+            return None
+        if device_free is not None:
+            free -= getattr(backend, "reserve_bytes", 0)       # for the steps' buffers
+        else:
+            free -= sum(p.untouched_bytes for p in self._pools.values())
         need = self.model.forward.pool_bytes(self.pool_tokens, name)
-        if free is None or need <= free + reclaim:
+        if need <= free + reclaim:
             return None
         where = "device memory free" if device_free is not None else "memory available"
         return (f"a KV pool of {self.pool_tokens} positions in {name} needs {need / 2**20:.0f} MiB, "
-                f"more than the {where} ({(free + reclaim) / 2**20:.0f} MiB)")
+                f"more than the {where} ({max(free + reclaim, 0) / 2**20:.0f} MiB, once the pools held "
+                f"are full and a reserve kept)")
 
     def _idle_pool(self) -> str | None:
         """(lock held) The least recently used pool no admitted or preempted request has a

@@ -738,6 +738,27 @@ def test_kv_pools_are_capped_and_idle_ones_dropped(tiny_llama, monkeypatch):
     assert got[-1].retry_after and "retry later" in got[-1].message
 
 
+def test_a_new_kv_pool_fits_beside_the_unwritten_pages_of_those_held(tiny_llama, monkeypatch):
+    """On the CPU a pool's pages take host memory only when first written, so the memory
+    available does not show what the pools held take as they fill: a pool for a client's
+    new layout must fit beside all of it (else one client's few layouts, then long
+    prompts, commit several times what the server was sized for)."""
+    from engine.serve.scheduler import Scheduler
+    import engine.serve.scheduler as sched_mod
+    model = engine.load(tiny_llama, snapkv_budget=0)
+    sched = Scheduler(model, max_running=2)
+    with sched._cv:
+        pool = sched._pool(None)                          # the server's own layout, nothing written yet
+    assert pool.untouched_bytes == pool.bytes
+    model.forward.prefill(list(range(3, 100)), model.forward.new_cache(pool=pool))
+    assert 0 < pool.untouched_bytes < pool.bytes
+    need = model.forward.pool_bytes(sched.pool_tokens, "tq4")
+    monkeypatch.setattr(sched_mod, "available_memory_bytes", lambda: need + pool.untouched_bytes - 1)
+    assert "more than the memory available" in sched._short_of_memory("tq4")
+    monkeypatch.setattr(sched_mod, "available_memory_bytes", lambda: need + pool.untouched_bytes)
+    assert sched._short_of_memory("tq4") is None
+
+
 def test_a_kv_pool_that_cannot_fit_is_refused_when_the_server_starts(tiny_llama, monkeypatch):
     """The server's own pool (--kv-pool-tokens, by default --parallel whole contexts) is
     checked against the memory free when the server starts, on the CPU the host's, on

@@ -78,6 +78,17 @@ def test_logit_bias_and_penalties(model):
     assert s.counts == {3: 2, 5: 1}
 
 
+def test_a_tiny_temperature_samples_the_argmax():
+    """A temperature just above 0 (down to the smallest double) is as greedy as 0, not a
+    crash on inf - inf: a client may send 1e-308."""
+    from engine.generate import Sampler, SamplingParams
+    logits = np.array([0.5, -3.0, 2.0, 1.99, 2.0 - 1e-3], dtype=np.float32)
+    for t in (5e-324, 1e-308, 1e-30):
+        for extra in ({}, {"top_k": 2}, {"top_p": 0.5}):
+            s = Sampler(SamplingParams(temperature=t, seed=1, **extra))
+            assert [s(logits) for _ in range(5)] == [2] * 5, (t, extra)
+
+
 def test_load_arguments(tiny_llama):
     with pytest.raises(ConfigError, match="model path must be"):
         engine.load(123)
