@@ -96,16 +96,10 @@ def _decode_case(model, cache, logits, n_prompt: int, prefill_s: float, n_decode
             "prefill_s": prefill_s, "kv_bytes": cache.bytes, "kv_rows": cache.length,
             "kv_dtype": cache.kv_dtype, "snapkv": cache.eviction}
     if twin is not None:
-        forward = model.forward
-        replay, counters = forward.replay, dict(forward.decode_counters)
-        forward.replay = None
-        try:
+        with model.forward.without_replay() as added:
             fresh_tokens, fresh_s = _greedy(model, twin, token, n_decode)
-        finally:
-            forward.replay = replay
-            for k, v in forward.decode_counters.items():
-                fresh[k] = fresh.get(k, 0) + v - counters[k]
-            forward.decode_counters.update(counters)
+        for k, v in added.items():
+            fresh[k] = fresh.get(k, 0) + v
         case.update(decode_fresh_tok_s=n_decode / fresh_s, replay_speedup=fresh_s / decode_s,
                     replay_same_tokens=next((i for i, (a, b) in enumerate(zip(tokens, fresh_tokens)) if a != b),
                                             n_decode))

@@ -9,6 +9,7 @@ divergence can be dumped layer by layer.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -435,6 +436,21 @@ class ForwardPass:
         without such steps; recordings and replays."""
         c = {k: v - (since or {}).get(k, 0) for k, v in self.decode_counters.items()}
         return decode_stats_of(c, self.counts_launches)
+
+    @contextlib.contextmanager
+    def without_replay(self):
+        """Decode steps inside launch every kernel from Python (no replay). Yields a dict
+        that holds, on exit, the counters those steps added; decode_counters and the
+        replay are left as they were before."""
+        replay, before = self.replay, dict(self.decode_counters)
+        added: dict = {}
+        self.replay = None
+        try:
+            yield added
+        finally:
+            self.replay = replay
+            added.update({k: v - before[k] for k, v in self.decode_counters.items()})
+            self.decode_counters.update(before)
 
     @property
     def counts_launches(self) -> bool:

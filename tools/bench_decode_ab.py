@@ -14,6 +14,7 @@ decode replay off and on (engine/replay.py; a copy of the one prefilled cache ea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -51,7 +52,6 @@ def main() -> int:
     ctx = a.length + a.rounds * a.tokens + 1
     model = engine.load(a.model, backend=a.backend, ctx=ctx, threads=a.threads, snapkv_budget=a.kv_budget,
                         decode_replay="on")
-    replayer = model.forward.replay          # None where the backend records no steps (cpu)
     ids = bench_prompt(model.tokenizer, a.length)
     state = {}
     for name, (kv_dtype, allocation) in zip(names, variants):
@@ -67,11 +67,11 @@ def main() -> int:
     for r in range(a.rounds):
         for d in dtypes:
             cache, token, replay = state[d]
-            model.forward.replay = replayer if replay == "on" else None
-            t0 = time.perf_counter()
-            for _ in range(a.tokens):
-                token = int(np.argmax(model.forward.decode(token, cache)))
-            rates[d].append(a.tokens / (time.perf_counter() - t0))
+            with model.forward.without_replay() if replay == "off" else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                for _ in range(a.tokens):
+                    token = int(np.argmax(model.forward.decode(token, cache)))
+                rates[d].append(a.tokens / (time.perf_counter() - t0))
             state[d][1] = token
         print(f"round {r}: " + "  ".join(f"{d} {rates[d][-1]:.1f} tok/s" for d in dtypes), flush=True)
     base = dtypes[0]
