@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,20 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
 
     def __post_init__(self):
+        # numpy's and other numeric scalars as Python's (bools are not numbers here); one stop string as one
+        for name, kind, cast in (("max_tokens", numbers.Integral, int), ("top_k", numbers.Integral, int),
+                                 ("seed", numbers.Integral, int), ("temperature", numbers.Real, float),
+                                 ("top_p", numbers.Real, float), ("presence_penalty", numbers.Real, float),
+                                 ("frequency_penalty", numbers.Real, float)):
+            v = getattr(self, name)
+            if isinstance(v, bool):
+                raise ConfigError(f"{name} must be a number, got {v!r}")
+            if isinstance(v, kind):
+                object.__setattr__(self, name, cast(v))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise ConfigError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)

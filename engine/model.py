@@ -260,11 +260,11 @@ class Model:
         if cache is not None and kv_dtype is not None:
             raise ConfigError("kv_dtype sets the row format of a new cache: pass it or a cache, not both")
         policy = self._policy(snapkv)
-        cache = cache if cache is not None else self.new_cache(kv_dtype)
+        self.last_cache = None        # an earlier prompt's cache is not held through this one (nor its pool
+        cache = cache if cache is not None else self.new_cache(kv_dtype)   # beside the new one's)
         if cache.logical_length + len(ids) > cache.max_rows:
             raise EngineError(f"prompt of {len(ids)} tokens does not fit: the cache holds "
                               f"{cache.logical_length} of {cache.max_rows} positions")
-        self.last_cache = None        # an earlier prompt's cache is not held through this one
         logits = self.forward.prefill(ids, cache, snapkv=policy, on_chunk=progress,
                                       compact_continued=compact_continued)
         self.last_cache = cache

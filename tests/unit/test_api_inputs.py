@@ -89,6 +89,34 @@ def test_a_tiny_temperature_samples_the_argmax():
             assert [s(logits) for _ in range(5)] == [2] * 5, (t, extra)
 
 
+def test_sampling_params_take_numpy_scalars_and_refuse_bools():
+    from engine.generate import SamplingParams
+    p = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5), top_k=np.int32(3), stop="###")
+    assert (p.max_tokens, p.temperature, p.top_k, p.stop) == (5, 0.5, 3, ("###",))
+    assert type(p.max_tokens) is int and type(p.temperature) is float
+    for bad in ({"max_tokens": True}, {"temperature": True}, {"seed": False}, {"ignore_eos": "no"}):
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)
+
+
+def test_a_new_prompt_does_not_hold_the_last_cache_while_it_allocates(tiny_llama):
+    """The previous call's cache (a whole context's pool, allocated up front on a GPU) is
+    let go before the next call's is made: two are never held at once."""
+    import gc
+    import weakref
+    m = engine.load(tiny_llama, snapkv_budget=0)
+    m.generate([5, 6, 7], max_tokens=2)
+    last, real, seen = weakref.ref(m.last_cache), m.new_cache, []
+
+    def new_cache(*a, **k):
+        gc.collect()
+        seen.append(last() is None)
+        return real(*a, **k)
+    m.new_cache = new_cache
+    m.generate([5, 6, 7], max_tokens=2)
+    assert seen == [True]
+
+
 def test_load_arguments(tiny_llama):
     with pytest.raises(ConfigError, match="model path must be"):
         engine.load(123)
