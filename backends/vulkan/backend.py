@@ -224,6 +224,11 @@ class VulkanBackend:
         try:
             run()
             back = None if readback is None else (readback.buffer.serial, self._record_readback(readback.buffer))
+        except BaseException:                              # (an error, Ctrl-C) the partial step is dropped,
+            self._seq = None                               # never submitted by a later flush
+            self._pending_serials.clear()
+            self._keepalive.clear()
+            raise
         finally:
             self._step, self._max_position = None, 0
         whole = self.submissions == submissions and self._seq is not None

@@ -595,3 +595,19 @@ def test_kv_copy_pages_over_the_grid_limit_takes_several_dispatches(vk, monkeypa
     dst_k[dst], dst_v[dst] = src_k[src], src_v[src]
     np.testing.assert_array_equal(vk.download(dk), dst_k)
     np.testing.assert_array_equal(vk.download(dv), dst_v)
+
+
+def test_an_interrupted_recording_is_dropped_not_run_by_a_later_flush(vk):
+    """A decode step whose recording raises (an error, Ctrl-C in the middle) leaves
+    nothing pending: its dispatches never run on the next flush."""
+    x = vk.upload(np.ones((2, 4), dtype=np.float32))
+    vk.synchronize()
+
+    def run():
+        vk.scale(x, 2.0, x)
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        vk.record_step(np.zeros(2, dtype=np.int32), run, 0)
+    np.testing.assert_array_equal(vk.download(x), np.ones((2, 4), dtype=np.float32))
+    vk.scale(x, 3.0, x)                                    # the backend records and runs on as before
+    np.testing.assert_array_equal(vk.download(x), np.full((2, 4), 3.0, dtype=np.float32))
