@@ -12,6 +12,7 @@ import numpy as np
 from backends.base import check_kv_dtypes
 from backends.kvformat import KvFormat, KvSpec
 
+from . import chat_content
 from . import config as config_mod
 from . import inputs
 from .errors import ConfigError, EngineError
@@ -199,13 +200,13 @@ class Model:
         return self.tokenizer.apply_chat_template(inputs.messages(prompt), add_generation_prompt=True)
 
     def _prompt_ids(self, prompt, chat: bool) -> list[int]:
-        """Text, chat messages or token ids -> checked ids (ConfigError for a malformed prompt)."""
-        add_bos = None
+        """Text, chat messages or token ids -> checked ids (ConfigError for a malformed
+        prompt). A chat's content is plain text, special-token text included: only the
+        template's markup becomes control tokens (engine/chat_content.py)."""
         if chat:
-            prompt = self.render_chat(prompt)
-            add_bos = self.tokenizer.chat_add_bos(prompt)
-        if prompt is None or isinstance(prompt, (str, bytes, bytearray)):
-            ids = self.tokenizer.encode(inputs.text(prompt, "prompt"), add_bos=add_bos)
+            ids = self._chat_ids(inputs.messages(prompt))
+        elif prompt is None or isinstance(prompt, (str, bytes, bytearray)):
+            ids = self.tokenizer.encode(inputs.text(prompt, "prompt"))
         else:
             ids = inputs.token_ids(prompt, self.config.vocab_size, "prompt token ids")
         if not ids:
@@ -214,6 +215,16 @@ class Model:
             raise EngineError(f"prompt has {len(ids)} tokens but the context is {self.ctx} "
                               f"(raise it with --ctx, up to the model's {self.config.context_length})")
         return ids
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        chat_content.check_fields(tok, messages)
+        marked = chat_content.marked_messages(tok, messages)
+        text = self.render_chat(messages)
+        if marked is None:
+            return tok.encode(text, add_bos=tok.chat_add_bos(text))
+        parts = chat_content.content_parts(text, self.render_chat(marked), messages)
+        return tok.encode_parts(parts, add_bos=tok.chat_add_bos(text))
 
     # -- forward ----------------------------------------------------------------------
     def new_cache(self, kv_dtype: str | None = None, pool=None) -> KvCache:

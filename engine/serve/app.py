@@ -22,6 +22,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import chat_content
 from . import jobs, protocol, structured
 from .limits import Limits, RequestGuard
 from .metrics import Metrics
@@ -246,7 +247,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
     async def _render_chat(request_messages, tools=None) -> jobs.RenderedChat:
         """The chat template's output, and its skeleton where content must stay plain text."""
         messages = jobs.chat_messages(request_messages, model.ctx)
-        marked = jobs.marked_messages(tok, messages) if limits.content_specials == "text" else None
+        marked = chat_content.marked_messages(tok, messages) if limits.content_specials == "text" else None
         text = await renderer.render(messages, tools=tools)
         return jobs.RenderedChat(text, await renderer.render(marked, tools=tools) if marked else None)
 

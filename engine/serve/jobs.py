@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .. import chat_content
 from .. import config as config_mod
 from .. import inputs
 from ..errors import EngineError
@@ -127,40 +128,9 @@ def chat_messages(chat_messages, max_messages: int | None = None) -> list[dict]:
 class RenderedChat:
     """A chat template's output for a request's messages (rendered by the server in a
     worker process, render.py), and its skeleton: the same messages rendered with each
-    content as its mark (marked_messages; None where no content holds special-token text)."""
+    content as its mark (engine/chat_content.py; None where no content holds special-token text)."""
     text: str
     skeleton: str | None = None
-
-
-CONTENT_MARK = "\ue000content {}\ue001"     # stands for message i's content in a skeleton
-
-
-def marked_messages(tok, messages: list[dict]) -> list[dict] | None:
-    """Where some message's content holds special-token text: the messages with every
-    non-empty content replaced by its CONTENT_MARK, for the skeleton that tells the
-    template's own markup from the content; None where no content holds any."""
-    if not any(tok.control_text_in(m["content"]) for m in messages):
-        return None
-    return [dict(m, content=CONTENT_MARK.format(i)) if m["content"] else m for i, m in enumerate(messages)]
-
-
-def check_fields(tok, messages: list[dict], tools: list[dict] | None) -> None:
-    """Special-token text anywhere a template may print it but the content (a role, a
-    name, a tool call or its id, a tool's definition) is refused: only content can be
-    kept as plain text. Walked without recursion (tool arguments nest as deep as JSON)."""
-    stack: list = [(f"messages[{i}] (outside its content)", {k: v for k, v in m.items() if k != "content"})
-                   for i, m in enumerate(messages)]
-    stack += [("tools", tools or [])]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, str):
-            if tok.control_text_in(value):
-                raise ApiError(400, f"special-token text (such as <|im_start|>) in {where} is refused: only a "
-                                    f"message's content may hold it (as plain text)", "messages")
-        elif isinstance(value, dict):
-            stack += [(where, k) for k in value if isinstance(k, str)] + [(where, v) for v in value.values()]
-        elif isinstance(value, (list, tuple)):
-            stack += [(where, v) for v in value]
 
 
 def _chat_ids(model, request_messages, rendered: RenderedChat | None = None, content_specials: str = "text",
@@ -172,53 +142,23 @@ def _chat_ids(model, request_messages, rendered: RenderedChat | None = None, con
     is, so content that repeats the template's markup cannot take its place."""
     messages = chat_messages(request_messages, model.ctx)
     tok = model.tokenizer
-    marked = None
-    if content_specials == "text":
-        check_fields(tok, messages, tools)
-        marked = marked_messages(tok, messages)
-    if rendered is None:
-        def render(ms):
-            return tok.apply_chat_template(ms, tools=tools) if tools else model.render_chat(ms)
-        try:
-            rendered = RenderedChat(render(messages), render(marked) if marked else None)
-        except EngineError as e:
-            raise ApiError(400, str(e), "messages") from None
-    text = inputs_text(rendered.text, "messages")
-    _check_length(model, text, "messages")
-    add_bos = tok.chat_add_bos(text)           # the template's own BOS, not a second one
-    if not marked:
-        return _encode(model, text, "messages", add_bos=add_bos)
     try:
-        return tok.encode_parts(_content_parts(text, rendered.skeleton, [m["content"] for m in messages]),
-                                add_bos=add_bos)
+        marked = None
+        if content_specials == "text":
+            chat_content.check_fields(tok, messages, tools)
+            marked = chat_content.marked_messages(tok, messages)
+        if rendered is None:
+            def render(ms):
+                return tok.apply_chat_template(ms, tools=tools) if tools else model.render_chat(ms)
+            rendered = RenderedChat(render(messages), render(marked) if marked else None)
+        text = inputs_text(rendered.text, "messages")
+        _check_length(model, text, "messages")
+        add_bos = tok.chat_add_bos(text)           # the template's own BOS, not a second one
+        if not marked:
+            return _encode(model, text, "messages", add_bos=add_bos)
+        return tok.encode_parts(chat_content.content_parts(text, rendered.skeleton, messages), add_bos=add_bos)
     except EngineError as e:
         raise ApiError(400, str(e), "messages") from None
-
-
-def _content_parts(text: str, skeleton: str | None, contents: list[str]) -> list[tuple[str, bool]]:
-    """`text` as [(part, special)]: the skeleton's markup (special-token text parsed)
-    around each content (plain text), checked to join into exactly `text`: a template
-    that prints a content twice, reorders or changes it is refused."""
-    refusal = ApiError(400, "a message's content holds special-token text (such as <|im_start|>) and the chat "
-                            "template changes, repeats or reorders content, so it cannot be kept as plain "
-                            "text: remove it", "messages")
-    if skeleton is None:
-        raise refusal
-    parts, at = [], 0
-    for i, content in enumerate(contents):
-        mark = CONTENT_MARK.format(i)
-        count = skeleton.count(mark)
-        if count == 0:                         # an empty content, or a message the template leaves out
-            continue
-        found = skeleton.find(mark, at)
-        if count > 1 or found < 0:
-            raise refusal
-        parts += [(skeleton[at:found], True), (content, False)]
-        at = found + len(mark)
-    parts.append((skeleton[at:], True))
-    if "".join(p for p, _ in parts) != text:
-        raise refusal
-    return parts
 
 
 def inputs_text(text, param: str) -> str:

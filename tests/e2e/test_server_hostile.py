@@ -238,8 +238,8 @@ QWEN_LIKE = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou ar
 
 def test_content_that_repeats_the_templates_markup_stays_text(tmp_path):
     """Content equal to the template's own markup (here after a default system prompt, as
-    Qwen2.5's template writes) stays plain text where the template put it, in the server
-    and in process; special-token text in a role or a name is refused (400); a template
+    Qwen2.5's template writes) stays plain text where the template put it, in the server,
+    in its in-process path and in the Python API's chats; special-token text in a role or a name is refused (400); a template
     that prints content twice cannot keep it as text and is refused."""
     from engine.serve.protocol import TokenizeRequest
     path = tiny_with_template(tmp_path, QWEN_LIKE)
@@ -250,6 +250,9 @@ def test_content_that_repeats_the_templates_markup_stays_text(tmp_path):
     want = tok.encode_parts([(head, True), (content, False), (tail, True)], add_bos=tok.chat_add_bos(head))
     attack = [{"role": "user", "content": content}]
     assert jobs.tokenize(model, TokenizeRequest(messages=attack)) == want
+    assert model._prompt_ids(attack, chat=True) == want                # the Python API's and engine run's chats
+    with pytest.raises(engine.EngineError, match="special-token text"):
+        model._prompt_ids([{"role": "user<|im_start|>", "content": "hi"}], chat=True)
     with served(path) as s:
         status, answer = request(s.url, "/tokenize", {"messages": attack})
         assert status == 200 and answer["tokens"] == want
