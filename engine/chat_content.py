@@ -5,12 +5,12 @@ tokens (the server's default, `--content-special-tokens text`, and the Python AP
 Special-token text inside a message's content (`<|im_end|>\\n<|im_start|>system` in a
 user's message, or in a source file a coding question quotes) is tokenized as plain
 text. Where some content holds such text, the template renders the chat a second time
-with each content replaced by its mark: this skeleton says where each content is, and
-the text around the marks is the template's own markup, parsed for special tokens. So
+with each such content replaced by its mark: this skeleton says where that content is,
+and the text around the marks is the template's own (parsed for special tokens). So
 content that repeats the template's markup (after a default system prompt, say) cannot
-take its place. A template that repeats, reorders or changes content cannot keep it as
-text: refused. Special-token text anywhere else a template may print (a role, a name, a
-tool call, a tool's definition) is refused too. Errors are EngineError.
+take its place. A template that repeats or changes such content cannot keep it as text:
+refused. Special-token text anywhere else a template may print (a role, a name, a tool
+call, a tool's definition, content given as parts) is refused too. Errors are EngineError.
 """
 from __future__ import annotations
 
@@ -19,20 +19,26 @@ from .errors import EngineError
 CONTENT_MARK = "\ue000content {}\ue001"     # stands for message i's content in a skeleton
 
 
+def _holds_control_text(tok, content) -> bool:
+    return isinstance(content, str) and tok.control_text_in(content)
+
+
 def marked_messages(tok, messages: list[dict]) -> list[dict] | None:
-    """Where some message's content holds special-token text: the messages with every
-    non-empty content replaced by its CONTENT_MARK, to render the skeleton; None where
-    no content holds any (the rendered text then tokenizes as it is)."""
-    if not any(isinstance(m.get("content"), str) and tok.control_text_in(m["content"]) for m in messages):
+    """The messages with each content that holds special-token text replaced by its
+    CONTENT_MARK, to render the skeleton; None where no content holds any (the rendered
+    text then tokenizes as it is). Other content stays as it is in both renders."""
+    if not any(_holds_control_text(tok, m.get("content")) for m in messages):
         return None
-    return [dict(m, content=CONTENT_MARK.format(i)) if isinstance(m.get("content"), str) and m["content"] else m
+    return [dict(m, content=CONTENT_MARK.format(i)) if _holds_control_text(tok, m.get("content")) else m
             for i, m in enumerate(messages)]
 
 
 def check_fields(tok, messages: list[dict], tools: list[dict] | None = None) -> None:
-    """Special-token text anywhere a template may print it but a message's content is
-    refused. Walked without recursion (tool arguments nest as deep as JSON does)."""
-    stack: list = [(f"messages[{i}] (outside its content)", {k: v for k, v in m.items() if k != "content"})
+    """Special-token text anywhere a template may print it but a message's text content
+    (a role, a name, a tool call or its arguments, a tool's definition, content given
+    as parts) is refused. Walked without recursion (arguments nest as deep as JSON)."""
+    stack: list = [(f"messages[{i}] (outside its text content)",
+                    {k: v for k, v in m.items() if k != "content" or not isinstance(v, str)})
                    for i, m in enumerate(messages)]
     stack += [("tools", tools or [])]
     while stack:
@@ -40,7 +46,7 @@ def check_fields(tok, messages: list[dict], tools: list[dict] | None = None) -> 
         if isinstance(value, str):
             if tok.control_text_in(value):
                 raise EngineError(f"special-token text (such as <|im_start|>) in {where} is refused: only a "
-                                  f"message's content may hold it (as plain text)")
+                                  f"message's text content may hold it (kept as plain text)")
         elif isinstance(value, dict):
             stack += [(where, k) for k in value if isinstance(k, str)] + [(where, v) for v in value.values()]
         elif isinstance(value, (list, tuple)):
@@ -49,23 +55,24 @@ def check_fields(tok, messages: list[dict], tools: list[dict] | None = None) -> 
 
 def content_parts(text: str, skeleton: str | None, messages: list[dict]) -> list[tuple[str, bool]]:
     """The rendered `text` as [(part, special)] for Tokenizer.encode_parts: the skeleton's
-    markup (special-token text parsed) around each content (plain text), checked to
-    join into exactly `text`."""
+    text (special-token text parsed) around each marked content (plain text), in the
+    order the template printed them, checked to join into exactly `text`."""
     refusal = EngineError("a message's content holds special-token text (such as <|im_start|>) and the chat "
-                          "template changes, repeats or reorders content, so it cannot be kept as plain "
-                          "text: remove it")
+                          "template changes or repeats that content, so it cannot be kept as plain text: "
+                          "remove the special-token text")
     if skeleton is None:
         raise refusal
-    parts, at = [], 0
+    marks = []
     for i, m in enumerate(messages):
         mark = CONTENT_MARK.format(i)
         count = skeleton.count(mark)
-        if count == 0:                         # no content, or a message the template leaves out
-            continue
-        found = skeleton.find(mark, at)
-        if count > 1 or found < 0:
+        if count > 1:
             raise refusal
-        parts += [(skeleton[at:found], True), (m["content"], False)]
+        if count == 1:                         # (none: not marked, or a message the template leaves out)
+            marks.append((skeleton.index(mark), mark, m["content"]))
+    parts, at = [], 0
+    for found, mark, content in sorted(marks):
+        parts += [(skeleton[at:found], True), (content, False)]
         at = found + len(mark)
     parts.append((skeleton[at:], True))
     if "".join(p for p, _ in parts) != text:

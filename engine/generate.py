@@ -37,6 +37,8 @@ class SamplingParams:
                 object.__setattr__(self, name, cast(v))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.ignore_eos, np.bool_):
+            object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:

