@@ -184,9 +184,9 @@ def _mib(x) -> str:
 def markdown(meta: dict, summary: dict, lengths: list[int], tasks: list[str]) -> str:
     lines = [f"# Long-context evaluation: {meta.get('model', '?')}", ""]
     t = meta.get("timings", {})
-    wall = f"wall {t['wall_s']:.0f} s " if t.get("wall_s") else ""      # none for rows of several runs
+    wall = f", wall {t['wall_s']:.0f} s" if t.get("wall_s") else ""      # none for rows of several runs
     lines.append(f"{meta.get('n_samples', '?')} prompts x {len(summary)} policies, backend "
-                 f"{meta.get('backend', '?')}, seed {meta.get('seed')}, {wall}"
+                 f"{meta.get('backend', '?')}, seed {meta.get('seed')}{wall} "
                  f"(prefill {t.get('prefill_s', 0):.0f} s for {t.get('prefill_tokens', 0)} tokens). "
                  "Accuracy: every expected number appears in the greedy answer (code questions: the answer "
                  "gives exactly the expected path, value or function). A policy whose budget "
