@@ -27,10 +27,10 @@ def marked_messages(tok, messages: list[dict]) -> list[dict] | None:
     """The messages with each content that holds special-token text replaced by its
     CONTENT_MARK, to render the skeleton; None where no content holds any (the rendered
     text then tokenizes as it is). Other content stays as it is in both renders."""
-    if not any(_holds_control_text(tok, m.get("content")) for m in messages):
+    holds = [_holds_control_text(tok, m.get("content")) for m in messages]     # each content scanned once
+    if not any(holds):
         return None
-    return [dict(m, content=CONTENT_MARK.format(i)) if _holds_control_text(tok, m.get("content")) else m
-            for i, m in enumerate(messages)]
+    return [dict(m, content=CONTENT_MARK.format(i)) if h else m for i, (m, h) in enumerate(zip(messages, holds))]
 
 
 def check_fields(tok, messages: list[dict], tools: list[dict] | None = None) -> None:
