@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import chat_content
 from . import jobs, protocol, structured
-from .limits import Limits, RequestGuard
+from .limits import BodyGuard, Limits, RequestGuard
 from .metrics import Metrics
 from .render import TemplateRenderer
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -136,6 +136,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
     app.state.renderer = renderer
     app.state.limits = limits
 
+    app.add_middleware(BodyGuard, limits=limits)       # innermost: a client without the key sends no body
     keys = api_keys(api_key)
     if keys:
         app.add_middleware(RequireKey, keys=keys)

@@ -1,11 +1,13 @@
 """What one request or one client may hold, enforced before the app allocates for it.
 
     Limits           the server's limits (from the settings, engine/config.py `serve_*`)
-    RequestGuard     ASGI middleware: the Host allow-list, then the body read here, at most
-                     max_body_bytes (413, by Content-Length before reading when it is sent),
-                     the whole of it within body_timeout (408), then replayed to the app;
-                     a response write that waits past write_timeout for a client that
-                     does not read ends the request (its stream's cleanup cancels it)
+    RequestGuard     ASGI middleware, outermost: the Host allow-list; a response write that
+                     waits past write_timeout for a client that does not read ends the
+                     request (its stream's cleanup cancels it)
+    BodyGuard        ASGI middleware, innermost (behind the API key's check, so a client
+                     without the key never holds a body buffer): the body read here, at
+                     most max_body_bytes (413, by Content-Length before reading when it is
+                     sent), the whole of it within body_timeout (408), then replayed to the app
     GuardedH11       uvicorn's h11 protocol with a header deadline (a connection that has not
                      sent its request headers within header_timeout is closed) and a
                      connection cap (over max_connections, the connection waiting longest
@@ -103,8 +105,19 @@ class RequestGuard:
             if name.strip("[]").lower() not in self.allowed_hosts:
                 return await _answer(send, 421, f"Host {host!r} is not served here (a server without an API key "
                                                 "answers only its own names: --allowed-hosts)", "host_not_allowed")
-        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        return await self.app(scope, receive, send)
+
+
+class BodyGuard:
+    """ASGI middleware in front of the app's routes (see the module's docstring)."""
+
+    def __init__(self, app, limits: Limits):
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
         limit = self.limits.max_body_bytes
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):

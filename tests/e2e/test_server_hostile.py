@@ -438,6 +438,26 @@ def test_keys_are_utf8_several_and_never_empty(tiny_llama):
             conn.close()
 
 
+def test_a_client_without_the_key_is_refused_before_its_body_is_read(tiny_llama):
+    """The key is checked before the body is read: a client without it, still sending a
+    body, gets 401 at once (not the body's --body-timeout later, holding a body buffer)."""
+    with served(tiny_llama, api_key="k", limits=Limits(body_timeout=30)) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        t0 = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+            answer = b""
+            while b"}" not in answer:
+                data = c.recv(4096)
+                if not data:
+                    break
+                answer += data
+        assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer, answer[:200]
+        assert time.monotonic() - t0 < 10
+        status, answer = request(s.url, "/v1/completions", BODY, headers={"Authorization": "Bearer k"})
+        assert status == 200, answer
+
+
 def test_a_plain_request_whose_client_leaves_is_cancelled_behind_a_key(tiny_llama):
     """The key check is plain ASGI: behind Starlette's BaseHTTPMiddleware a route never sees
     its client disconnect, and a non-streaming request whose client left ran on."""
