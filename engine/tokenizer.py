@@ -13,6 +13,7 @@ import codecs
 import dataclasses
 import datetime
 import json
+import re
 
 import jinja2
 import jinja2.ext
@@ -95,6 +96,63 @@ def _typed_list(meta: dict, key: str, kind) -> list:
     return value
 
 
+class PieceFinder:
+    """Which of a fixed set of strings occur in a text, in one regex pass (a vocabulary's
+    special pieces: Gemma 3 has 6,414, and testing each with `in` cost 0.5 s on a 32K-token
+    text). The pattern is the pieces' trie inside a lookahead, so it finds at every position
+    the longest piece starting there; every other piece starting there is a prefix of that
+    one, added from the set. Compiled on first use."""
+
+    def __init__(self, pieces):
+        self.pieces = frozenset(p for p in pieces if p)
+        self._regex: re.Pattern | bool | None = None       # False: the pattern would not compile
+        self._prefixes: dict[str, list[str]] = {}
+
+    def present(self, text: str) -> set[str]:
+        if not self.pieces:
+            return set()
+        if self._regex is None:
+            try:
+                self._regex = re.compile("(?=(" + self._trie(self.pieces) + "))", re.DOTALL)
+            except (RecursionError, re.error, OverflowError):   # a pathological vocabulary: test each
+                self._regex = False
+        if self._regex is False:
+            return {piece for piece in self.pieces if piece in text}
+        found = {m.group(1) for m in self._regex.finditer(text)}
+        for piece in list(found):
+            if piece not in self._prefixes:
+                self._prefixes[piece] = [piece[:k] for k in range(1, len(piece)) if piece[:k] in self.pieces]
+            found.update(self._prefixes[piece])
+        return found
+
+    @staticmethod
+    def _trie(pieces) -> str:
+        """A regex matching the longest of `pieces` at a position: a trie whose optional
+        tails are greedy (tried before the shorter piece ends)."""
+        root: dict = {}
+        for piece in pieces:
+            node = root
+            for ch in piece:
+                node = node.setdefault(ch, {})
+            node[None] = None                      # a piece ends here
+
+        def emit(node) -> str:
+            alts = []
+            for ch, child in node.items():
+                if ch is None:
+                    continue
+                run = re.escape(ch)
+                while len(child) == 1 and None not in child:     # one way on: no group needed
+                    (ch, child), = child.items()
+                    run += re.escape(ch)
+                alts.append(run + emit(child))
+            if not alts:
+                return ""
+            body = "(?:" + "|".join(alts) + ")"
+            return body + "?" if None in node else body
+        return emit(root)
+
+
 class Tokenizer:
     """Encode/decode text for one model. Build with `from_metadata` or `from_gguf`."""
 
@@ -145,6 +203,9 @@ class Tokenizer:
                            key=lambda i: -len(self.pieces[i]))
         self._specials = [(i, self.pieces[i]) for i in by_length]
         self._user_defined = [(i, p) for i, p in self._specials if self.types[i] == USER_DEFINED]
+        self._finders = {key: PieceFinder(p for i, p in self._specials if keep(i)) for key, keep in (
+            ("special", lambda i: True), ("user", lambda i: self.types[i] == USER_DEFINED),
+            ("control", lambda i: self.types[i] != USER_DEFINED))}
 
         self._hf = self._build_spm(meta) if spm else self._build_bpe(meta, pre)
         self._template: jinja2.Template | None = None
@@ -237,7 +298,7 @@ class Tokenizer:
     def control_text_in(self, text: str) -> bool:
         """Whether `text` holds the text of a control or unknown token (which encode with
         special=True turns into that token, and special=False leaves as text)."""
-        return any(piece in text for i, piece in self._specials if self.types[i] != USER_DEFINED)
+        return bool(self._finders["control"].present(text))
 
     @property
     def max_piece_chars(self) -> int:
@@ -268,8 +329,9 @@ class Tokenizer:
     def _partition(self, text: str, special: bool) -> list[str | int]:
         """Split out special tokens: each (longest first) cuts every remaining text fragment."""
         parts: list[str | int] = [text] if text else []
+        present = self._finders["special" if special else "user"].present(text)
         for token_id, piece in self._specials if special else self._user_defined:
-            if piece not in text:
+            if piece not in present:
                 continue
             out: list[str | int] = []
             for part in parts:

@@ -275,3 +275,50 @@ def test_gemma3_properties(gemma3):
     assert (gemma3.bos_id, gemma3.eos_id) == (2, 1)
     assert gemma3.add_bos is True
     assert gemma3.encode("Hello world") == [2, 9259, 1902]
+
+
+def _partition_by_scanning(specials, text):
+    """llama.cpp's partition as written: every piece (longest first) tested against the text."""
+    parts = [text] if text else []
+    for token_id, piece in specials:
+        if piece not in text:
+            continue
+        out = []
+        for part in parts:
+            if isinstance(part, int) or piece not in part:
+                out.append(part)
+                continue
+            for k, chunk in enumerate(part.split(piece)):
+                if k:
+                    out.append(token_id)
+                if chunk:
+                    out.append(chunk)
+        parts = out
+    return parts
+
+
+def test_special_pieces_are_found_in_one_pass_as_scanning_each_finds_them():
+    """PieceFinder (one regex over the text) finds exactly the pieces `in` finds, overlapping
+    ones and pieces that are prefixes of others included, so the partition is unchanged."""
+    import random
+    from engine.tokenizer import PieceFinder
+    pieces = ["ab", "abc", "bcd", "c", "<a>", "a>", "<", "\n\n", "\n", "[x]", "x]", ".*", "\\"]
+    finder = PieceFinder(pieces + [""])
+    specials = sorted(enumerate(pieces), key=lambda t: -len(t[1]))
+    rnd = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rnd.choice("abcd<>\n[x].*\\") for _ in range(rnd.randrange(0, 14)))
+        assert finder.present(text) == {p for p in pieces if p in text}, repr(text)
+        tok = Tokenizer.__new__(Tokenizer)
+        tok._specials = tok._user_defined = specials
+        tok._finders = {"special": PieceFinder(pieces), "user": PieceFinder(pieces)}
+        assert tok._partition(text, True) == _partition_by_scanning(specials, text), repr(text)
+    assert PieceFinder([]).present("abc") == set()
+
+
+def test_gemma3_partition_is_the_scanning_one(gemma3):
+    text = (pathlib.Path(__file__).read_text() * 3 + "<start_of_turn>user\n\t\t  <unused12><end_of_turn>"
+            "\n\n\n\n\n<start_of_image>" + " " * 40)
+    assert gemma3._partition(text, True) == _partition_by_scanning(gemma3._specials, text)
+    assert gemma3._partition(text, False) == _partition_by_scanning(gemma3._user_defined, text)
+    assert gemma3.control_text_in("a <end_of_turn> b") and not gemma3.control_text_in("a \n\n\t b")
