@@ -467,17 +467,20 @@ class Scheduler:
         short, as every kept cache is."""
         if self.prompt_cache <= 0:
             return
+        # the lock is taken only to shelve: the running requests, the kept caches and the
+        # pools' pages change on this thread alone, and the copy (a whole prompt's rows)
+        # must not hold up the HTTP side's submit, cancel and state
+        pool = cache.pool
+        if self._short(pool, [cache.pages_held(k) for k in range(len(pool.segments))]):
+            return
+        try:
+            branch = cache.branch()
+        except (DeviceOutOfMemory, KvCacheError) as e:   # keeping is an optimisation: the request goes on
+            log.warning("prompt cache not kept: %s", e)
+            self._free_memory = True
+            return
+        branch.tail_queries = (cache.logical_length - q_window.shape[2], q_window)
         with self._cv:
-            pool = cache.pool
-            if self._short(pool, [cache.pages_held(k) for k in range(len(pool.segments))]):
-                return
-            try:
-                branch = cache.branch()
-            except (DeviceOutOfMemory, KvCacheError) as e:   # keeping is an optimisation: the request goes on
-                log.warning("prompt cache not kept: %s", e)
-                self._free_memory = True
-                return
-            branch.tail_queries = (cache.logical_length - q_window.shape[2], q_window)
             self._shelve(list(ids[:cache.logical_length]), branch)
 
     def _short(self, pool, need: list[int] | None = None) -> bool:

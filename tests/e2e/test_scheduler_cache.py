@@ -92,6 +92,35 @@ def test_running_out_of_device_memory_while_keeping_a_prompt_is_not_the_requests
     assert pool.free_pages == pool.n_pages and not sched._kept
 
 
+def test_keeping_a_prompt_copies_its_rows_without_holding_the_lock(model, monkeypatch):
+    """The branch copy of a prompt's rows (hundreds of MiB at 32K) runs outside the
+    scheduler's lock: the HTTP side's submit, cancel and /state answer meanwhile."""
+    ev = SnapKvConfig(budget=24, window=8, sinks=2, min_tokens=16)
+    real, copying, release = model.backend.kv_copy_pages, threading.Event(), threading.Event()
+
+    def slow_copy(*a, **k):
+        copying.set()
+        assert release.wait(WAIT_S)
+        return real(*a, **k)
+    monkeypatch.setattr(model.backend, "kv_copy_pages", slow_copy)
+    sched = Scheduler(model, max_queue=4, max_running=2)
+    sched.start()
+    answered = threading.Event()
+    try:
+        worker = threading.Thread(target=lambda: run(sched, Job(list(range(5, 105)), greedy(4), ev)))
+        worker.start()
+        assert copying.wait(WAIT_S)
+        probe = threading.Thread(target=lambda: (sched.state(), answered.set()))
+        probe.start()
+        assert answered.wait(5.0), "/state waited for the copy"
+        release.set()
+        worker.join(WAIT_S)
+        assert sched.state()["prompt_cache"]["caches"] == 1
+    finally:
+        release.set()
+        sched.stop()
+
+
 def test_a_drain_lets_a_preempted_request_finish(model, monkeypatch):
     """While draining (SIGTERM), a request preempted for pages was already streaming: it
     waits for pages until the deadline like the running ones and finishes, instead of
