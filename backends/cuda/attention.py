@@ -21,7 +21,7 @@ import numpy as np
 
 from ..kvformat import KV_DTYPES
 from . import kvrows
-from .elementwise import rotate, row_stride, scratch, step_args
+from .elementwise import check_table, rotate, row_stride, scratch, step_args
 
 VARIANTS = list(dict.fromkeys(      # rq4_0 rows are read as q4_0: no variants of their own
     [("attention.cu", kvrows.defines(k, v)) for k in KV_DTYPES for v in KV_DTYPES]
@@ -67,14 +67,6 @@ def _kv_dims(k_pages, v_pages, n_q_heads: int, op: str, k_dtype: str = "bf16",
     if n_q_heads < 1 or n_q_heads % n_kv:
         raise ValueError(f"cuda {op}: {n_q_heads} query heads is not a multiple of {n_kv} KV heads")
     return n_kv, page_size, head_dim
-
-
-def _check_table(page_table, page_size: int, n_rows: int, op: str) -> None:
-    if page_table.dtype != np.int32 or page_table.ndim != 1:
-        raise ValueError(f"cuda {op}: page_table must be int32 [max_pages], got {page_table.dtype} {page_table.shape}")
-    if page_table.shape[0] * page_size < n_rows:
-        raise ValueError(f"cuda {op}: {n_rows} rows need {-(-n_rows // page_size)} pages, "
-                         f"the page table has {page_table.shape[0]}")
 
 
 def _check_rows(a, n: int, width: int, what: str, op: str) -> None:
@@ -168,7 +160,7 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
         raise ValueError(f"cuda attention_prefill: start_row {start_row} and window {window} must be >= 0")
     if n == 0:
         return
-    _check_table(page_table, page_size, start_row + n, "attention_prefill")
+    check_table(page_table, page_size, start_row + n, "attention_prefill")
     bias = _bias_args(row_bias, n_kv, q, "attention_prefill")
     k_spec, v_spec = kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype]
     width = n_q_heads * head_dim
@@ -231,7 +223,7 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
     _check_rows(out, 1, n_q_heads * head_dim, "out", "attention_decode")
     if n_rows < 1 or window < 0:
         raise ValueError(f"cuda attention_decode: n_rows must be >= 1 and window >= 0, got {n_rows}, {window}")
-    _check_table(page_table, page_size, n_rows, "attention_decode")
+    check_table(page_table, page_size, n_rows, "attention_decode")
     bias = _bias_args(row_bias, n_kv, q, "attention_decode")
     row0 = max(0, n_rows - window) if window > 0 else 0
     n_chunks, heads_per_block, n_splits, rows_per_split = decode_geometry(n_rows - row0, n_q_heads, n_kv)
@@ -292,7 +284,7 @@ def snapkv_votes(ex, q_window, k_pages, page_table, n_rows: int, scale: float, k
     prefix = n_rows - window
     if prefix == 0:
         return np.zeros((n_kv, 0), np.float32)
-    _check_table(page_table, page_size, n_rows, "snapkv_votes")
+    check_table(page_table, page_size, n_rows, "snapkv_votes")
     n_queries = n_q_heads // n_kv * window
     n_qchunks, n_splits, rows_per_split = votes_geometry(n_rows, n_queries, n_kv)
     # stats f32 [n_q_heads * W, n_splits, 2] (max, sum), then votes f32 [n_kv, prefix]

@@ -57,6 +57,15 @@ def step_args(step: tuple | None, unread) -> tuple:
     return buf, _i32(slot)
 
 
+def check_table(page_table, page_size: int, n_rows: int, op: str) -> None:
+    """The page table covers n_rows rows (the kernels index it unchecked)."""
+    if page_table.dtype != np.int32 or page_table.ndim != 1:
+        raise ValueError(f"cuda {op}: page_table must be int32 [max_pages], got {page_table.dtype} {page_table.shape}")
+    if page_table.shape[0] * page_size < n_rows:
+        raise ValueError(f"cuda {op}: {n_rows} rows need {-(-n_rows // page_size)} pages, "
+                         f"the page table has {page_table.shape[0]}")
+
+
 def scratch(ex, key: str, n_floats: int):
     """f32 [>= n_floats] kept in ex.cache[key]; reallocated only to grow."""
     buf = ex.cache.get(key)
@@ -246,6 +255,8 @@ def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: st
         return
     if k.shape[1] < n_kv * head_dim or v.shape != k.shape:
         raise ValueError(f"cuda kv_write: k {k.shape}, v {v.shape}, {n_kv} KV heads of {head_dim}")
+    if step is None:
+        check_table(page_table, page_size, start_row + n, "kv_write")
     at = step_args(step, page_table)
     if k_dtype == v_dtype == "bf16":                 # both pools in one launch
         ex.function("kv.cu", "kv_write")((n, n_kv), (threads_for(head_dim // 2, 128),),
@@ -298,6 +309,8 @@ def rope_kv_write(ex, qkv, positions: np.ndarray, n_heads: int, rot_dim: int, fr
                          f"keys {k_dtype}, rot_dim {rot_dim}, {len(positions)} positions")
     table, pos_dev, use, pos0, uploaded = _rope_inputs(ex, positions, freq_base, rot_dim, freq_factors,
                                                        step_positions, max_position)
+    if step_row is None:
+        check_table(page_table, page_size, start_row + n, "rope_kv_write")
     at = step_args(step_row, page_table)
     fused_v = v_dtype if v_dtype in ROPE_WRITE_KEYS else "none"
     k_off = n_heads * head_dim

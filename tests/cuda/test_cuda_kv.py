@@ -90,6 +90,22 @@ def test_kv_write_pair(ex, kv):
         assert_rows_written(ex.to_host(got), w, dtype, head_dim)
 
 
+@pytest.mark.parametrize("kv", [("bf16", "bf16"), ("q8_0", "tq4")])
+def test_kv_write_past_the_page_table_is_refused(ex, kv):
+    """The kernels index the page table unchecked: rows past its pages are an error
+    before any launch (a stale entry would send them into another sequence's page)."""
+    n_kv, head_dim, page_size = 2, 64, 16
+    k = v = ex.asarray(np.ones((4, n_kv * head_dim), np.float32))
+    pools = [ex.asarray(p) for p in empty_pools(4, n_kv, page_size, head_dim, kv)]
+    page_table = ex.asarray(np.array([2, 0], np.int32))             # 32 rows
+    elementwise.kv_write(ex, *pools, page_table, k, v, 28, *kv)     # rows 28..31: fit
+    before = [ex.to_host(p).copy() for p in pools]
+    with pytest.raises(ValueError, match="the page table has 2"):
+        elementwise.kv_write(ex, *pools, page_table, k, v, 29, *kv)
+    for p, b in zip(pools, before):
+        np.testing.assert_array_equal(ex.to_host(p), b)
+
+
 @pytest.mark.parametrize("kv,head_dim", [(("q8_0", "tq3"), 64), (("tq3", "tq3"), 40), (("bf16", "q4_0"), 64)])
 def test_kv_gather_and_copy_any_width(ex, kv, head_dim):
     """Whole rows move with their scales (K and V rows of different widths; tq3 at head_dim

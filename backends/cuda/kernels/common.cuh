@@ -12,6 +12,7 @@
 #define WARP_SIZE 32
 #define FULL_MASK 0xffffffffu
 #define NEG_INF (__int_as_float(0xff800000))      // NVRTC has no INFINITY
+#define MIN_NORMAL 1.17549435e-38f                // the smallest normal float (no FLT_MIN in NVRTC)
 
 typedef unsigned char u8;
 typedef unsigned short u16;

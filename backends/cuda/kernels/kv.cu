@@ -64,7 +64,7 @@ __device__ __forceinline__ void write_row(u8* __restrict__ dst, const float* __r
         for (int b = warp; b < head_dim / 32; b += KVW_THREADS / WARP_SIZE) {
             const float xv = x[32 * b + lane];
             const float d = warp_max(fabsf(xv)) / 127.0f;
-            const float id = d != 0.0f ? 1.0f / d : 0.0f;
+            const float id = d >= MIN_NORMAL ? 1.0f / d : 0.0f;          // subnormal: 0 under -ftz=true
             u8* blk = dst + 34 * b;
             blk[2 + lane] = (u8)(int)round_away(__fmul_rn(xv, id));
             if (lane == 0) put_f16(blk, d);
@@ -75,7 +75,7 @@ __device__ __forceinline__ void write_row(u8* __restrict__ dst, const float* __r
             const float amax = warp_max(ax);
             const int first = __ffs(__ballot_sync(FULL_MASK, ax == amax)) - 1;
             const float d = __shfl_sync(FULL_MASK, xv, first) / -8.0f;
-            const float id = d != 0.0f ? 1.0f / d : 0.0f;
+            const float id = fabsf(d) >= MIN_NORMAL ? 1.0f / d : 0.0f;    // as q8_0's
             const int qv = min(15, (int)truncf(__fadd_rn(__fmul_rn(xv, id), 8.5f)));
             const int hi = __shfl_down_sync(FULL_MASK, qv, 16);
             u8* blk = dst + 18 * b;
