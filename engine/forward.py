@@ -116,6 +116,22 @@ def work_bytes(cfg: ModelConfig, n: int) -> int:
     return 4 * (floats + n * 2 * cfg.ffn_dim)
 
 
+@contextlib.contextmanager
+def stepping(caches: list):
+    """A forward step's work on `caches`: a failure in it (an error, Ctrl-C) after some
+    layer took its rows leaves that cache's layers at different positions (and on Vulkan
+    the step's recorded writes dropped), which later steps would read as a prompt; such a
+    cache is marked interrupted (KvCache.check_usable refuses it until released)."""
+    before = [c.logical_length for c in caches]       # layer 0's: the first to take its rows
+    try:
+        yield
+    except BaseException as e:
+        for c, n in zip(caches, before):
+            if c.logical_length != n:
+                c.interrupted = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise
+
+
 def decode_stats_of(c: dict, counts_launches: bool) -> dict:
     """ForwardPass.decode_stats of counters `c` (as decode_counters)."""
     n = c["tokens"]
@@ -292,7 +308,8 @@ class ForwardPass:
         just before SnapKV compacts it (the server branches it there). A window longer than
         the new tokens reaches back into positions the cache holds: their queries come from
         the cache's `tail_queries`, and without them the prompt is not compacted."""
-        ids = np.asarray(ids, dtype=np.int32)
+        ids = self._checked_ids(ids)
+        cache.check_usable()
         if self._prefill_scratch is None:
             self._prefill_scratch = Scratch(self.backend, self.cfg, self.chunk)
         rows_after = cache.length + len(ids)
@@ -311,7 +328,8 @@ class ForwardPass:
         for start in range(0, len(ids), self.chunk):
             part = ids[start:start + self.chunk]
             s = self._prefill_scratch if len(part) > 1 else self._decode_scratch
-            self._forward(part, [(cache, len(part))], s, capture)
+            with stepping([cache]):
+                self._forward(part, [(cache, len(part))], s, capture)
             if all_logits:
                 out.append(self._head(s, len(part), first=0))
             elif on_logits is not None:          # a few rows at a time: vocab-wide rows are large
@@ -397,13 +415,17 @@ class ForwardPass:
         counts = self.decode_counters
         launches = getattr(self.backend, "launches", None)
         steady = False
+        ids = self._checked_ids(tokens)
+        for cache in caches:
+            cache.check_usable()
         t0 = time.perf_counter()
-        if self.replay is not None and self.replay.usable(caches):
-            out = self.replay.step(tokens, caches, s, argmax)
-            steady = self.replay.steady
-        else:
-            self._forward(np.asarray(tokens, dtype=np.int32), [(cache, 1) for cache in caches], s)
-            out = self._step_output(s, len(caches), argmax)
+        with stepping(caches):
+            if self.replay is not None and self.replay.usable(caches):
+                out = self.replay.step(ids, caches, s, argmax)
+                steady = self.replay.steady
+            else:
+                self._forward(ids, [(cache, 1) for cache in caches], s)
+                out = self._step_output(s, len(caches), argmax)
         host_s = time.perf_counter() - t0
         counts["host_s"] += host_s
         counts["tokens"] += len(caches)
@@ -413,6 +435,16 @@ class ForwardPass:
         if launches is not None:
             counts["launches"] += self.backend.launches - launches
         return out
+
+    def _checked_ids(self, tokens) -> np.ndarray:
+        """int32 token ids, each in the vocabulary (the embedding lookups index unchecked)."""
+        ids = np.asarray(tokens).reshape(-1)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise EngineError(f"token ids must be integers, got {ids.dtype}")
+        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+        if bad.size:
+            raise EngineError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        return ids.astype(np.int32)
 
     def _step_output(self, s: Scratch, n: int, argmax: bool):
         """A decode step's head: the logits [n, vocab] of its n rows, or their argmax_rows [n]."""
@@ -429,9 +461,9 @@ class ForwardPass:
         issued a token (0 for a replayed step, engine/replay.py; None on backends that
         launch nothing, the CPU); host_us_per_token, the time until a token's
         work was issued, before its logits are awaited (host work alone where launches are
-        asynchronous, as on a CUDA device; on the CUDA CPU harness and on Vulkan, whose
-        submissions are awaited, the device's work too), over every step, recordings
-        included; replayed_host_us_per_token, the same over replayed steps alone but each
+        asynchronous: a CUDA device, Vulkan's fresh and replayed steps; on the CUDA CPU
+        harness the device's work too, and on Vulkan a recording step's, whose submission
+        is awaited), over every step, recordings included; replayed_host_us_per_token, the same over replayed steps alone but each
         recording's first replay (which captures the CUDA graph): the steady state, None
         without such steps; recordings and replays."""
         c = {k: v - (since or {}).get(k, 0) for k, v in self.decode_counters.items()}

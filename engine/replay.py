@@ -103,9 +103,6 @@ class DecodeReplay:
         counters = fp.decode_counters
         tokens = [int(t) for t in tokens]
         n = len(caches)
-        for t in tokens:
-            if not 0 <= t < fp.cfg.vocab_size:
-                raise ValueError(f"token id {t} outside the vocabulary [0, {fp.cfg.vocab_size})")
         for cache in caches:                 # pages first: a full cache fails before any write
             for kv in cache.layers:
                 kv.reserve(1)
@@ -128,9 +125,9 @@ class DecodeReplay:
         kept = self._kept.get((n, argmax))
         self.steady = False
         if kept is not None and kept[0] == key and top < kept[5]:
-            self.steady = (n, argmax) in self._replayed
-            self._replayed.add((n, argmax))
             fp.backend.replay(kept[1], values)
+            self.steady = (n, argmax) in self._replayed
+            self._replayed.add((n, argmax))          # (once replayed whole: CUDA's graph captured)
             for cache in caches:
                 for kv in cache.layers:
                     kv.advance(1)
@@ -144,7 +141,8 @@ class DecodeReplay:
             recording = fp.backend.record_step(values, run, max_position=limit, readback=out)
             counters["recordings"] += 1
             if recording is not None:        # None: the backend could not record the step whole
-                owners = [weakref.finalize(c, self.forget, n) for c in caches]
+                # a cache collected drops this recording (its ids could be reused), not the others
+                owners = [weakref.finalize(c, self.forget, n, argmax) for c in caches]
                 self._kept[(n, argmax)] = (key, recording, s, owners, bound, limit)   # bound: ids stay theirs
         return out
 

@@ -707,6 +707,15 @@ class KvCache:
         # the prompt it scored), so a continuation whose window reaches back into them need not
         # run them again (ForwardPass.prefill_steps); None when unknown
         self.tail_queries: tuple[int, np.ndarray] | None = None
+        # why a step failed after some layer took its rows (an error, Ctrl-C): the layers
+        # then hold different positions, and the cache refuses further steps until released
+        self.interrupted: str | None = None
+
+    def check_usable(self) -> None:
+        """KvCacheError when a step was interrupted in this cache (`interrupted`)."""
+        if self.interrupted is not None:
+            raise KvCacheError(f"this KV cache was left in the middle of a step ({self.interrupted}): its layers "
+                               f"hold different positions; start a new cache (or release this one)")
 
     @property
     def centre_rows(self) -> int:
@@ -825,7 +834,7 @@ class KvCache:
         cache on a shared pool must be released, a private one may just be dropped."""
         for layer in self.layers:
             layer.release()
-        self.compactions, self.eviction, self.tail_queries = [], None, None
+        self.compactions, self.eviction, self.tail_queries, self.interrupted = [], None, None, None
 
     @property
     def full_layers(self) -> list[int]:

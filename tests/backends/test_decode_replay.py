@@ -16,6 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import engine
+from engine.errors import EngineError
 from _backends import EXECUTOR_IDS, available_backends, cuda_test_executor
 from engine.snapkv import SnapKvConfig
 from tiny_gguf import write_tiny_gguf
@@ -177,9 +178,43 @@ def test_bad_token_is_refused_before_any_work(backend, tiny):
     cache, logits = on.prefill(PROMPT[:20])
     on.forward.decode(int(np.argmax(logits)), cache)
     length = cache.length
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(EngineError, match="outside the vocabulary"):
         on.forward.decode(on.config.vocab_size, cache)
     assert cache.length == length
+
+
+def test_a_collected_cache_drops_only_its_own_recording(backend, tiny):
+    """Greedy (argmax) and logits steps keep a recording each: a cache of one collected
+    drops that one only, so the other cache goes on replaying."""
+    import gc
+    on, _ = pair(tiny["llama-q8"], backend, prefill_chunk=64)
+    a, la = on.prefill(PROMPT[:20])
+    b, lb = on.prefill(PROMPT[:30])
+    on.forward.decode_argmax(int(np.argmax(la)), a)
+    on.forward.decode(int(np.argmax(lb)), b)
+    del a
+    gc.collect()
+    on.forward.decode(7, b)
+    assert on.forward.replay.stats == {"recordings": 2, "replays": 1}
+
+
+def test_a_failed_replay_is_not_counted_as_steady(backend, tiny, monkeypatch):
+    """A recording counts as replayed (its CUDA graph captured) only once a replay of it
+    ran whole: after a failed first replay, the next one is not steady state."""
+    on, _ = pair(tiny["llama-q8"], backend, prefill_chunk=64)
+    cache, logits = on.prefill(PROMPT[:20])
+    on.forward.decode(int(np.argmax(logits)), cache)           # records
+    real = on.backend.replay
+    monkeypatch.setattr(on.backend, "replay", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("capture failed")))
+    with pytest.raises(RuntimeError):
+        on.forward.decode(7, cache)
+    assert cache.interrupted is None                            # no layer took the row
+    monkeypatch.setattr(on.backend, "replay", real)
+    before = dict(on.forward.decode_counters)
+    on.forward.decode(7, cache)
+    assert not on.forward.replay.steady and on.forward.decode_counters["replayed_tokens"] == before["replayed_tokens"]
+    on.forward.decode(8, cache)
+    assert on.forward.replay.steady
 
 
 def batch_steps(model, caches, tokens, steps):

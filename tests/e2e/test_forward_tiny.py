@@ -5,6 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import engine
+from engine.errors import EngineError
 from engine.snapkv import SnapKvConfig, SnapKvSelector
 from _backends import nmse
 from tiny_gguf import STEPS_AGREE, write_tiny_gguf
@@ -57,6 +58,48 @@ def test_generation_continues_a_cache(models):
     full = m.logits(PROMPT[:40] + [token])
     np.testing.assert_allclose(step, full, **STEPS_AGREE)
     assert (cache.length, cache.logical_length) == (41, 41)
+
+
+def _fail_in_layer(backend, op: str, layer: int, error: BaseException):
+    """Patch backend.op to raise `error` on its call for `layer` (0-based, one call a layer)."""
+    real, calls = getattr(backend, op), []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == layer + 1:
+            raise error
+        return real(*a, **k)
+    return failing
+
+
+@pytest.mark.parametrize("where", ["decode", "prefill"])
+def test_a_step_interrupted_midway_leaves_a_cache_that_refuses_more(models, monkeypatch, where):
+    """Ctrl-C (or an error) inside a step after some layers took their rows leaves the
+    layers at different positions: the cache then refuses further steps with a clear
+    error instead of answering from a cache that is not the prompt, until released.
+    A failure before any layer took rows (a bad token) leaves it usable."""
+    from engine.kv.paged import KvCacheError
+    m = engine.load(models["llama-q8"], backend="cpu", prefill_chunk=16)
+    cache, logits = m.prefill(PROMPT[:40])
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        m.forward.decode(10 ** 9, cache)                        # refused before any write (not a crash)
+    assert cache.interrupted is None
+    op = "attention_decode" if where == "decode" else "attention_prefill"
+    monkeypatch.setattr(m.backend, op, _fail_in_layer(m.backend, op, 1, KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        if where == "decode":
+            m.forward.decode(int(np.argmax(logits)), cache)
+        else:
+            m.prefill(PROMPT[40:80], cache=cache)
+    monkeypatch.undo()
+    assert len({layer.logical_length for layer in cache.layers}) == 2 and cache.interrupted == "KeyboardInterrupt"
+    with pytest.raises(KvCacheError, match="in the middle of a step"):
+        m.forward.decode(int(np.argmax(logits)), cache)
+    with pytest.raises(KvCacheError, match="in the middle of a step"):
+        m.prefill(PROMPT[40:50], cache=cache)
+    cache.release()
+    _, again = m.prefill(PROMPT[:40], cache=cache)
+    np.testing.assert_array_equal(again, logits)
 
 
 # -- SnapKV wiring ------------------------------------------------------------------------
