@@ -116,20 +116,14 @@ def work_bytes(cfg: ModelConfig, n: int) -> int:
     return 4 * (floats + n * 2 * cfg.ffn_dim)
 
 
-@contextlib.contextmanager
-def stepping(caches: list):
-    """A forward step's work on `caches`: a failure in it (an error, Ctrl-C) after some
-    layer took its rows leaves that cache's layers at different positions (and on Vulkan
-    the step's recorded writes dropped), which later steps would read as a prompt; such a
-    cache is marked interrupted (KvCache.check_usable refuses it until released)."""
-    before = [c.logical_length for c in caches]       # layer 0's: the first to take its rows
-    try:
-        yield
-    except BaseException as e:
-        for c, n in zip(caches, before):
-            if c.logical_length != n:
-                c.interrupted = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise
+def mark_interrupted(caches: list, before: list[int], e: BaseException) -> None:
+    """A forward step on `caches` (their logical lengths `before` it) failed (an error,
+    Ctrl-C): a cache whose first layer took its rows has layers at different positions
+    (and on Vulkan the step's recorded writes dropped), which later steps would read as a
+    prompt; it is marked interrupted (KvCache.check_usable refuses it until released)."""
+    for c, n in zip(caches, before):
+        if c.logical_length != n:
+            c.interrupted = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def decode_stats_of(c: dict, counts_launches: bool) -> dict:
@@ -308,7 +302,11 @@ class ForwardPass:
         just before SnapKV compacts it (the server branches it there). A window longer than
         the new tokens reaches back into positions the cache holds: their queries come from
         the cache's `tail_queries`, and without them the prompt is not compacted."""
-        ids = self._checked_ids(ids)
+        ids, vocab = np.asarray(ids), self.cfg.vocab_size
+        if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)
+                         or ids.min() < 0 or ids.max() >= vocab):    # the embedding lookups index unchecked
+            raise EngineError(f"prompt token ids must be one-dimensional integers in the vocabulary [0, {vocab})")
+        ids = ids.astype(np.int32)
         cache.check_usable()
         if self._prefill_scratch is None:
             self._prefill_scratch = Scratch(self.backend, self.cfg, self.chunk)
@@ -328,8 +326,12 @@ class ForwardPass:
         for start in range(0, len(ids), self.chunk):
             part = ids[start:start + self.chunk]
             s = self._prefill_scratch if len(part) > 1 else self._decode_scratch
-            with stepping([cache]):
+            before = [cache.logical_length]
+            try:
                 self._forward(part, [(cache, len(part))], s, capture)
+            except BaseException as e:
+                mark_interrupted([cache], before, e)
+                raise
             if all_logits:
                 out.append(self._head(s, len(part), first=0))
             elif on_logits is not None:          # a few rows at a time: vocab-wide rows are large
@@ -415,17 +417,26 @@ class ForwardPass:
         counts = self.decode_counters
         launches = getattr(self.backend, "launches", None)
         steady = False
-        ids = self._checked_ids(tokens)
+        vocab = self.cfg.vocab_size
+        tokens = [int(t) for t in tokens]
+        for t in tokens:                     # the embedding lookups index unchecked
+            if not 0 <= t < vocab:
+                raise EngineError(f"token id {t} is outside the vocabulary [0, {vocab})")
+        before = []
         for cache in caches:
             cache.check_usable()
+            before.append(cache.logical_length)
         t0 = time.perf_counter()
-        with stepping(caches):
+        try:
             if self.replay is not None and self.replay.usable(caches):
-                out = self.replay.step(ids, caches, s, argmax)
+                out = self.replay.step(tokens, caches, s, argmax)
                 steady = self.replay.steady
             else:
-                self._forward(ids, [(cache, 1) for cache in caches], s)
+                self._forward(np.array(tokens, dtype=np.int32), [(cache, 1) for cache in caches], s)
                 out = self._step_output(s, len(caches), argmax)
+        except BaseException as e:
+            mark_interrupted(caches, before, e)
+            raise
         host_s = time.perf_counter() - t0
         counts["host_s"] += host_s
         counts["tokens"] += len(caches)
@@ -435,16 +446,6 @@ class ForwardPass:
         if launches is not None:
             counts["launches"] += self.backend.launches - launches
         return out
-
-    def _checked_ids(self, tokens) -> np.ndarray:
-        """int32 token ids, each in the vocabulary (the embedding lookups index unchecked)."""
-        ids = np.asarray(tokens).reshape(-1)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise EngineError(f"token ids must be integers, got {ids.dtype}")
-        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
-        if bad.size:
-            raise EngineError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        return ids.astype(np.int32)
 
     def _step_output(self, s: Scratch, n: int, argmax: bool):
         """A decode step's head: the logits [n, vocab] of its n rows, or their argmax_rows [n]."""
