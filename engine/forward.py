@@ -327,21 +327,21 @@ class ForwardPass:
             part = ids[start:start + self.chunk]
             s = self._prefill_scratch if len(part) > 1 else self._decode_scratch
             before = [cache.logical_length]
-            try:
-                self._forward(part, [(cache, len(part))], s, capture)
+            try:                             # until the chunk's work is submitted (Vulkan drops a batch
+                self._forward(part, [(cache, len(part))], s, capture)          # whose submission fails)
+                if all_logits:
+                    out.append(self._head(s, len(part), first=0))
+                elif on_logits is not None:      # a few rows at a time: vocab-wide rows are large
+                    for r0 in range(0, len(part), HEAD_ROWS):
+                        logits = self._head(s, min(r0 + HEAD_ROWS, len(part)), first=r0)
+                        on_logits(start + r0, logits)
+                    logits = logits[-1]
+                elif start + self.chunk >= len(ids):
+                    logits = self._head(s, len(part))
+                self.backend.submit()        # one submission per chunk, none runs for a whole prompt
             except BaseException as e:
                 mark_interrupted([cache], before, e)
                 raise
-            if all_logits:
-                out.append(self._head(s, len(part), first=0))
-            elif on_logits is not None:          # a few rows at a time: vocab-wide rows are large
-                for r0 in range(0, len(part), HEAD_ROWS):
-                    logits = self._head(s, min(r0 + HEAD_ROWS, len(part)), first=r0)
-                    on_logits(start + r0, logits)
-                logits = logits[-1]
-            elif start + self.chunk >= len(ids):
-                logits = self._head(s, len(part))
-            self.backend.submit()            # one submission per chunk, none runs for a whole prompt
             yield min(start + self.chunk, len(ids)), len(ids)
         cache.fold()                         # sliding-window layers back to their ring of pages
         if evict:
@@ -357,6 +357,7 @@ class ForwardPass:
         unused). Returns the eviction report (also kept as cache.eviction); its bytes
         and ratio are over everything the cache holds, sliding-window layers included."""
         t0 = time.perf_counter()
+        cache.check_usable()
         selector = SnapKvSelector(cfg)
         scored = cache.full_layers
         check_rescorable(cache)
@@ -397,7 +398,7 @@ class ForwardPass:
 
     def decode(self, token: int, cache: KvCache) -> np.ndarray:
         """One token at position cache.logical_length -> host f32 logits [vocab]."""
-        return finite(self.backend.download(self._decode_step([token], [cache], self._decode_scratch)))[0]
+        return finite(self._decode_step([token], [cache], self._decode_scratch))[0]
 
     def decode_argmax(self, token: int, cache: KvCache) -> int:
         """decode, then the logits' argmax (the first of equal maxima): greedy decoding.
@@ -405,15 +406,16 @@ class ForwardPass:
         (a GPU backend downloads 4 bytes instead of the vocabulary's logits)."""
         if not hasattr(self.backend, "argmax_rows"):
             return int(np.argmax(self.decode(token, cache)))
-        best = int(self.backend.download(self._decode_step([token], [cache], self._decode_scratch, True))[0])
+        best = int(self._decode_step([token], [cache], self._decode_scratch, True)[0])
         if best < 0:
             raise EngineError(NON_FINITE)
         return best
 
     def _decode_step(self, tokens, caches: list, s: Scratch, argmax: bool = False):
         """The work of a decode step of caches[i] taking tokens[i] (recorded and replayed
-        where the backend can), counted in decode_counters: the backend array of the
-        logits [n, vocab], or with `argmax` of their argmax_rows [n], not yet awaited."""
+        where the backend can), counted in decode_counters: the host logits [n, vocab], or
+        with `argmax` their argmax_rows [n]. A failure until they are downloaded (the
+        step's work done) marks a cache a layer of which took its row (mark_interrupted)."""
         counts = self.decode_counters
         launches = getattr(self.backend, "launches", None)
         steady = False
@@ -445,7 +447,11 @@ class ForwardPass:
             counts["replayed_tokens"] += len(caches)
         if launches is not None:
             counts["launches"] += self.backend.launches - launches
-        return out
+        try:
+            return self.backend.download(out)
+        except BaseException as e:
+            mark_interrupted(caches, before, e)
+            raise
 
     def _step_output(self, s: Scratch, n: int, argmax: bool):
         """A decode step's head: the logits [n, vocab] of its n rows, or their argmax_rows [n]."""
@@ -504,9 +510,9 @@ class ForwardPass:
                 return np.array([self.decode_argmax(int(tokens[0]), caches[0])])
             return self.decode(int(tokens[0]), caches[0])[None]
         if not argmax or not hasattr(self.backend, "argmax_rows"):
-            logits = finite(self.backend.download(self._decode_step(tokens, caches, self._batch(n))))
+            logits = finite(self._decode_step(tokens, caches, self._batch(n)))
             return np.argmax(logits, axis=1) if argmax else logits
-        best = self.backend.download(self._decode_step(tokens, caches, self._batch(n), True)).astype(np.int64)
+        best = self._decode_step(tokens, caches, self._batch(n), True).astype(np.int64)
         if (best < 0).any():
             raise EngineError(NON_FINITE)
         return best

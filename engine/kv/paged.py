@@ -727,14 +727,19 @@ class KvCache:
 
     def copy(self) -> "KvCache":
         """An independent cache with the same rows (same page ids in a new pool laid out
-        as this one's), so one prefill can be branched into several eviction policies."""
+        as this one's), so one prefill can be branched into several eviction policies. The
+        new pool's pages are all free but this cache's (on a shared pool, those other caches
+        hold too)."""
+        self.check_usable()
         p = self.pool
         other = self._twin(p.empty_like())
         for s, (mine, theirs) in enumerate(zip(p.segments, other.pool.segments)):
             used = self._used_pages(s)
             if used.size:
                 p.backend.kv_copy_pages(mine.k_pages, mine.v_pages, theirs.k_pages, theirs.v_pages, used)
-            theirs._free, theirs.touched = list(mine._free), mine.touched
+            held = set(used.tolist())
+            theirs._free = [page for page in theirs._free if page not in held]
+            theirs.touched = int(used.max()) + 1 if used.size else 0
         return self._copy_state(other, [None] * len(p.segments))
 
     def branch(self) -> "KvCache":
@@ -742,6 +747,7 @@ class KvCache:
         layer's segment, filled on the device (the server keeps a prompt's full cache this
         way beside the compacted one it decodes with). KvCacheError, with nothing taken,
         when a segment lacks the free pages."""
+        self.check_usable()
         p = self.pool
         used = [self._used_pages(s) for s in range(len(p.segments))]
         short = [s for s, seg in enumerate(p.segments) if used[s].size > seg.free_pages]

@@ -72,7 +72,7 @@ def _fail_in_layer(backend, op: str, layer: int, error: BaseException):
     return failing
 
 
-@pytest.mark.parametrize("where", ["decode", "prefill"])
+@pytest.mark.parametrize("where", ["decode", "prefill", "download"])
 def test_a_step_interrupted_midway_leaves_a_cache_that_refuses_more(models, monkeypatch, where):
     """Ctrl-C (or an error) inside a step after some layers took their rows leaves the
     layers at different positions: the cache then refuses further steps with a clear
@@ -84,15 +84,18 @@ def test_a_step_interrupted_midway_leaves_a_cache_that_refuses_more(models, monk
     with pytest.raises(EngineError, match="outside the vocabulary"):
         m.forward.decode(10 ** 9, cache)                        # refused before any write (not a crash)
     assert cache.interrupted is None
-    op = "attention_decode" if where == "decode" else "attention_prefill"
-    monkeypatch.setattr(m.backend, op, _fail_in_layer(m.backend, op, 1, KeyboardInterrupt()))
+    op = {"decode": "attention_decode", "prefill": "attention_prefill", "download": "download"}[where]
+    monkeypatch.setattr(m.backend, op, _fail_in_layer(m.backend, op, 1 if op != "download" else 0,
+                                                      KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
-        if where == "decode":
-            m.forward.decode(int(np.argmax(logits)), cache)
-        else:
+        if where == "prefill":
             m.prefill(PROMPT[40:80], cache=cache)
+        else:                        # download: every layer took its row, the logits never came
+            m.forward.decode(int(np.argmax(logits)), cache)
     monkeypatch.undo()
-    assert len({layer.logical_length for layer in cache.layers}) == 2 and cache.interrupted == "KeyboardInterrupt"
+    assert cache.interrupted == "KeyboardInterrupt"
+    if where != "download":
+        assert len({layer.logical_length for layer in cache.layers}) == 2
     with pytest.raises(KvCacheError, match="in the middle of a step"):
         m.forward.decode(int(np.argmax(logits)), cache)
     with pytest.raises(KvCacheError, match="in the middle of a step"):

@@ -269,6 +269,37 @@ def test_copy_is_independent():
     np.testing.assert_array_equal(rows(twin, 1, twin.pool.segments[0].k_pages), k.reshape(10, H, D))
 
 
+def test_a_copy_of_a_cache_on_a_shared_pool_has_every_other_page_free():
+    """copy() makes a pool of its own: every page but the copied cache's is free there,
+    whatever other caches hold in the shared pool it came from."""
+    rng = np.random.default_rng(4)
+    b = ReferenceBackend()
+    pool = PagePool(b, [20], H, 4, D)
+    a = KvCache(b, 1, H, D, max_rows=80, page_size=4, pool=pool)
+    other = KvCache(b, 1, H, D, max_rows=80, page_size=4, pool=pool)
+    fill(other, 8, rng)                                  # 2 pages
+    k, _ = fill(a, 16, rng)                              # 4 pages
+    fill(other, 40, rng)                                 # 10 more
+    twin = a.copy()
+    seg = twin.pool.segments[0]
+    assert seg.free_pages == 20 - 4
+    fill(twin, 64, rng)                                  # grows to all 20 pages
+    assert seg.free_pages == 0
+    np.testing.assert_array_equal(rows(twin, 0, seg.k_pages)[:16], k.reshape(16, H, D))
+
+
+def test_an_interrupted_cache_is_not_branched_or_copied():
+    b = ReferenceBackend()
+    cache = KvCache(b, 2, H, D, max_rows=64, page_size=4, pool=PagePool(b, [20, 20], H, 4, D))
+    fill(cache, 6, np.random.default_rng(5))
+    cache.interrupted = "KeyboardInterrupt"
+    for make_twin in (cache.copy, cache.branch):
+        with pytest.raises(KvCacheError, match="middle of a step"):
+            make_twin()
+    cache.release()
+    cache.check_usable()
+
+
 # -- sliding-window layers (Gemma 3's local layers) --------------------------------------
 
 NQ = 2 * H          # query heads for the attention checks (GQA group of 2)
