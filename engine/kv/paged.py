@@ -309,16 +309,20 @@ class PagedKvCache:
         self.pool.backend.kv_gather(self.pool.k_pages, self.pool.v_pages, table, np.ascontiguousarray(keep))
 
     # -- capacity ---------------------------------------------------------------
-    def reserve(self, n_new: int) -> None:
+    def reserve(self, n_new: int, per_head=None) -> None:
         """Make room for rows length .. length + n_new - 1 (of every head: rows
-        head_len[h] .. of head h when ragged)."""
-        need_rows = self.length + n_new
+        head_len[h] .. of head h when ragged; `per_head`: head h's own count of new rows)."""
+        if per_head is not None:
+            new_rows = np.asarray(per_head, dtype=np.int64) + n_new
+            need_rows = int((self.head_len + new_rows).max())
+        else:
+            need_rows = self.length + n_new
         if need_rows > self.max_rows:
             raise KvCacheError(f"KV cache full: {need_rows} rows exceed the context of {self.max_rows}")
         if self.ragged:
             ps = self.pool.page_size
             for h, subs in enumerate(self.heads):
-                while len(subs) * ps < self.head_len[h] + n_new:
+                while len(subs) * ps < self.head_len[h] + (n_new if per_head is None else new_rows[h]):
                     self._set_head(h, len(subs), self._take_slot())
             return
         need_pages = -(-need_rows // self.pool.page_size)
@@ -605,22 +609,28 @@ class PagedKvCache:
             bias[h, n:] = 0
         if n_merged:
             k, v, counts = merged
-            self.reserve(n_merged)
             dtypes = {"k_dtype": self.pool.k_dtype, "v_dtype": self.pool.v_dtype}
-            if self.ragged:
+            if self.ragged:                # each head only its own merged rows (no unfilled slots:
+                real = [np.flatnonzero(counts[h] > EMPTY_BIAS / 2) for h in range(H)]   # they would
+                self.reserve(0, [len(r) for r in real])          # take rows past its dropped ones)
                 k_view, v_view = self.pool.head_view()
-                for h, n in enumerate(self.head_len):
-                    rows = [np.ascontiguousarray(a[h], dtype=np.float32) for a in (k, v)]
-                    b.kv_write(k_view, v_view, self.head_table(h), *(b.upload(a) for a in rows), int(n), **dtypes)
-                    bias[h, n:n + n_merged] = counts[h]
-                self.head_len += n_merged
+                for h, (n, r) in enumerate(zip(self.head_len, real)):
+                    if r.size:
+                        rows = [np.ascontiguousarray(a[h, r], dtype=np.float32) for a in (k, v)]
+                        b.kv_write(k_view, v_view, self.head_table(h), *(b.upload(a) for a in rows), int(n),
+                                   **dtypes)
+                        bias[h, n:n + r.size] = counts[h, r]
+                self.head_len += [len(r) for r in real]
+                self.length = int(self.head_len.max())
+                bias = bias[:, :self.length]
             else:
+                self.reserve(n_merged)
                 bias[:, n_keep:] = counts
                 flat = [np.ascontiguousarray(a.transpose(1, 0, 2).reshape(n_merged, -1), dtype=np.float32)
                         for a in (k, v)]
                 b.kv_write(self.pool.k_pages, self.pool.v_pages, self.page_table(), *(b.upload(a) for a in flat),
                            n_keep, **dtypes)
-            self.length += n_merged
+                self.length += n_merged
         self._set_bias(bias if bias.any() else None)
         self.last_keep = kept
         return CompactReport(before.rows_before, self.length, before.bytes_before, self.bytes)

@@ -152,3 +152,32 @@ def test_snapkv_merge_setting():
         SnapKvConfig(merge=-1)
     with pytest.raises(ConfigError, match=r"budget \(100\) must be larger than merge"):
         SnapKvConfig(budget=100, merge=64)
+
+
+def test_a_head_that_dropped_few_rows_takes_only_its_own_merged_rows():
+    """Adaptive budgets with merging: a head that dropped fewer rows than the merged
+    slots takes only its real merged rows, never rows past the ones it dropped, so the
+    layer stays within its context and decodes to its end."""
+    rng = np.random.default_rng(8)
+    n, max_rows = 12, 16
+    cache = KvCache(REF, 1, H, D, max_rows=max_rows, page_size=4)
+    layer = cache.layers[0]
+    layer.reserve(n)
+    x = rng.standard_normal((n, H * D)).astype(np.float32)
+    REF.kv_write(layer.pool.k_pages, layer.pool.v_pages, layer.page_table(), x, x, 0)
+    layer.advance(n)
+    keep = [np.arange(11), np.array([0, 11])]             # head 0 drops 1 row, head 1 drops 10
+    merged = merged_rows(*layer_rows(cache), None, keep, 3)
+    assert merged[2].shape[1] == 3 and (merged[2][0] == EMPTY_BIAS).sum() == 2
+    layer.compact(keep, merged=merged)
+    assert layer.head_len.tolist() == [12, 5] and layer.length == 12 and layer.row_bias.shape == (H, 12)
+    np.testing.assert_allclose(np.exp(layer.row_bias[0, 11].astype(np.float64)), 1, rtol=1e-6)
+    np.testing.assert_allclose(np.exp(layer.row_bias[1, 2:5].astype(np.float64)).sum(), 10, rtol=1e-5)
+    for _ in range(max_rows - n):                         # to the end of the context
+        layer.reserve(1)
+        layer.advance(1)
+    assert layer.logical_length == max_rows and layer.head_len.tolist() == [16, 9]
+    layer.compact([np.arange(0, 16, 2), np.array([0, 2, 4, 8])])          # again: counts follow their rows
+    assert layer.head_len.tolist() == [8, 4]
+    np.testing.assert_allclose(np.exp(layer.row_bias[1, 1:3].astype(np.float64)), np.exp(
+        merged[2][1][merged[2][1] > EMPTY_BIAS / 2][[0, 2]].astype(np.float64)), rtol=1e-6)
