@@ -276,6 +276,16 @@ def rope_inv_freq(freq_base: float, rot_dim: int, freq_factors=None) -> np.ndarr
     return inv
 
 
+def check_table(page_table, page_size: int, n_rows: int, op: str) -> None:
+    """ValueError unless page_table is int32 [max_pages] covering n_rows rows: the GPU
+    kernels index it unchecked (`op` names the backend and op in the message)."""
+    if page_table.dtype != np.int32 or page_table.ndim != 1:
+        raise ValueError(f"{op}: page_table must be int32 [max_pages], got {page_table.dtype} {page_table.shape}")
+    if page_table.shape[0] * page_size < n_rows:
+        raise ValueError(f"{op}: {n_rows} rows need {-(-n_rows // page_size)} pages, "
+                         f"the page table has {page_table.shape[0]}")
+
+
 def check_kv_dtypes(backend, *dtypes: str) -> None:
     """ConfigError (one line) unless the backend's `kv_dtypes` holds every dtype given."""
     supported = tuple(getattr(backend, "kv_dtypes", ("bf16",)))

@@ -135,7 +135,7 @@ void main() {
             barrier();
         }
         for (uint v = 0u; v < NV; v++) {                             // nothing seen yet: stays 0
-            float alpha = is_neg_inf(m_new[v]) ? 1.0 : exp(M[v] - m_new[v]);
+            float alpha = is_neg_inf(m_new[v]) ? 1.0 : is_neg_inf(M[v]) ? 0.0 : exp(M[v] - m_new[v]);
             L[v] = L[v] * alpha + red[v * TILE];
             M[v] = m_new[v];
             acc[v] *= alpha;

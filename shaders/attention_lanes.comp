@@ -79,7 +79,7 @@ void main() {
         for (uint g = 0u; g < GROUP; g++) {
             float s = k_dot(kr, g * HD) + rb;
             if (s > M[g]) {                                          // a new running max: rescale
-                float alpha = exp(M[g] - s);                         // 0 while nothing is seen
+                float alpha = is_neg_inf(M[g]) ? 0.0 : exp(M[g] - s);   // 0 while nothing is seen
                 L[g] *= alpha;
                 for (uint j = 0u; j < nj; j++) acc[g * 64u + j] *= alpha;
                 M[g] = s;

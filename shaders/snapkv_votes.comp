@@ -43,7 +43,7 @@ void main() {
     for (uint r = tid; r < n_vis; r += 64u) {
         float s = score(qo, kvh, r);
         float m2 = max(m, s);
-        l = l * exp(m - m2) + exp(s - m2);
+        l = (is_neg_inf(m) ? 0.0 : l * exp(m - m2)) + exp(s - m2);     // (no exp(-inf): see common.glsl)
         m = m2;
     }
     rm[tid] = m;

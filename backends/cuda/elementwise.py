@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..base import rope_inv_freq
+from ..base import check_table, rope_inv_freq
 from . import kvrows
 
 VARIANTS = [("norm.cu", ()), ("eltwise.cu", ()), ("rope.cu", ()), ("kv.cu", ()), ("rotate.cu", ())]
@@ -55,15 +55,6 @@ def step_args(step: tuple | None, unread) -> tuple:
         return unread, _i32(-1)
     buf, slot = step
     return buf, _i32(slot)
-
-
-def check_table(page_table, page_size: int, n_rows: int, op: str) -> None:
-    """The page table covers n_rows rows (the kernels index it unchecked)."""
-    if page_table.dtype != np.int32 or page_table.ndim != 1:
-        raise ValueError(f"cuda {op}: page_table must be int32 [max_pages], got {page_table.dtype} {page_table.shape}")
-    if page_table.shape[0] * page_size < n_rows:
-        raise ValueError(f"cuda {op}: {n_rows} rows need {-(-n_rows // page_size)} pages, "
-                         f"the page table has {page_table.shape[0]}")
 
 
 def scratch(ex, key: str, n_floats: int):
@@ -256,7 +247,7 @@ def kv_write(ex, k_pages, v_pages, page_table, k, v, start_row: int, k_dtype: st
     if k.shape[1] < n_kv * head_dim or v.shape != k.shape:
         raise ValueError(f"cuda kv_write: k {k.shape}, v {v.shape}, {n_kv} KV heads of {head_dim}")
     if step is None:
-        check_table(page_table, page_size, start_row + n, "kv_write")
+        check_table(page_table, page_size, start_row + n, "cuda kv_write")
     at = step_args(step, page_table)
     if k_dtype == v_dtype == "bf16":                 # both pools in one launch
         ex.function("kv.cu", "kv_write")((n, n_kv), (threads_for(head_dim // 2, 128),),
@@ -310,7 +301,7 @@ def rope_kv_write(ex, qkv, positions: np.ndarray, n_heads: int, rot_dim: int, fr
     table, pos_dev, use, pos0, uploaded = _rope_inputs(ex, positions, freq_base, rot_dim, freq_factors,
                                                        step_positions, max_position)
     if step_row is None:
-        check_table(page_table, page_size, start_row + n, "rope_kv_write")
+        check_table(page_table, page_size, start_row + n, "cuda rope_kv_write")
     at = step_args(step_row, page_table)
     fused_v = v_dtype if v_dtype in ROPE_WRITE_KEYS else "none"
     k_off = n_heads * head_dim

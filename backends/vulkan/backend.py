@@ -46,7 +46,7 @@ import numpy as np
 from engine.errors import BackendUnavailable, DeviceFault, DeviceOutOfMemory, EngineError
 
 from . import shaders
-from ..base import GATE_DEFINES, check_kv_dtypes, rope_inv_freq, step_slot
+from ..base import GATE_DEFINES, check_kv_dtypes, check_table, rope_inv_freq, step_slot
 from ..kvformat import KV_DTYPES, KvFormat, is_rotated, rotation_kind
 from .arrays import PER_WORD, Buffer, DeviceArray, to_words
 from .device import (check_buffer, check_device, check_grid, list_devices, manager, max_buffer_bytes,
@@ -391,6 +391,8 @@ class VulkanBackend:
         if self._ttype == kp.TensorTypes.device:
             self._record(kp.OpTensorSyncLocal([buf.tensor]))
             self._record_host_barrier()
+        elif self._host_barrier is not None:           # a GPU's host-visible buffer the shaders wrote:
+            self._record(self._host_barrier)          # a fence wait alone does not make it host-visible
         return buf.tensor
 
     def _record_host_barrier(self) -> None:
@@ -729,6 +731,7 @@ class VulkanBackend:
             v, v_src = self._rot_buffer("b", n, width), v
             self._rotate(v_src, v, v_dtype, n_kv, head_dim, back=False)
         page_size = k_pages.shape[2]
+        check_table(page_table, page_size, start_row + n, "vulkan kv_write")   # (the shaders index it unchecked)
         at = self._slot(start_row)                         # a recorded step's row: STEP[at - 1]
         push = _u32(n, n_kv, head_dim, page_size, start_row, k.offset, k.row_stride, v.offset, v.row_stride, at)
         self._dispatch("kv_write", shaders.kv_defines(k_dtype, v_dtype),
@@ -757,6 +760,7 @@ class VulkanBackend:
         self._kv_format(v_pages, v_dtype, head_dim, "rope_kv_write")
         if n == 0:
             return
+        check_table(page_table, k_pages.shape[2], start_row + n, "vulkan rope_kv_write")
         k, v = qkv[:, q_dim:q_dim + kv_dim], qkv[:, q_dim + kv_dim:]
         if is_rotated(v_dtype):                           # rows are coded in the rotated basis
             v, v_src = self._rot_buffer("b", n, kv_dim), v
@@ -790,6 +794,7 @@ class VulkanBackend:
         bias_buf, bias_off, bias_stride, n_bias = self._row_bias(row_bias, n_kv)
         if n == 0:
             return
+        check_table(page_table, k_pages.shape[2], start_row + n, "vulkan attention")
         if is_rotated(k_dtype):                           # score in the keys' basis: (R q) . y
             q, q_src = self._rot_buffer("a", n, width), q
             self._rotate(q_src, q, k_dtype, n_q_heads, head_dim, back=False)
@@ -902,6 +907,7 @@ class VulkanBackend:
         prefix = n_rows - window
         if prefix <= 0:
             return np.zeros((n_kv, max(prefix, 0)), np.float32)
+        check_table(page_table, page_size, n_rows, "vulkan snapkv_votes")
         q_buf, q_off = q_window.buffer, q_window.offset
         if is_rotated(k_dtype):                           # window queries into the keys' basis
             flat = DeviceArray(q_buf, F32, (n_q_heads * window, head_dim), q_off)

@@ -139,7 +139,11 @@ def test_sync_follows_the_device_type_not_the_memory_type(monkeypatch, device_ty
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     out = b.alloc((3, 4))
     b.add(b.upload(x), b.upload(x), out)
+    recorded, record = [], b._record
+    b._record = lambda op: (recorded.append(op), record(op))
     np.testing.assert_array_equal(b.download(out), 2 * x)
+    if b._sync == "barrier" and not device_local:    # shaders wrote host-visible memory the host reads:
+        assert b._host_barrier in recorded           # a fence wait alone does not make it visible
 
 
 def test_small_uploads_join_the_pending_batch_on_gpus(monkeypatch):
@@ -425,6 +429,22 @@ def q_edge_rows(head_dim: int) -> np.ndarray:
     rows[6] = np.float32(1.0) / np.arange(1, head_dim + 1, dtype=np.float32)
     rows[7] *= np.logspace(-4, 4, head_dim).astype(np.float32)
     return rows
+
+
+def test_rows_past_the_page_table_are_refused(vk):
+    """The shaders index the page table unchecked (no robust buffer access on a GPU):
+    rows past its pages are an error before any dispatch."""
+    n_kv, head_dim, page_size = 2, 64, 4
+    pages = vk.upload(np.zeros((3, n_kv, page_size, head_dim), np.uint16))
+    table = vk.upload(np.array([2, 0], np.int32))                 # 8 rows
+    k = vk.upload(np.ones((2, n_kv * head_dim), np.float32))
+    vk.kv_write(pages, pages, table, k, k, 6)                      # rows 6, 7: fit
+    with pytest.raises(ValueError, match="vulkan kv_write: 9 rows need 3 pages"):
+        vk.kv_write(pages, pages, table, k, k, 7)
+    q, out = vk.upload(np.ones((1, 2 * n_kv * head_dim), np.float32)), vk.alloc((1, 2 * n_kv * head_dim))
+    with pytest.raises(ValueError, match="vulkan attention"):
+        vk.attention_decode(q, pages, pages, table, 9, 2 * n_kv, 0.125, out)
+    vk.synchronize()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")          # the oracle's f16 overflow
