@@ -44,7 +44,9 @@ class _Limits(ctypes.Structure):
                 ("_sets_samplers_uniform", ctypes.c_uint32 * 3),
                 ("maxPerStageDescriptorStorageBuffers", ctypes.c_uint32), ("_more", ctypes.c_uint32 * 34),
                 ("maxComputeSharedMemorySize", ctypes.c_uint32),
-                ("maxComputeWorkGroupCount", ctypes.c_uint32 * 3)]
+                ("maxComputeWorkGroupCount", ctypes.c_uint32 * 3),
+                ("maxComputeWorkGroupInvocations", ctypes.c_uint32),
+                ("maxComputeWorkGroupSize", ctypes.c_uint32 * 3)]
 
 
 class _Properties(ctypes.Structure):
@@ -94,6 +96,7 @@ def _limits(vk, handle, props: _Properties) -> dict:
     out = {"max_storage_buffer_range": lim.maxStorageBufferRange,
            "max_storage_buffers_per_stage": lim.maxPerStageDescriptorStorageBuffers,
            "max_workgroup_count": tuple(lim.maxComputeWorkGroupCount),
+           "max_workgroup_invocations": min(lim.maxComputeWorkGroupInvocations, lim.maxComputeWorkGroupSize[0]),
            "max_allocation_size": None}
     if props.apiVersion >= (1 << 22) | (1 << 12) and hasattr(vk, "vkGetPhysicalDeviceProperties2"):
         m3 = _Maintenance3(_MAINTENANCE_3, None, 0, 0)
@@ -232,6 +235,7 @@ def pick_device(devices: list[dict], allow_cpu: bool = True) -> dict:
 # attention binds seven), and buffers that kp can size (it computes them in 32 bits).
 MIN_API = (1, 1)
 STORAGE_BUFFERS_PER_SHADER = 9
+WORKGROUP_SIZE = 256                # our largest local_size_x (copy_words, kv_copy_pages): the spec asks for 128
 KP_MAX_BUFFER = 1 << 32
 
 
@@ -246,6 +250,11 @@ def check_device(info: dict) -> None:
         raise BackendUnavailable(f"backend 'vulkan': {info['name']} allows {n} storage buffers per shader "
                                  f"(maxPerStageDescriptorStorageBuffers); our shaders bind up to "
                                  f"{STORAGE_BUFFERS_PER_SHADER}")
+    n = (info.get("limits") or {}).get("max_workgroup_invocations")
+    if n is not None and n < WORKGROUP_SIZE:
+        raise BackendUnavailable(f"backend 'vulkan': {info['name']} runs workgroups of at most {n} invocations "
+                                 f"(maxComputeWorkGroupInvocations, maxComputeWorkGroupSize); our shaders "
+                                 f"use up to {WORKGROUP_SIZE}")
 
 
 def check_buffer(info: dict, nbytes: int) -> None:

@@ -172,6 +172,9 @@ def test_small_device_limits_fail_with_the_named_limit(monkeypatch):
     mod, index = vulkan_reporting(monkeypatch, max_storage_buffers_per_stage=4)
     with pytest.raises(BackendUnavailable, match=r"allows 4 storage buffers .*maxPerStageDescriptorStorageBuffers"):
         mod.VulkanBackend(device=index)
+    mod, index = vulkan_reporting(monkeypatch, max_workgroup_invocations=128)
+    with pytest.raises(BackendUnavailable, match=r"at most 128 invocations .*maxComputeWorkGroupInvocations"):
+        mod.VulkanBackend(device=index)
     mod, index = vulkan_reporting(monkeypatch, max_allocation_size=1 << 20, max_workgroup_count=(8, 8, 8))
     b = mod.VulkanBackend(device=index)
     b.alloc((256, 1024))                                   # exactly 1 MiB: allowed
