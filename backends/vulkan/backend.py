@@ -466,15 +466,14 @@ class VulkanBackend:
 
     def _record(self, op) -> None:
         """Append an operation to the pending batch, after a barrier in "barrier" mode
-        (also at the start of a batch that follows one still in flight: a pipeline
-        barrier's first scope covers everything submitted before it on the queue). Work
-        after a replay makes its copy back stale."""
+        (also at the start of a batch: a pipeline barrier's first scope covers everything
+        submitted before it on the queue, in flight or awaited, and a fence wait alone
+        orders nothing between submissions by the specification). Work after a replay
+        makes its copy back stale."""
         self._read_back = None
         if self._seq is None:
             self._seq = self.mgr.sequence()
-            if self._sync == "barrier" and self._in_flight:
-                self._seq.record(self._barrier)
-        elif self._sync == "barrier":
+        if self._sync == "barrier":
             self._seq.record(self._barrier)
         self._seq.record(op)
 
