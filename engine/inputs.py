@@ -97,16 +97,19 @@ def logit_bias(value, vocab_size: int) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(value, dict):
         raise ConfigError(f"logit_bias must be a mapping of token id to bias, got {type(value).__name__}")
-    out = []
+    out: dict[int, float] = {}
     for key, bias in value.items():
-        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
+        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit() and len(key.strip()) <= 18:
             key = int(key)
         if isinstance(key, (bool, np.bool_)) or not isinstance(key, Integral) or not 0 <= key < vocab_size:
-            raise ConfigError(f"logit_bias: {key!r} is not a token id of this vocabulary (0 .. {vocab_size - 1})")
+            shown = repr(key) if len(repr(key)) <= 40 else repr(key)[:37] + "..."
+            raise ConfigError(f"logit_bias: {shown} is not a token id of this vocabulary (0 .. {vocab_size - 1})")
         if isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (Integral, float)):
-            raise ConfigError(f"logit_bias: the bias of token {key} must be a number, got {bias!r}")
-        out.append((int(key), float(bias)))
-    return tuple(out)
+            raise ConfigError(f"logit_bias: the bias of token {key} must be a number, got {type(bias).__name__}")
+        if int(key) in out:                  # "5" and "05": one token biased twice
+            raise ConfigError(f"logit_bias: token {int(key)} is given more than once")
+        out[int(key)] = float(bias)
+    return tuple(out.items())
 
 
 def model_path(value):

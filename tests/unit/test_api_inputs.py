@@ -30,6 +30,8 @@ def model(tiny_llama):
     (lambda m: m.generate("hi", max_tokens=1, frequency_penalty=float("nan")), "frequency_penalty must be"),
     (lambda m: m.generate("hi", max_tokens=1, logit_bias={10**6: 1.0}), "not a token id"),
     (lambda m: m.generate("hi", max_tokens=1, logit_bias={"x": 1.0}), "not a token id"),
+    (lambda m: m.generate("hi", max_tokens=1, logit_bias={"9" * 5000: 1.0}), "not a token id"),   # not int()'s 500
+    (lambda m: m.generate("hi", max_tokens=1, logit_bias={"5": 100, "05": 100}), "given more than once"),
     (lambda m: m.generate("hi", max_tokens=1, logit_bias={5: 101}), "in \\[-100, 100\\]"),
     (lambda m: m.generate("hi", max_tokens=1, logit_bias=[(5, 1.0)]), "mapping of token id"),
 ])
