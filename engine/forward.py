@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -232,6 +233,16 @@ class ForwardPass:
         # decode and decode_batch since load, cumulative: see decode_stats
         self.decode_counters = {"tokens": 0, "launches": 0, "host_s": 0.0, "recordings": 0, "replays": 0,
                                 "replayed_tokens": 0, "replayed_host_s": 0.0}
+        # the backend's per-thread settings (backends/base.py bind_thread: numba's thread count,
+        # cupy's device), made for each thread that runs a step: generate() from a thread pool,
+        # a stream() generator consumed on several threads
+        self._bind = getattr(backend, "bind_thread", None)
+        self._bound_thread = threading.get_ident()
+
+    def _bind_thread(self) -> None:
+        if self._bind is not None and threading.get_ident() != self._bound_thread:
+            self._bind()
+            self._bound_thread = threading.get_ident()
 
     def new_cache(self, kv_dtype: str | None = None, pool: PagePool | None = None) -> KvCache:
         """A cache for max_ctx positions; sliding-window layers get pages for their
@@ -327,6 +338,7 @@ class ForwardPass:
             part = ids[start:start + self.chunk]
             s = self._prefill_scratch if len(part) > 1 else self._decode_scratch
             before = [cache.logical_length]
+            self._bind_thread()
             try:                             # until the chunk's work is submitted (Vulkan drops a batch
                 self._forward(part, [(cache, len(part))], s, capture)          # whose submission fails)
                 if all_logits:
@@ -428,6 +440,7 @@ class ForwardPass:
         for cache in caches:
             cache.check_usable()
             before.append(cache.logical_length)
+        self._bind_thread()
         t0 = time.perf_counter()
         try:
             if self.replay is not None and self.replay.usable(caches):

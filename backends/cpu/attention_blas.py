@@ -183,7 +183,7 @@ def _flash_block(qg, tile, h, nb, first_q, window, scale, row_bias):
     return acc
 
 
-@njit(nogil=True, **_JIT)
+@njit(**_JIT)
 def _online_softmax_tile(s, n, last0, window, scale, m, l, alpha):
     """s f32 [group*n, tn]: raw scores of query vectors a = g*n + t against the tile's
     columns; query t sees columns max(0, last0+t-window+1) (0 without a window) ..
@@ -209,7 +209,7 @@ def _online_softmax_tile(s, n, last0, window, scale, m, l, alpha):
         m[a] = m_new
 
 
-@njit(nogil=True, **_JIT)
+@njit(**_JIT)
 def _dequant_tile(pages, page_table, kv, row_lo, n, tag, cb, out):
     """Rows row_lo .. row_lo+n-1 of kv head `kv` -> out f32 [>= n, head_dim] (tq rows in
     their rotated basis, storage order), a page's run of rows at a time."""

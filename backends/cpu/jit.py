@@ -16,10 +16,18 @@ from numba.extending import intrinsic, overload
 
 # fastmath without nnan/ninf: the kernels rely on -inf (empty softmax state) and
 # on NaN propagating (tests poison unused page slots with NaN).
-_JIT = dict(cache=True, fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
+# nogil: a kernel run by the server's worker thread lets the event loop (health checks,
+# streams, disconnects) run meanwhile.
+_JIT = dict(cache=True, nogil=True, fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
 # No fastmath at all: quantizers that must round exactly as a C reference does
 # (no reassociation, no FMA contraction, x / c never turned into x * (1 / c)).
-_JIT_EXACT = dict(cache=True)
+_JIT_EXACT = dict(cache=True, nogil=True)
+# @overload implementations: not cached on their own. Their dispatchers are made when a
+# caller is compiled, after the package's import, outside its source-hashed cache folder
+# (backends/cpu/__init__.py), where a cached copy would outlive a change to the helpers
+# it inlines; the callers' cached code holds them.
+_OVERLOAD = {k: v for k, v in _JIT.items() if k != "cache"}
+_OVERLOAD_EXACT = {k: v for k, v in _JIT_EXACT.items() if k != "cache"}
 _NEG_INF = -np.inf
 
 
@@ -61,7 +69,7 @@ def _as_f32(x):
     is, so one loop reads either."""
 
 
-@overload(_as_f32, inline="always", jit_options=_JIT)
+@overload(_as_f32, inline="always", jit_options=_OVERLOAD)
 def _as_f32_impl(x):
     if x == types.uint16:
         return lambda x: _bits_f32(np.uint32(x) << np.uint32(16))

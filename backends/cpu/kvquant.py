@@ -36,7 +36,7 @@ from numba.extending import overload
 from backends.kvformat import KV_DTYPES, QK, TQ_BITS, KvFormat, boundaries, codebook
 
 from . import kvsimd
-from .jit import _JIT, _JIT_EXACT, _bf16_to_f32, _f16_to_f32, _f32_to_bf16, _f32_to_f16
+from .jit import _JIT, _JIT_EXACT, _OVERLOAD, _OVERLOAD_EXACT, _bf16_to_f32, _f16_to_f32, _f32_to_bf16, _f32_to_f16
 
 BF16, Q8_0, Q4_0, TQ4, TQ3, RQ4_0 = (KV_DTYPES.index(n) for n in ("bf16", "q8_0", "q4_0", "tq4", "tq3", "rq4_0"))
 _Q8_BLOCK = 2 + QK          # bytes per q8_0 block: f16 d, 32 x int8
@@ -200,7 +200,7 @@ def _dequant_tq3(rows, r0, n, tag, cb, head_dim, dst):
                 out[k * g + i] = s * cb[(word >> np.uint32(3 * k)) & np.uint32(7)]
 
 
-@overload(dequant_rows, jit_options=_JIT)
+@overload(dequant_rows, jit_options=_OVERLOAD)
 def _dequant_rows_impl(rows, r0, n, tag, cb, head_dim, dst):
     return (_dequant_bf16, _dequant_q8_0, _dequant_q4_0, _dequant_tq4, _dequant_tq3, _dequant_q4_0)[fmt_of(tag)]
 
@@ -344,7 +344,7 @@ def _quantize_rq4_0(x, dst, tag, rot, cb, bounds, y, codes):
     _quantize_q4_0_exact(y, dst, tag, rot, cb, bounds, y, codes)
 
 
-@overload(quantize_row, jit_options=_JIT_EXACT)
+@overload(quantize_row, jit_options=_OVERLOAD_EXACT)
 def _quantize_row_impl(x, dst, tag, rot, cb, bounds, y, codes):
     return (_quantize_bf16, _quantize_q8_0, _quantize_q4_0, _quantize_tq_call, _quantize_tq_call,
             _quantize_rq4_0)[fmt_of(tag)]

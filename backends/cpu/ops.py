@@ -21,7 +21,7 @@ from numba.extending import overload
 
 from ..base import rope_inv_freq
 from . import kvquant
-from .jit import _JIT, _NEG_INF, _as_f32, _bf16_to_f32, _exp_f32, _f32_to_bf16, _prefetch  # noqa: F401
+from .jit import _JIT, _NEG_INF, _OVERLOAD, _as_f32, _bf16_to_f32, _exp_f32, _f32_to_bf16, _prefetch  # noqa: F401
 from .kvquant import BF16, RowFormat
 
 _PARALLEL_MIN = 1 << 15    # elementwise ops below this many elements run serially
@@ -320,7 +320,7 @@ def _tile_rows(pages, r0, n, tag, cb, head_dim, scratch):
     into scratch (f32 [>= n, head_dim], kvquant.dequant_rows), (scratch, 0)."""
 
 
-@overload(_tile_rows, inline="always", jit_options=_JIT)
+@overload(_tile_rows, inline="always", jit_options=_OVERLOAD)
 def _tile_rows_impl(pages, r0, n, tag, cb, head_dim, scratch):
     if kvquant.fmt_of(tag) == BF16:
         return lambda pages, r0, n, tag, cb, head_dim, scratch: (pages, r0)

@@ -294,7 +294,7 @@ def _sc(v):
     return np.float32(v)
 
 
-@overload(_sc, jit_options=dict(cache=True))
+@overload(_sc, jit_options=dict(nogil=True))   # not cached alone: see jit._OVERLOAD
 def _sc_impl(v):
     if v == types.uint16:
         return lambda v: _f16_to_f32(v)
@@ -331,7 +331,7 @@ def _row_scales(sc, sup, t, r, out):
     super-block scales."""
 
 
-@overload(_row_scales, jit_options=dict(cache=True))
+@overload(_row_scales, jit_options=dict(nogil=True))   # not cached alone: see jit._OVERLOAD
 def _row_scales_impl(sc, sup, t, r, out):
     if sc.dtype in (types.uint8, types.int8):
         def sub(sc, sup, t, r, out):

@@ -42,9 +42,10 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _codegen_features() -> dict:
-    """CPU features numba compiles for: NUMBA_CPU_FEATURES when set, else the host's."""
+    """CPU features numba compiles for: NUMBA_CPU_FEATURES when set (none at all with
+    NUMBA_CPU_NAME=generic, where numba sets it to ""), else the host's."""
     from numba.core import config
-    if config.CPU_FEATURES:
+    if config.CPU_FEATURES is not None:
         return {f[1:]: f[0] == "+" for f in str(config.CPU_FEATURES).split(",") if f[:1] in "+-" and f[1:]}
     return {k: bool(v) for k, v in llvm.get_host_cpu_features().items()}
 

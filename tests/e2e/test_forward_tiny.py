@@ -105,6 +105,23 @@ def test_a_step_interrupted_midway_leaves_a_cache_that_refuses_more(models, monk
     np.testing.assert_array_equal(again, logits)
 
 
+def test_a_model_run_from_another_thread_keeps_its_thread_count(models, monkeypatch):
+    """numba's thread count is per thread: generate() run from a thread pool (or a stream
+    consumed on several threads) still runs its kernels on the model's `threads`."""
+    import concurrent.futures
+    import numba
+    m = engine.load(models["llama-q8"], backend="cpu", threads=1)
+    seen, real = [], m.backend.attention_decode
+
+    def watched(*a, **k):
+        seen.append(numba.get_num_threads())
+        return real(*a, **k)
+    monkeypatch.setattr(m.backend, "attention_decode", watched)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(m.generate, PROMPT[:20], max_tokens=3, ignore_eos=True).result()
+    assert seen and set(seen) == {1}
+
+
 # -- SnapKV wiring ------------------------------------------------------------------------
 
 def policy(**kw):
