@@ -306,7 +306,8 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
                     if tool_calls:
                         content, calls = structured.parse_calls(text)
                         if calls:
-                            return protocol.chat_completion(rid, model_id, protocol.now(), content, "tool_calls",
+                            return protocol.chat_completion(rid, model_id, protocol.now(), content,
+                                                            structured.calls_finish_reason(event.finish_reason),
                                                             event.usage, lp, calls)
                     make = protocol.chat_completion if chat else protocol.completion
                     return make(rid, model_id, protocol.now(), text, event.finish_reason, event.usage, lp)
@@ -350,7 +351,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
                             yield _event(chunk(rest, None))
                         if found:
                             yield _event(protocol.chat_chunk(rid, model_id, t, protocol.tool_call_deltas(found), None))
-                            reason = "tool_calls"
+                            reason = structured.calls_finish_reason(reason)
                     yield _event(chunk("", reason, event.logprobs))
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"

@@ -66,17 +66,55 @@ def tool_plan(req, template: str | None) -> ToolPlan:
 
 def _calls_grammar(tools, parallel: bool) -> str:
     """Lark: one call block (or several, one a line), each a JSON object naming one tool
-    with arguments that follow its parameters' schema."""
-    bodies = []
-    for t in tools:
+    with arguments that follow its parameters' schema. Each tool's definitions ($defs,
+    definitions) move to the root under its own prefix, and its references with them, so
+    a `$ref` (pydantic writes one for every nested model) still resolves there. Keywords
+    llguidance does not implement are errors only when every tool says strict, as in
+    OpenAI's API (`strict` defaults to false)."""
+    bodies, defs = [], {}
+    for i, t in enumerate(tools):
         params = t.function.parameters or {"type": "object"}
         if not isinstance(params, dict):
             raise ApiError(400, f"tools: function {t.function.name!r}: parameters must be a JSON schema", "tools")
+        if _has_ref(params):
+            params, defs[f"tool{i}"] = {"$ref": f"#/$defs/tool{i}"}, _rebased(params, f"tool{i}", defs)
         bodies.append({"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": params},
                        "required": ["name", "arguments"], "additionalProperties": False})
     schema = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    if not all(t.function.strict for t in tools):
+        schema["x-guidance"] = {"lenient": True}
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return grammar.lark(f'{start}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: {grammar.inline_schema(schema)}\n')
+
+
+def _has_ref(node) -> bool:
+    if isinstance(node, dict):
+        return "$ref" in node or any(_has_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_ref(v) for v in node)
+
+
+def _rebased(params: dict, name: str, defs: dict) -> dict:
+    """A tool's parameters schema to sit at #/$defs/<name>: its own definitions go to
+    #/$defs/<name>.<def> (added to defs), and every local reference follows ("#" and
+    "#/properties/..." point into <name>)."""
+    def ref(target: str) -> str:
+        for head in ("#/$defs/", "#/definitions/"):
+            if target.startswith(head):
+                return f"#/$defs/{name}.{target[len(head):]}"
+        return f"#/$defs/{name}{target[1:]}" if target.startswith("#") else target
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: ref(v) if k == "$ref" and isinstance(v, str) else walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    params = walk(params)
+    for key in ("$defs", "definitions"):
+        for def_name, schema in (params.pop(key, None) or {}).items():
+            defs[f"{name}.{def_name}"] = schema
+    return params
 
 
 def response_grammar(response_format) -> str | None:
@@ -89,7 +127,7 @@ def response_grammar(response_format) -> str | None:
     if spec is None or spec.schema_ is None:
         raise ApiError(400, "response_format json_schema needs json_schema.schema", "response_format")
     try:
-        return grammar.json_schema(spec.schema_, strict=spec.strict is not False)
+        return grammar.json_schema(spec.schema_, strict=spec.strict is True)   # OpenAI's default: false
     except EngineError as e:
         raise ApiError(400, f"response_format: {e}", "response_format") from None
 
@@ -138,7 +176,8 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
     """Output text -> (content, calls): every well-formed block (a JSON object with a
     string "name" between OPEN and the next CLOSE) becomes a call; the text around them,
     and any block that is not well-formed, stays content (None when nothing is left).
-    One pass over the text, whatever it holds (an OPEN never closed is content)."""
+    One pass over the text, whatever it holds. An OPEN never closed is content, unless
+    calls came before it: then it is a call cut short (max_tokens), dropped."""
     calls, rest, at, pos = [], [], 0, 0
     while (start := text.find(OPEN, pos)) >= 0 and (end := text.find(CLOSE, start + len(OPEN))) >= 0:
         pos = end + len(CLOSE)
@@ -152,9 +191,18 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
         calls.append(tool_call(obj["name"], json.dumps(args, ensure_ascii=False)))
         rest.append(text[at:start])
         at = pos
-    rest.append(text[at:])
+    tail = text[at:]
+    if calls and (cut := tail.find(OPEN)) >= 0 and tail.find(CLOSE, cut) < 0:
+        tail = tail[:cut]
+    rest.append(tail)
     content = "".join(rest).strip() if calls else text
     return (content or None), calls
+
+
+def calls_finish_reason(reason: str) -> str:
+    """The finish_reason of an answer holding tool calls: "tool_calls", or "length" when
+    max_tokens or the context cut it (a last call may then be missing)."""
+    return "length" if reason == "length" else "tool_calls"
 
 
 class CallStream:

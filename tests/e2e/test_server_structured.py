@@ -19,7 +19,7 @@ pytest.importorskip("llguidance")
 
 import engine  # noqa: E402
 from engine.serve import build_app, serve_in_thread  # noqa: E402
-from engine.serve.structured import CallStream, parse_calls  # noqa: E402
+from engine.serve.structured import CallStream, calls_finish_reason, parse_calls  # noqa: E402
 
 CTX = 1024
 MAX_TOKENS = 160           # enough for every schema's longest object (strings are bounded)
@@ -282,10 +282,36 @@ def test_parse_calls():
     deep = "<tool_call>" + "[" * 100000 + "</tool_call>"
     assert parse_calls(deep) == (deep, [])
     content, calls = parse_calls('a <tool_call>{"name": "f"}</tool_call> b <tool_call> c')
-    assert content == "a  b <tool_call> c" and calls[0]["function"]["name"] == "f"
+    assert content == "a  b" and calls[0]["function"]["name"] == "f"     # a call cut short: dropped
+    content, calls = parse_calls('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "argu')
+    assert content is None and len(calls) == 1
+    assert calls_finish_reason("length") == "length" and calls_finish_reason("stop") == "tool_calls"
     s = CallStream()
     sent = "".join(s.feed(p) for p in ["Hi <", "tool", "_call>\n{\"name\": ", "\"f\", \"arguments\": {}}\n</tool_call>"])
     rest, calls = s.finish()
     assert sent == "Hi " and rest == "" and calls[0]["function"]["name"] == "f"
     s = CallStream()
     assert s.feed("a <to") == "a " and s.feed("x>") == "<tox>" and s.finish() == ("", [])
+
+
+def test_tool_schemas_with_definitions_and_unsupported_keywords_compile():
+    """Tools whose parameters use $defs / definitions and $ref (every nested pydantic
+    model) keep their references when wrapped into the calls' grammar; keywords llguidance
+    does not implement (oneOf) are ignored unless every tool says strict (OpenAI's default
+    is false), and then refused."""
+    import llguidance
+    from types import SimpleNamespace as NS
+
+    from engine.serve.structured import _calls_grammar
+
+    def tool(name, params, strict=None):
+        return NS(function=NS(name=name, parameters=params, strict=strict))
+    nested = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}, "q": {"$ref": "#/properties/p"}},
+              "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"},
+                                                                "again": {"$ref": "#/$defs/P"}}}}}
+    legacy = {"type": "object", "properties": {"p": {"$ref": "#/definitions/P"}}, "definitions": {"P": {"type": "string"}}}
+    union = {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}},
+                       {"type": "object", "properties": {"k": {"const": "b"}}}]}
+    for tools in ([tool("f", nested)], [tool("f", nested), tool("g", legacy), tool("h", union)]):
+        assert llguidance.LLMatcher.validate_grammar(_calls_grammar(tools, True)) == ""
+    assert "oneOf" in llguidance.LLMatcher.validate_grammar(_calls_grammar([tool("h", union, strict=True)], False))
