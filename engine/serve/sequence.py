@@ -189,10 +189,13 @@ class Sequence:
         logits callback that scores each prompt token from the position before it."""
         ids, k = self.job.ids, self.job.logprobs
         self._logprobs.clear()                  # (a prefill preempted midway left some)
-        decoder, offsets, parts, n = self.model.tokenizer.stream(), [], [], 0
-        for t in ids:
+        tok = self.model.tokenizer
+        decoder, offsets, parts, n = tok.stream(), [], [], 0
+        for i, t in enumerate(ids):
             offsets.append(n)
-            parts.append(decoder.push(t))
+            # the BOS the tokenizer puts first is no text of the prompt (OpenAI and vLLM
+            # echo the prompt itself); its logprob entry stays, with no text
+            parts.append("" if i == 0 and t == tok.bos_id else decoder.push(t))
             n += len(parts[-1])
         parts.append(decoder.flush())
         self._echo = "".join(parts)

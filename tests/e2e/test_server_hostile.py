@@ -423,6 +423,25 @@ def test_a_request_past_its_timeout_is_ended(tiny_llama):
         wait_until(lambda: not s.app.state.scheduler.state()["running"], "the timed-out requests to be dropped")
 
 
+def test_echo_is_the_prompt_without_the_bos_the_tokenizer_adds(tiny_llama):
+    """A model that starts every prompt with a BOS echoes the prompt's text, not the BOS's
+    piece (as OpenAI and vLLM); the BOS keeps its logprob entry (none: it is first)."""
+    with served(tiny_llama) as s:
+        tok = s.model.tokenizer
+        tok.add_bos = True
+        try:
+            status, answer = request(s.url, "/v1/completions", {"prompt": "hello world", "echo": True, "logprobs": 1,
+                                                                "max_tokens": 0})
+        finally:
+            tok.add_bos = False
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["text"] == "hello world"
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(tok.encode("hello world", add_bos=True)) and lp["token_logprobs"][0] is None
+    assert lp["text_offset"][:2] == [0, 0]
+
+
 # -- keys and hosts ---------------------------------------------------------------------------------
 def test_keys_are_utf8_several_and_never_empty(tiny_llama):
     with pytest.raises(ValueError):
