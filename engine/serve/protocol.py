@@ -218,7 +218,13 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
 
 # -- logprobs: Sequence's TokenLogprob entries (id, text offset, logprob, top) in OpenAI's shapes --
 def _token_text(data: bytes) -> str:
-    return data.decode("utf-8", errors="replace")
+    """A token's text; a token that is part of a UTF-8 character (a byte token) as
+    "bytes:\\xe4\\xbd" as OpenAI writes it, so distinct tokens keep distinct keys in
+    top_logprobs and a client can rebuild the bytes."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def completion_logprobs(entries, token_bytes) -> dict:

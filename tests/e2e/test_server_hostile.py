@@ -442,6 +442,17 @@ def test_echo_is_the_prompt_without_the_bos_the_tokenizer_adds(tiny_llama):
     assert lp["text_offset"][:2] == [0, 0]
 
 
+def test_byte_tokens_keep_distinct_logprob_keys():
+    """Tokens that are parts of a UTF-8 character are "bytes:\\x.." (OpenAI's form): two
+    such alternatives are two keys of top_logprobs, not one replacement character."""
+    from engine.serve.protocol import chat_logprobs, completion_logprobs
+    pieces = {1: b"\xe4", 2: b"\xe5", 3: "h\u00e9".encode()}
+    lp = completion_logprobs([(1, 0, -0.1, [(1, -0.1), (2, -1.0), (3, -2.0)])], pieces.__getitem__)
+    assert lp["tokens"] == ["bytes:\\xe4"] and list(lp["top_logprobs"][0]) == ["bytes:\\xe4", "bytes:\\xe5", "h\u00e9"]
+    item = chat_logprobs([(2, 0, -0.5, [])], pieces.__getitem__)["content"][0]
+    assert item["token"] == "bytes:\\xe5" and item["bytes"] == [0xE5]
+
+
 # -- keys and hosts ---------------------------------------------------------------------------------
 def test_keys_are_utf8_several_and_never_empty(tiny_llama):
     with pytest.raises(ValueError):
