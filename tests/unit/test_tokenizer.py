@@ -277,24 +277,21 @@ def test_gemma3_properties(gemma3):
     assert gemma3.encode("Hello world") == [2, 9259, 1902]
 
 
-def _partition_by_scanning(specials, text):
-    """llama.cpp's partition as written: every piece (longest first) tested against the text."""
-    parts = [text] if text else []
-    for token_id, piece in specials:
-        if piece not in text:
-            continue
-        out = []
-        for part in parts:
-            if isinstance(part, int) or piece not in part:
-                out.append(part)
-                continue
-            for k, chunk in enumerate(part.split(piece)):
-                if k:
-                    out.append(token_id)
-                if chunk:
-                    out.append(chunk)
-        parts = out
-    return parts
+class _ScanningFinder:
+    """llama.cpp's partition as written: every piece tested against the text with `in`."""
+
+    def __init__(self, pieces):
+        self.pieces = [p for p in pieces if p]
+
+    def present(self, text):
+        return {p for p in self.pieces if p in text}
+
+
+def _partition_by_scanning(tok, text, special):
+    scanning = Tokenizer.__new__(Tokenizer)
+    scanning._specials, scanning._user_defined = tok._specials, tok._user_defined
+    scanning._finders = {key: _ScanningFinder(f.pieces) for key, f in tok._finders.items()}
+    return scanning._partition(text, special)
 
 
 def test_special_pieces_are_found_in_one_pass_as_scanning_each_finds_them():
@@ -306,19 +303,19 @@ def test_special_pieces_are_found_in_one_pass_as_scanning_each_finds_them():
     finder = PieceFinder(pieces + [""])
     specials = sorted(enumerate(pieces), key=lambda t: -len(t[1]))
     rnd = random.Random(0)
+    tok = Tokenizer.__new__(Tokenizer)
+    tok._specials = tok._user_defined = specials
+    tok._finders = {"special": PieceFinder(pieces), "user": PieceFinder(pieces)}
     for _ in range(5000):
         text = "".join(rnd.choice("abcd<>\n[x].*\\") for _ in range(rnd.randrange(0, 14)))
-        assert finder.present(text) == {p for p in pieces if p in text}, repr(text)
-        tok = Tokenizer.__new__(Tokenizer)
-        tok._specials = tok._user_defined = specials
-        tok._finders = {"special": PieceFinder(pieces), "user": PieceFinder(pieces)}
-        assert tok._partition(text, True) == _partition_by_scanning(specials, text), repr(text)
+        assert finder.present(text) == _ScanningFinder(pieces).present(text), repr(text)
+        assert tok._partition(text, True) == _partition_by_scanning(tok, text, True), repr(text)
     assert PieceFinder([]).present("abc") == set()
 
 
 def test_gemma3_partition_is_the_scanning_one(gemma3):
     text = (pathlib.Path(__file__).read_text() * 3 + "<start_of_turn>user\n\t\t  <unused12><end_of_turn>"
             "\n\n\n\n\n<start_of_image>" + " " * 40)
-    assert gemma3._partition(text, True) == _partition_by_scanning(gemma3._specials, text)
-    assert gemma3._partition(text, False) == _partition_by_scanning(gemma3._user_defined, text)
+    assert gemma3._partition(text, True) == _partition_by_scanning(gemma3, text, True)
+    assert gemma3._partition(text, False) == _partition_by_scanning(gemma3, text, False)
     assert gemma3.control_text_in("a <end_of_turn> b") and not gemma3.control_text_in("a \n\n\t b")
