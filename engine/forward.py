@@ -124,7 +124,8 @@ def mark_interrupted(caches: list, before: list[int], e: BaseException) -> None:
     prompt; it is marked interrupted (KvCache.check_usable refuses it until released)."""
     for c, n in zip(caches, before):
         if c.logical_length != n:
-            c.interrupted = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            first = str(e).strip().splitlines()[:1]          # (kept to one line: it ends up in a message)
+            c.interrupted = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
 
 
 def decode_stats_of(c: dict, counts_launches: bool) -> dict:
@@ -483,9 +484,10 @@ class ForwardPass:
         work was issued, before its logits are awaited (host work alone where launches are
         asynchronous: a CUDA device, Vulkan's fresh and replayed steps; on the CUDA CPU
         harness the device's work too, and on Vulkan a recording step's, whose submission
-        is awaited), over every step, recordings included; replayed_host_us_per_token, the same over replayed steps alone but each
-        recording's first replay (which captures the CUDA graph): the steady state, None
-        without such steps; recordings and replays."""
+        is awaited), over every step, recordings included; replayed_host_us_per_token,
+        the same over replayed steps alone but each recording's first replay (which
+        captures the CUDA graph): the steady state, None without such steps; recordings
+        and replays."""
         c = {k: v - (since or {}).get(k, 0) for k, v in self.decode_counters.items()}
         return decode_stats_of(c, self.counts_launches)
 

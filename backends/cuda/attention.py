@@ -155,14 +155,14 @@ def attention_prefill(ex, q, k_pages, v_pages, page_table, start_row: int, n_q_h
     the decode combine."""
     n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_prefill", k_dtype, v_dtype)
     n = q.shape[0]
-    _check_rows(q, n, n_q_heads * head_dim, "q", "cuda attention_prefill")
-    _check_rows(out, n, n_q_heads * head_dim, "out", "cuda attention_prefill")
+    _check_rows(q, n, n_q_heads * head_dim, "q", "attention_prefill")
+    _check_rows(out, n, n_q_heads * head_dim, "out", "attention_prefill")
     if start_row < 0 or window < 0:
         raise ValueError(f"cuda attention_prefill: start_row {start_row} and window {window} must be >= 0")
     if n == 0:
         return
     check_table(page_table, page_size, start_row + n, "cuda attention_prefill")
-    bias = _bias_args(row_bias, n_kv, q, "cuda attention_prefill")
+    bias = _bias_args(row_bias, n_kv, q, "attention_prefill")
     k_spec, v_spec = kvrows.SPECS[k_dtype], kvrows.SPECS[v_dtype]
     width = n_q_heads * head_dim
     q_in, q_stride = q, row_stride(q)
@@ -220,12 +220,12 @@ def attention_decode(ex, q, k_pages, v_pages, page_table, n_rows: int, n_q_heads
     attention_prefill. step: None, or (step buffer, slot) whose int32 the kernels read as
     n_rows (a recorded step: the launches then serve any n_rows the page table holds)."""
     n_kv, page_size, head_dim = _kv_dims(k_pages, v_pages, n_q_heads, "attention_decode", k_dtype, v_dtype)
-    _check_rows(q, 1, n_q_heads * head_dim, "q", "cuda attention_decode")
-    _check_rows(out, 1, n_q_heads * head_dim, "out", "cuda attention_decode")
+    _check_rows(q, 1, n_q_heads * head_dim, "q", "attention_decode")
+    _check_rows(out, 1, n_q_heads * head_dim, "out", "attention_decode")
     if n_rows < 1 or window < 0:
         raise ValueError(f"cuda attention_decode: n_rows must be >= 1 and window >= 0, got {n_rows}, {window}")
     check_table(page_table, page_size, n_rows, "cuda attention_decode")
-    bias = _bias_args(row_bias, n_kv, q, "cuda attention_decode")
+    bias = _bias_args(row_bias, n_kv, q, "attention_decode")
     row0 = max(0, n_rows - window) if window > 0 else 0
     n_chunks, heads_per_block, n_splits, rows_per_split = decode_geometry(n_rows - row0, n_q_heads, n_kv)
     launch_splits = n_splits
