@@ -243,7 +243,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
         plan = structured.tool_plan(body, tok.chat_template)
         rendered = await _render_chat(body.messages, plan.tools)
         job = await run_in_threadpool(jobs.chat_job, model, body, rendered, limits, plan)
-        return await _respond(request, body, job, True, start, plan.parse)
+        return await _respond(request, body, job, True, start, plan)
 
     async def _render_chat(request_messages, tools=None) -> jobs.RenderedChat:
         """The chat template's output, and its skeleton where content must stay plain text."""
@@ -259,18 +259,18 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
             raise ApiError(404, f"model {name!r} is not served here; this server serves {model_id!r}",
                            "model", "model_not_found")
 
-    async def _respond(request: Request, body, job, chat: bool, start: float, tool_calls: bool = False):
-        """`tool_calls`: parse <tool_call> blocks out of the output (structured.py)."""
+    async def _respond(request: Request, body, job, chat: bool, start: float, plan=structured.NO_TOOLS):
+        """`plan.parse`: parse <tool_call> blocks out of the output (structured.py)."""
         sub = Submission(scheduler, job)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         deadline = start + limits.request_timeout if limits.request_timeout else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            calls = structured.CallStream() if tool_calls else None
+            calls = structured.CallStream(plan.choice) if plan.parse else None
             return StreamingResponse(_sse(sub, rid, chat, include_usage, job.logprobs is not None, deadline, calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, sub, rid, chat, job.logprobs is not None, deadline, tool_calls)
+        return await _collect(request, sub, rid, chat, job.logprobs is not None, deadline, plan)
 
     def _timed_out() -> ApiError:
         return ApiError(504, f"the request ran longer than the server's --request-timeout of "
@@ -283,7 +283,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
         return (protocol.chat_logprobs if chat else protocol.completion_logprobs)(entries, token_bytes)
 
     async def _collect(request: Request, sub: Submission, rid: str, chat: bool, logprobs: bool, deadline,
-                       tool_calls: bool = False):
+                       plan=structured.NO_TOOLS):
         parts: list[str] = []
         entries: list = []
         try:
@@ -303,11 +303,12 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
                 elif isinstance(event, Finished):
                     lp = _logprobs(entries + list(event.logprobs), chat) if logprobs else None
                     text = "".join(parts)
-                    if tool_calls:
+                    if plan.parse:
                         content, calls = structured.parse_calls(text)
                         if calls:
                             return protocol.chat_completion(rid, model_id, protocol.now(), content,
-                                                            structured.calls_finish_reason(event.finish_reason),
+                                                            structured.calls_finish_reason(event.finish_reason,
+                                                                                           plan.choice),
                                                             event.usage, lp, calls)
                     make = protocol.chat_completion if chat else protocol.completion
                     return make(rid, model_id, protocol.now(), text, event.finish_reason, event.usage, lp)
@@ -351,7 +352,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
                             yield _event(chunk(rest, None))
                         if found:
                             yield _event(protocol.chat_chunk(rid, model_id, t, protocol.tool_call_deltas(found), None))
-                            reason = structured.calls_finish_reason(reason)
+                            reason = structured.calls_finish_reason(reason, calls.choice)
                     yield _event(chunk("", reason, event.logprobs))
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"

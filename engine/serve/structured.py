@@ -199,10 +199,11 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
     return (content or None), calls
 
 
-def calls_finish_reason(reason: str) -> str:
-    """The finish_reason of an answer holding tool calls: "tool_calls", or "length" when
-    max_tokens or the context cut it (a last call may then be missing)."""
-    return "length" if reason == "length" else "tool_calls"
+def calls_finish_reason(reason: str, choice: str) -> str:
+    """The finish_reason of an answer holding tool calls, as OpenAI's API gives it:
+    "tool_calls", but "stop" for a function `tool_choice` named, and "length" when
+    max_tokens or the context cut the answer (a last call may then be missing)."""
+    return "length" if reason == "length" else "stop" if choice == "function" else "tool_calls"
 
 
 class CallStream:
@@ -210,9 +211,10 @@ class CallStream:
     send as content (nothing from the first `<tool_call>` on, nor a possible start of
     one); `finish()` returns (the rest as content, the calls parsed)."""
 
-    def __init__(self):
+    def __init__(self, choice: str = "auto"):
         self.sent, self.held = [], ""
         self.calling = False
+        self.choice = choice                # the request's tool_choice (ToolPlan.choice)
 
     def feed(self, text: str) -> str:
         self.held += text

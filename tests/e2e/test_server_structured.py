@@ -216,7 +216,7 @@ def test_tool_call_round_trip(qwen):
         deltas += d.tool_calls or []
         content += d.content or ""
         reason = chunk.choices[0].finish_reason or reason
-    assert reason == "tool_calls" and content == ""
+    assert reason == "stop" and content == ""           # a named function: "stop", as OpenAI answers
     assert [d.function.name for d in deltas] == ["get_weather"]
     assert json.loads(deltas[0].function.arguments) == args
 
@@ -285,7 +285,9 @@ def test_parse_calls():
     assert content == "a  b" and calls[0]["function"]["name"] == "f"     # a call cut short: dropped
     content, calls = parse_calls('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "argu')
     assert content is None and len(calls) == 1
-    assert calls_finish_reason("length") == "length" and calls_finish_reason("stop") == "tool_calls"
+    assert [calls_finish_reason(r, c) for r, c in (("length", "required"), ("stop", "auto"), ("stop", "required"),
+                                                   ("stop", "function"))] == ["length", "tool_calls", "tool_calls",
+                                                                              "stop"]      # (OpenAI's)
     s = CallStream()
     sent = "".join(s.feed(p) for p in ["Hi <", "tool", "_call>\n{\"name\": ", "\"f\", \"arguments\": {}}\n</tool_call>"])
     rest, calls = s.finish()
