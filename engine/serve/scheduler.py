@@ -404,7 +404,7 @@ class Scheduler:
         token is left to run, and when the request's policy evicts the prompt, its whole
         observation window, unless the cache kept the queries of the window's positions it
         holds (`tail_queries`), so eviction sees the prompt as a fresh prefill would."""
-        job, best, n_best = seq.job, None, 0
+        job, candidates = seq.job, []
         if job.echo and job.logprobs is not None:   # every prompt token is scored: run them all
             return None
         # quantized keys are stored minus the mean of the first write's first rows: a cache
@@ -429,17 +429,17 @@ class Scheduler:
                     tq is None or tq[0] > window_from or n > tq[0] + tq[1].shape[2]):
                 n = window_from                     # the window's queries run again (a cache a
                                                     # request extended holds some without theirs)
-            if n > n_best:
-                best, n_best = i, n
-        if best is None:
-            return None
-        ids, cache = self._kept[best]
-        try:
-            seq.reuse(cache, n_best)
-        except KvCacheError:                    # a sliding-window layer moved past the prefix
-            return None
-        del self._kept[best]
-        return ids
+            if n > 0:
+                candidates.append((n, i))
+        for n, i in sorted(candidates, reverse=True):   # longest shared prefix first, newest on ties
+            ids, cache = self._kept[i]
+            try:
+                seq.reuse(cache, n)
+            except KvCacheError:                # a sliding-window layer moved past the prefix:
+                continue                        # the cache is unchanged, the next may serve
+            del self._kept[i]
+            return ids
+        return None
 
     def _keep(self, seq: Sequence) -> None:
         """(lock held) Shelve a finished sequence's cache for reuse when it holds positions

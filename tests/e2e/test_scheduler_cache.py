@@ -175,3 +175,24 @@ def test_a_quantized_cache_is_reused_only_where_its_keys_centre_on_the_same_rows
     for ids, got in ((b, got_b), (d, got_d)):
         want = model.generate(ids, max_tokens=4, ignore_eos=True, kv_dtype="tq4", snapkv=False)
         assert got["text"] == want.text
+
+
+def test_a_kept_cache_whose_window_moved_on_gives_way_to_the_next_longest(tmp_path):
+    """The kept cache sharing the longest prefix may no longer hold the rows a
+    sliding-window layer needs at that prefix (its ring moved on); the next kept cache
+    that does serves the request instead of none, and the answer is generate's."""
+    from tiny_gguf import write_tiny_gguf
+    gemma = engine.load(write_tiny_gguf(tmp_path / "gemma3.gguf", arch="gemma3"), snapkv_budget=0)
+    sched = Scheduler(gemma, max_queue=4, max_running=1)
+    sched.start()
+    try:
+        long = list(range(5, 15)) + list(range(60, 130))   # 80 + 4: its rings hold the last rows
+        run(sched, Job(long, greedy(4), None))
+        short = long[:10] + [20, 21]                # 12 + 4: every row held (`long` can't serve it)
+        run(sched, Job(short, greedy(4), None))
+        ask = long[:40] + [7, 8, 9]                 # shares 40 with `long`, 10 with `short`
+        got = run(sched, Job(ask, greedy(4), None))
+    finally:
+        sched.stop()
+    assert got["end"].usage["prompt_tokens_details"]["cached_tokens"] == 10
+    assert got["text"] == gemma.generate(ask, max_tokens=4, ignore_eos=True, snapkv=False).text
