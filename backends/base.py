@@ -93,7 +93,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from engine.errors import BackendUnavailable, ConfigError
+from engine.errors import BackendUnavailable, ConfigError, UnsupportedError
 
 class StepValue(int):
     """An int argument of a step being recorded (record_step): a backend that records reads
@@ -293,6 +293,15 @@ def check_kv_dtypes(backend, *dtypes: str) -> None:
         if dtype not in supported:
             raise ConfigError(f"KV dtype {dtype} is not supported on the {backend.name} backend "
                               f"(supported: {', '.join(supported)})")
+
+
+def check_head_dim(backend, head_dim: int) -> None:
+    """UnsupportedError (one line) unless the backend's attention kernels take heads of
+    `head_dim`: even and at most its `max_head_dim` (no attribute: any)."""
+    top = getattr(backend, "max_head_dim", None)
+    if top is not None and (head_dim % 2 or head_dim > top):
+        raise UnsupportedError(f"backend '{backend.name}' needs an even head_dim <= {top}, "
+                               f"the model's is {head_dim}")
 
 
 def check_complete(backend) -> None:

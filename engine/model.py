@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from backends.base import check_kv_dtypes
+from backends.base import check_head_dim, check_kv_dtypes
 from backends.kvformat import KvFormat, KvSpec
 
 from . import chat_content
@@ -73,6 +73,7 @@ def kv_spec_for(kv_dtype, backend, cfg: ModelConfig) -> KvSpec:
     canonical spelling for the model (KvSpec.for_layers)."""
     spec = KvSpec.parse(kv_dtype, "kv_dtype").for_layers(cfg.n_layers)
     check_kv_dtypes(backend, *spec.dtypes)
+    check_head_dim(backend, cfg.head_dim)
     for dtype in spec.dtypes:
         KvFormat.get(dtype, cfg.head_dim)
     return spec

@@ -40,6 +40,7 @@ class CudaBackend:
     name = "cuda"
     reserve_bytes = RESERVE_BYTES        # device memory a KV pool leaves free (the server's check)
     kv_dtypes = KV_DTYPES     # every row format, keys and values independently (kvrows.py)
+    max_head_dim = 256        # the attention kernels' per-thread slices (base.check_head_dim)
     rope_write_keys = elementwise.ROPE_WRITE_KEYS   # rope_kv_write's key formats (kv.cu)
 
     def __init__(self, device: int = 0, executor: str | None = None):
@@ -108,8 +109,8 @@ class CudaBackend:
 
     def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim, k_dtype="bf16", v_dtype="bf16"):
         check_kv_dtypes(self, k_dtype, v_dtype)
-        if head_dim % 2 or head_dim > 256:
-            raise ValueError(f"backend 'cuda' needs an even head_dim <= 256, got {head_dim}")
+        if head_dim % 2 or head_dim > self.max_head_dim:     # Model checks it at load (check_head_dim)
+            raise ValueError(f"backend '{self.name}' needs an even head_dim <= {self.max_head_dim}, got {head_dim}")
         fmts = (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim))
         self.bytes_to_device += kvrows.upload_tables(self.ex, head_dim, k_dtype, v_dtype)   # tq: once
         return tuple(self.ex.zeros(f.page_shape(n_pages, n_kv_heads, page_size), f.storage) for f in fmts)

@@ -102,6 +102,7 @@ class VulkanBackend:
 
     name = "vulkan"
     kv_dtypes = KV_DTYPES
+    max_head_dim = 256        # the attention kernels' per-thread slices (base.check_head_dim)
     rope_write_keys = shaders.ROPE_WRITE_KEYS   # rope_kv_write's key formats (kv_write.comp ROPE)
 
     def __init__(self, device: int | None = None, allow_cpu: bool = True, device_local: bool | None = None):
@@ -419,8 +420,8 @@ class VulkanBackend:
 
     def alloc_kv_pool(self, n_pages, n_kv_heads, page_size, head_dim, k_dtype="bf16", v_dtype="bf16"):
         check_kv_dtypes(self, k_dtype, v_dtype)
-        if head_dim % 2 or head_dim > 256:
-            raise BackendUnavailable(f"backend 'vulkan' needs an even head_dim <= 256, got {head_dim}")
+        if head_dim % 2 or head_dim > self.max_head_dim:     # Model checks it at load (check_head_dim)
+            raise BackendUnavailable(f"backend '{self.name}' needs an even head_dim <= {self.max_head_dim}, got {head_dim}")
         formats = (KvFormat.get(k_dtype, head_dim), KvFormat.get(v_dtype, head_dim))
         for f in formats:
             nbytes = n_pages * n_kv_heads * page_size * f.row_bytes

@@ -161,3 +161,15 @@ def test_a_device_that_cannot_be_set_up_is_unavailable_so_auto_falls_back(monkey
     with pytest.raises(BackendUnavailable, match=r"^backend 'cuda': the CUDA device could not be set up "
                                                  r"\(cudaErrorMemoryAllocation"):
         cuda_backend.CudaBackend(executor="device")
+
+
+
+def test_heads_the_attention_kernels_cannot_take_are_refused_at_load(monkeypatch, tmp_path):
+    """Heads wider than 256: one line before any weight is uploaded, not a ValueError at
+    the first prompt."""
+    from engine.errors import UnsupportedError
+    from tiny_gguf import write_tiny_gguf
+    monkeypatch.setenv("SHARPI_CUDA_EXECUTOR", "cpu-harness")
+    wide = write_tiny_gguf(tmp_path / "wide.gguf", head_dim=320)
+    with pytest.raises(UnsupportedError, match="backend 'cuda' needs an even head_dim <= 256, the model's is 320"):
+        engine.load(wide, backend="cuda", snapkv_budget=0)
