@@ -257,11 +257,19 @@ class Tokenizer:
             raise ModelFileError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(self.pieces)} tokens")
         # llama.cpp merges the adjacent pair whose joined text is the highest-scoring token;
         # ranking every (left, right) split of every token by that score is the same rule.
+        # only cuts where both halves have a token's length: linear in a (corrupt) huge token
+        lengths = {len(p) for p in self.pieces}
+        cuts = sorted(lengths)
         ranked = []
         for i, piece in enumerate(self.pieces):
             if self.types[i] == BYTE:
                 continue
-            for cut in range(1, len(piece)):
+            n = len(piece)
+            for cut in cuts:
+                if cut >= n:
+                    break
+                if n - cut not in lengths:
+                    continue
                 left, right = piece[:cut], piece[cut:]
                 if left in self.token_to_id and right in self.token_to_id:
                     ranked.append((-scores[i], i, self.token_to_id[left], (left, right)))

@@ -47,7 +47,8 @@ def register(spec: ArchSpec) -> ArchSpec:
 
 def get_arch(name: str) -> ArchSpec:
     if name not in _REGISTRY:
-        raise UnsupportedError(f"unsupported architecture '{name}'; supported: {', '.join(sorted(_REGISTRY))}")
+        shown = name if len(name) <= 64 else name[:64] + "..."     # a file's string: cut for one line
+        raise UnsupportedError(f"unsupported architecture '{shown}'; supported: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,6 +108,7 @@ MAX_LAYERS = 4096
 MAX_WIDTH = 2**20               # embedding, feed-forward width
 MAX_HEAD_DIM = 4096
 MAX_CONTEXT = 2**26             # 67M positions; Llama 4 Scout's 10M fits, a corrupt 2^32-1 does not
+MAX_ROPE_FACTOR = 2.0**20       # a frequency divisor (Llama 3.1's reach 8; linear scalings 2-64)
 _REQUIRED = object()
 
 
@@ -232,8 +234,8 @@ def _blocks_in_file(g: GgufFile) -> int:
     top = -1
     for name in g.tensors:
         parts = name.split(".")
-        if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
-            top = max(top, int(parts[1]))
+        if len(parts) > 2 and parts[0] == "blk" and re.fullmatch(r"[0-9]{1,9}", parts[1]):
+            top = max(top, int(parts[1]))       # ASCII digits only ("²".isdigit()), a bounded count
     return top + 1
 
 
@@ -263,6 +265,12 @@ def _rope_freq_factors(g: GgufFile, rot_dim: int) -> tuple[float, ...] | None:
         factors *= factor
     if t is None and kind != "linear":
         return None
+    # the kernels take them as f32: past these bounds a factor rounds to inf or 0 there (RoPE
+    # silently off, or NaN logits); real scalings stay within a few hundred
+    if np.any(factors > MAX_ROPE_FACTOR) or np.any(factors < 1.0 / MAX_ROPE_FACTOR):
+        raise ModelFileError(f"RoPE frequency factors (rope_freqs.weight x rope.scaling.factor) must lie in "
+                             f"[1/{MAX_ROPE_FACTOR:g}, {MAX_ROPE_FACTOR:g}], got {factors.min():g} .. "
+                             f"{factors.max():g}: {g.path}")
     return tuple(float(f) for f in factors)
 
 

@@ -28,6 +28,17 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 
           10: "<u8", 11: "<i8", 12: "<f8"}
 STRING, ARRAY, BOOL = 8, 9, 7
 MAX_NESTING = 8      # arrays of arrays deeper than this: a malformed file (none is nested at all)
+# Bounds past which a header is junk, checked before it is expanded into Python objects (each
+# element costs ~30x its bytes there): the largest vocabularies and merge lists hold ~300K
+# entries, the largest models a few thousand tensors; GGUF names a tensor in 64 bytes at most.
+MAX_ARRAY = 1 << 22
+MAX_TENSORS = 1 << 16
+MAX_TENSOR_NAME = 64
+
+
+def _shown(text: str, n: int = 64) -> str:
+    """A string from the file, quoted and cut for a one-line message."""
+    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,8 @@ class _Cursor:
             return self.string()
         if vtype == ARRAY:
             etype, count = self.u32(), self.u64()
+            if count > MAX_ARRAY:
+                raise _Malformed(f"an array of {count} values (more than {MAX_ARRAY})")
             if etype == STRING:                  # every element takes at least its 8-byte length
                 self.need(8 * count, f"an array of {count} strings")
                 return [self.string() for _ in range(count)]
@@ -96,7 +109,7 @@ class _Cursor:
             self.need(size, f"an array of {count} values")
             arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
             self.pos += size
-            return [bool(v) for v in arr] if etype == BOOL else arr.tolist()
+            return (arr != 0).tolist() if etype == BOOL else arr.tolist()
         if vtype not in _SCALARS:
             raise _Malformed(f"unknown GGUF value type {vtype}")
         return self.scalar(vtype)
@@ -184,15 +197,19 @@ class GgufFile:
             what = "big-endian GGUF" if swapped in (2, 3) else f"GGUF version {version}"
             raise UnsupportedError(f"{what} is not supported (little-endian versions 2 and 3 are): {self.path}")
         n_tensors, n_kv = c.u64(), c.u64()
-        if n_tensors > len(buf) or n_kv > len(buf):
+        if n_tensors > min(len(buf), MAX_TENSORS) or n_kv > len(buf):
             raise _Malformed(f"the header claims {n_tensors} tensors and {n_kv} keys in a {len(buf)}-byte file")
         metadata: dict[str, object] = {}
         for _ in range(n_kv):
             key = c.string()
+            if key in metadata:                      # as gguf-py and llama.cpp refuse it
+                raise _Malformed(f"metadata key {_shown(key)} appears twice")
             metadata[key] = c.value(c.u32())
         infos = []
         for _ in range(n_tensors):
             name = c.string()
+            if len(name.encode()) > MAX_TENSOR_NAME:
+                raise _Malformed(f"tensor name {_shown(name)} is longer than GGUF's {MAX_TENSOR_NAME} bytes")
             n_dims = c.u32()
             if n_dims > 8:
                 raise _Malformed(f"tensor {name} has {n_dims} dimensions")

@@ -102,3 +102,15 @@ def test_a_scaling_factor_without_a_type_is_linear(tmp_path):
         cfg = engine.load(write_tiny_gguf(tmp_path / "f.gguf", **kw, metadata={key: (4.0, T.FLOAT32)}),
                           snapkv_budget=0).config
         assert cfg.rope_freq_factors == (4.0,) * (cfg.rot_dim // 2), key
+
+
+@pytest.mark.parametrize("factor", [1e39, 1e-300])
+def test_a_factor_the_kernels_f32_cannot_hold_is_refused_at_load(tmp_path, factor):
+    """1e39 is inf in f32 (RoPE silently off: finite garbage), 1e-300 is 0 (NaN logits at
+    the first prompt): one line at load instead."""
+    from gguf import GGUFValueType as T
+    from engine.errors import ModelFileError
+    from engine.gguf import GgufFile, model_config
+    path = write_tiny_gguf(tmp_path / "f.gguf", metadata={"{arch}.rope.scaling.factor": (factor, T.FLOAT64)})
+    with pytest.raises(ModelFileError, match=r"RoPE frequency factors .* must lie in \[1/1.04858e\+06"):
+        model_config(GgufFile(path))

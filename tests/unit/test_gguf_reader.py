@@ -116,3 +116,52 @@ def test_a_path_that_is_not_a_regular_file_is_refused_without_reading(tmp_path):
     os.mkfifo(fifo)                           # reading it would block for ever
     with pytest.raises(ModelFileError, match="model path is not a regular file"):
         GgufFile(str(fifo))
+
+
+def _header(kvs: bytes, n_kv: int, tensors: bytes = b"", n_tensors: int = 0) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + kvs + tensors
+
+
+def _key(name: str, vtype: int, payload: bytes) -> bytes:
+    raw = name.encode()
+    return struct.pack("<Q", len(raw)) + raw + struct.pack("<I", vtype) + payload
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def test_a_metadata_key_given_twice_is_malformed_not_last_one_wins(tmp_path):
+    """As gguf-py and llama.cpp refuse it: which architecture would be meant?"""
+    p = tmp_path / "twice.gguf"
+    p.write_bytes(_header(_key("general.architecture", 8, _text("llama"))
+                          + _key("general.architecture", 8, _text("qwen2")), 2))
+    with pytest.raises(ModelFileError, match="metadata key 'general.architecture' appears twice"):
+        GgufFile(str(p))
+
+
+def test_a_junk_array_is_refused_before_it_is_expanded(tmp_path):
+    """5M one-byte values (5 MB): refused by its count, not turned into a 5M-element list."""
+    n = (1 << 22) + 1
+    p = tmp_path / "junk.gguf"
+    p.write_bytes(_header(_key("junk", 9, struct.pack("<IQ", 7, n) + bytes(n)), 1))
+    with pytest.raises(ModelFileError, match=f"an array of {n} values"):
+        GgufFile(str(p))
+
+
+def test_a_tensor_name_past_ggufs_64_bytes_is_malformed_in_a_short_message(tmp_path):
+    name = "blk.0." + "x" * 100_000
+    tensor = _text(name) + struct.pack("<I", 1) + struct.pack("<Q", 32) + struct.pack("<IQ", 0, 0)
+    p = tmp_path / "long.gguf"
+    p.write_bytes(_header(_key("general.architecture", 8, _text("llama")), 1, tensor, 1) + bytes(256))
+    with pytest.raises(ModelFileError, match="longer than GGUF's 64 bytes") as info:
+        GgufFile(str(p))
+    assert len(str(info.value)) < 300
+
+
+def test_a_layer_index_of_other_digits_is_not_a_crash(tmp_path):
+    """"²".isdigit() is True but int("²") fails: such a tensor is not a layer's."""
+    from engine.gguf import model_config
+    path = write_tiny_gguf(tmp_path / "m.gguf", extra_tensors={"blk.\u00b2.attn_norm.weight": np.ones(64, np.float32)})
+    assert model_config(GgufFile(path)).n_layers == 2
