@@ -107,6 +107,9 @@ def _floats(text, flag: str) -> list[float]:
     return _values(text, flag, float, "numbers")
 
 
+MAX_SAMPLES = 10_000     # prompts per task and length (the plan's cases are listed up front)
+
+
 def resolve(args) -> dict:
     """Flags over --quick / full-run defaults -> plain values (raises EngineError)."""
     d = dict(QUICK_RUN if args.quick else FULL_RUN)
@@ -122,6 +125,9 @@ def resolve(args) -> dict:
     lengths = _ints(d["lengths"], "--lengths")
     if min(lengths) < 64:
         raise EngineError("--lengths must be at least 64 tokens")
+    twice = [n for n in dict.fromkeys(lengths) if lengths.count(n) > 1]
+    if twice:
+        raise EngineError(f"--lengths lists {twice[0]} twice")
     if d["policies"]:
         pols = [P.parse_policy(n) for n in str(d["policies"]).split(",") if n.strip()]
     else:
@@ -141,17 +147,19 @@ def resolve(args) -> dict:
             raise EngineError(f"--kv-dtypes: {e}") from None
     if len({p.name for p in pols}) != len(pols):
         raise EngineError("--policies lists a policy twice")
-    if int(d["samples"]) < 1:
-        raise EngineError("--samples must be >= 1")
+    if not 1 <= int(d["samples"]) <= MAX_SAMPLES:
+        raise EngineError(f"--samples must be 1..{MAX_SAMPLES}")
     depths = _floats(d["depths"], "--depths")
     if not all(0 <= x <= 100 for x in depths):       # (NaN too)
         raise EngineError("--depths are percentages in 0..100")
     if args.max_new_tokens < 1 or args.fidelity_tokens < 1:
         raise EngineError("--max-new-tokens and --fidelity-tokens must be >= 1")
+    if args.seed < 0:
+        raise EngineError(f"--seed must be >= 0, got {args.seed}")
     return {"tasks": tasks, "lengths": lengths, "policies": pols, "samples": int(d["samples"]), "depths": depths}
 
 
-ROW_KEYS = ("task", "length", "index", "policy", "prompt_tokens")   # what every sample row holds
+ROW_KEYS = ("task", "length", "index", "policy", "prompt_tokens", "seed", "depth")   # what every sample row holds
 
 
 def _load_rows(path: str, flag: str = "--render", empty_ok: bool = False) -> tuple[dict, list[dict]]:

@@ -150,10 +150,6 @@ def paired_against(rows: list[dict], policies: list[str], reference: str = "full
 
 
 # -- JSON -----------------------------------------------------------------------------
-def write_json(path: str, meta: dict, rows: list[dict], summary: dict) -> None:
-    write_doc(path, {"schema": SCHEMA_VERSION, "meta": meta, "summary": summary, "samples": rows})
-
-
 def write_doc(path: str, doc: dict) -> None:
     """`doc` as JSON at `path`, whole or not at all (a temporary file renamed over it)."""
     tmp = path + ".tmp"
@@ -270,25 +266,33 @@ def plot_heatmaps(path: str, rows: list[dict], policies: list[str], lengths: lis
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
     fig.suptitle("Retrieval accuracy by needle depth and prompt length", fontsize=10)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")   # (a .tmp path first: write_all)
     plt.close(fig)
+
+
+def budget_sweep(policy_meta: dict) -> dict:
+    """The policies at fixed budgets with every other setting the default: the SnapKvConfig
+    defaults, uniform budgets, no merged rows, bf16 rows (one policy per budget)."""
+    default = policy_meta.get("defaults", {})
+    plain = {"merge": (0, None), "allocation": ("uniform", None), "kv_dtype": ("bf16", None)}
+    return {name: m for name, m in policy_meta["policies"].items()
+            if m["budget"] is not None and all(m[k] == v for k, v in default.items())
+            and all(m.get(k) in ok for k, ok in plain.items())}
 
 
 def plot_accuracy_vs_budget(path: str, rows: list[dict], policy_meta: dict, lengths: list[int]) -> None:
     """SnapKV at default settings: accuracy against the fixed row budget, one line per length,
     one panel per retrieval task; the full cache as a dashed line."""
     plt = _plt()
-    default = {k: v for k, v in policy_meta.get("defaults", {}).items()}
-    sweep = {name: m for name, m in policy_meta["policies"].items()
-             if m["budget"] is not None and all(m[k] == v for k, v in default.items())}
+    sweep = budget_sweep(policy_meta)
     tasks = [t for t in SCORED_TASKS if any(r["task"] == t for r in rows)]
     fig, axes = plt.subplots(1, max(len(tasks), 1), figsize=(4 * max(len(tasks), 1), 3.4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for j, length in enumerate(lengths):
-            pts = sorted((m["budget"], _mean(r["correct"] for r in rows if r["policy"] == name
-                                             and r["task"] == task and r["length"] == length))
-                         for name, m in sweep.items())
-            pts = [(b, a) for b, a in pts if a is not None]
+            pts = [(m["budget"], _mean(r["correct"] for r in rows if r["policy"] == name
+                                       and r["task"] == task and r["length"] == length))
+                   for name, m in sweep.items()]
+            pts = sorted((b, a) for b, a in pts if a is not None)
             color = f"C{j}"
             if pts:
                 ax.plot([b for b, _ in pts], [a for _, a in pts], "o-", color=color, label=f"{length} tok")
@@ -305,7 +309,7 @@ def plot_accuracy_vs_budget(path: str, rows: list[dict], policy_meta: dict, leng
             ax.legend(fontsize=7)
     fig.suptitle("Accuracy vs SnapKV budget (dashed: full cache)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")   # (a .tmp path first: write_all)
     plt.close(fig)
 
 
@@ -325,7 +329,7 @@ def plot_bytes_vs_accuracy(path: str, summary: dict) -> None:
     ax.set_ylabel("retrieval accuracy (all tasks, lengths)")
     ax.set_title("KV bytes vs accuracy")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")   # (a .tmp path first: write_all)
     plt.close(fig)
 
 
@@ -380,12 +384,24 @@ def write_all(out_dir: str, meta: dict, rows: list[dict], lengths: list[int], ta
              "heatmap": os.path.join(out_dir, "accuracy_heatmap.png"),
              "budget": os.path.join(out_dir, "accuracy_vs_budget.png"),
              "bytes": os.path.join(out_dir, "kv_bytes_vs_accuracy.png")}
-    text = markdown(meta, summary, lengths, tasks)      # before anything is written: a failure leaves all as it was
-    write_json(paths["json"], meta, rows, summary)
-    with open(paths["markdown"] + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(paths["markdown"] + ".tmp", paths["markdown"])
-    plot_heatmaps(paths["heatmap"], rows, names, lengths)
-    plot_accuracy_vs_budget(paths["budget"], rows, meta, lengths)
-    plot_bytes_vs_accuracy(paths["bytes"], summary)
+    # every output is made as a temporary file first and renamed over its path only once all
+    # of them are made: a failure leaves the folder as it was
+    tmp = {k: f"{path}.tmp" for k, path in paths.items()}
+    try:
+        text = markdown(meta, summary, lengths, tasks)
+        with open(tmp["json"], "w") as f:
+            json.dump({"schema": SCHEMA_VERSION, "meta": meta, "summary": summary, "samples": rows}, f,
+                      indent=1, default=_jsonable)
+        with open(tmp["markdown"], "w") as f:
+            f.write(text)
+        plot_heatmaps(tmp["heatmap"], rows, names, lengths)
+        plot_accuracy_vs_budget(tmp["budget"], rows, meta, lengths)
+        plot_bytes_vs_accuracy(tmp["bytes"], summary)
+    except BaseException:
+        for path in tmp.values():
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    for k, path in paths.items():
+        os.replace(tmp[k], path)
     return paths

@@ -142,6 +142,17 @@ class Runner:
         plan.validate()
         self.model, self.plan = model, plan
         self.timings = Timings()
+        for task in plan.tasks:                  # what the model's context leaves of each length
+            targets = [self.target_for(task, n) for n in sorted(plan.lengths)]
+            if targets[0] < 64:
+                raise EngineError(f"a {task} prompt has {targets[0]} tokens left of the model's {model.ctx}-token "
+                                  f"context after its answer ({plan.margin(task)} tokens): lower "
+                                  f"{'--fidelity-tokens' if task == 'fidelity' else '--max-new-tokens'}")
+            same = [n for n, t, prev in zip(sorted(plan.lengths)[1:], targets[1:], targets) if t == prev]
+            if same:
+                raise EngineError(f"lengths {', '.join(map(str, same))} clip to the same {task} prompts as a "
+                                  f"shorter one ({targets[-1]} tokens fit the {model.ctx}-token context with "
+                                  f"the answer): drop them")
 
     def target_for(self, task: str, length: int) -> int:
         """The prompt length actually generated: `length`, unless the context cannot

@@ -10,7 +10,7 @@ import pytest
 import engine
 from engine.errors import EngineError
 from engine.eval.cli import add_parser
-from engine.eval.policies import parse_policy
+from engine.eval.policies import DEFAULT, parse_policy
 from engine.eval.report import SAMPLE_KEYS
 from engine.forward import WindowCapture
 from engine.snapkv import SnapKvConfig
@@ -57,6 +57,12 @@ def test_bad_arguments_are_one_line_errors():
         resolve(_parse(["eval", "--depths", "nan"]))
     with pytest.raises(EngineError, match="--budget-fraction and --ablation-budget must be >= 0"):
         resolve(_parse(["eval", "--budget-fraction", "-1"]))
+    with pytest.raises(EngineError, match="--lengths lists 1024 twice"):
+        resolve(_parse(["eval", "--lengths", "1024,2048,1024"]))
+    with pytest.raises(EngineError, match="--seed must be >= 0"):
+        resolve(_parse(["eval", "--seed", "-1"]))
+    with pytest.raises(EngineError, match="--samples must be 1..10000"):
+        resolve(_parse(["eval", "--samples", "1000000000"]))
     r = resolve(_parse(["eval", "--quick"]))
     assert r["lengths"] == [1024] and [p.name for p in r["policies"]][0] == "full"
     assert not any(t.startswith("code") for t in r["tasks"])          # the code questions are asked for
@@ -196,15 +202,18 @@ def test_runner_branches_each_kv_dtype_from_its_own_prefill(tmp_path):
 def test_render_refuses_what_is_not_an_eval_and_writes_nothing(tmp_path):
     """--render of a file that is not an eval's (hand-edited, another tool's): one line,
     and the folder's existing summary is left as it was."""
-    for i, text in enumerate(['{"a": 1}', "[1, 2]", '{"meta": {}, "samples": [{"x": 1}]}', '{"meta": [], "samples": [1]}']):
-        bad = tmp_path / f"bad{i}.json"
+    unseeded = {"task": "passkey", "length": 300, "index": 0, "policy": "full", "prompt_tokens": 300, "depth": 0}
+    for i, text in enumerate(['{"a": 1}', "[1, 2]", '{"meta": {}, "samples": [{"x": 1}]}', '{"meta": [], "samples": [1]}',
+                              json.dumps(unseeded)]):
+        bad = tmp_path / f"bad{i}.{'jsonl' if 'depth' in text else 'json'}"
         bad.write_text(text)
         args = _parse(["eval", "--render", str(bad), "--out", str(tmp_path / "r")])
         with pytest.raises(EngineError, match="--render: .* (is not an eval|not an eval sample)"):
             args.func(args)
     src = tmp_path / "ok"
     src.mkdir()
-    row = {"task": "passkey", "length": 300, "index": 0, "policy": "full", "prompt_tokens": 300}
+    row = {"task": "passkey", "length": 300, "index": 0, "policy": "full", "prompt_tokens": 300, "seed": 0,
+           "depth": 50.0}
     (src / "results.json").write_text(json.dumps({"meta": {"policies": {"full": {}}, "lengths": [300]}, "samples": [row]}))
     (src / "summary.md").write_text("old")
     args = _parse(["eval", "--render", str(src / "results.json")])
@@ -357,3 +366,41 @@ def test_resume_with_a_policy_added_runs_only_its_prefill(tiny_llama, tmp_path, 
     drop = ("prefill_s", "evict_s", "decode_s")
     assert sorted(({k: v for k, v in r.items() if k not in drop} for r in got), key=key) == \
         sorted(({k: v for k, v in r.items() if k not in drop} for r in fresh), key=key)
+
+
+def test_lengths_the_context_cannot_tell_apart_or_hold_are_refused_before_any_prompt(tiny_llama):
+    """On a 512-token context 600 and 700 both clip to the same prompts (counted twice
+    otherwise); a fidelity continuation of 480 leaves no prompt: one line before any run."""
+    from engine.eval.runner import EvalPlan, Runner
+    m = engine.load(tiny_llama, backend="reference", snapkv_budget=0)
+    full = [parse_policy("full")]
+    Runner(m, EvalPlan(tasks=["passkey"], lengths=[400, 600], policies=full))
+    with pytest.raises(EngineError, match="lengths 700 clip to the same passkey prompts as a shorter one"):
+        Runner(m, EvalPlan(tasks=["passkey"], lengths=[600, 700], policies=full))
+    with pytest.raises(EngineError, match="a fidelity prompt has 31 tokens left .* lower --fidelity-tokens"):
+        Runner(m, EvalPlan(tasks=["fidelity"], lengths=[128], policies=full, fidelity_tokens=480))
+
+
+def test_a_render_that_fails_midway_leaves_every_output_as_it_was(tmp_path, monkeypatch):
+    """The last plot failing: results.json, summary.md and the plots before it unchanged,
+    no temporary file left; and variants of a budget (+q8_0, merged rows) are not points of
+    the budget sweep's line (a partial run's missing mean no longer breaks its sort)."""
+    from engine.eval import report
+    src = tmp_path / "run"
+    src.mkdir()
+    rows = [{"task": "passkey", "length": 300, "index": 0, "policy": p, "prompt_tokens": 300, "seed": 0,
+             "depth": 50.0, "correct": True, "answer": "1", "expected": ["1"]}
+            for p in ("full", "snapkv-b256-head-avg-k31-w32-s4", "snapkv-b256-head-avg-k31-w32-s4+q8_0")]
+    (src / "samples.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("results.json", "summary.md", "accuracy_heatmap.png"):
+        (src / name).write_text("old")
+    monkeypatch.setattr(report, "plot_bytes_vs_accuracy", lambda *a: (_ for _ in ()).throw(RuntimeError("disk")))
+    args = _parse(["eval", "--render", str(src / "samples.partial.jsonl")])
+    with pytest.raises(EngineError, match="cannot be rendered"):
+        args.func(args)
+    assert {p.name for p in src.iterdir()} == {"samples.partial.jsonl", "results.json", "summary.md",
+                                               "accuracy_heatmap.png"}
+    assert all((src / n).read_text() == "old" for n in ("results.json", "summary.md", "accuracy_heatmap.png"))
+    meta = {"defaults": {k: getattr(DEFAULT, k) for k in ("granularity", "pool", "kernel", "window", "sinks")},
+            "policies": {r["policy"]: parse_policy(r["policy"]).describe() for r in rows}}
+    assert list(report.budget_sweep(meta)) == ["snapkv-b256-head-avg-k31-w32-s4"]
