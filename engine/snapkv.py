@@ -287,8 +287,9 @@ class SnapKvSelector:
         short = free * n_layers - int(picks.sum())                        # exact total
         order = [i for i in np.argsort(picks - share, kind="stable") if picks[i] < cap]
         picks[order[:short]] += 1
-        for i in np.flatnonzero(picks < 1):    # at least one voted row: taken from the largest
-            picks[int(np.argmax(picks))] -= 1
+        for i in np.flatnonzero(picks < 1):    # at least one voted row: taken from the largest,
+            top = np.flatnonzero(picks == picks.max())[-1]   # the deepest of equals (falling with depth)
+            picks[top] -= 1
             picks[i] = 1
         return [int(fixed + p) for p in picks]
 

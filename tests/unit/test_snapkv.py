@@ -520,3 +520,14 @@ def test_pyramid_adaptive_keeps_each_layers_pyramid_total():
     budgets = sel.layer_budgets(n_layers, L)
     assert [sum(len(k) for k in layer) for layer in keeps] == [H * b for b in budgets]
     assert sum(budgets) == n_layers * 200
+
+
+def test_pyramid_budgets_fall_with_depth_when_tiny_shares_take_a_row_from_capped_layers():
+    """A layer whose share rounds to no voted row takes one from the largest; among
+    several layers capped at the whole prompt, the deepest gives it (the first did,
+    so the order broke: 37, 38, 38, ...)."""
+    cfg = SnapKvConfig(budget=33, window=19, sinks=4, recency=21, allocation="pyramid", pyramid_beta=27,
+                       min_tokens=0)
+    got = SnapKvSelector(cfg).layer_budgets(21, 38)
+    assert all(a >= b for a, b in zip(got, got[1:])), got
+    assert sum(got) == 21 * 33 and max(got) <= 38 and min(got) >= cfg.sinks + cfg.recent + 1
