@@ -28,7 +28,7 @@ from .limits import BodyGuard, Limits, RequestGuard
 from .metrics import Metrics
 from .render import TemplateRenderer
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .scheduler import QueueFull, Scheduler
+from .scheduler import RETRY_AFTER_S, QueueFull, Scheduler
 from .sequence import Delta, Failed, Finished
 
 DISCONNECT_POLL_S = 0.25     # how often a waiting non-streaming request checks its client
@@ -78,7 +78,7 @@ class Submission:
         try:
             self.handle = scheduler.submit(job, emit)
         except QueueFull as e:
-            raise ApiError(503, str(e), None, e.code) from None
+            raise _full(e) from None
 
     async def next(self, timeout: float | None = None):
         return await asyncio.wait_for(self.queue.get(), timeout)
@@ -232,6 +232,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
     async def completions(body: CompletionRequest, request: Request):
         start = time.monotonic()
         _check_model(body.model)
+        _check_room(scheduler)
         job = await run_in_threadpool(jobs.completion_job, model, body, limits)
         return await _respond(request, body, job, False, start)
 
@@ -239,6 +240,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         start = time.monotonic()
         _check_model(body.model)
+        _check_room(scheduler)
         jobs.check_stop(body.stop, limits)
         plan = structured.tool_plan(body, tok.chat_template)
         rendered = await _render_chat(body.messages, plan.tools)
@@ -267,7 +269,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             calls = structured.CallStream(plan.choice) if plan.parse else None
-            return StreamingResponse(_sse(sub, rid, chat, include_usage, job.logprobs is not None, deadline, calls),
+            return ClosingStream(_sse(sub, rid, chat, include_usage, job.logprobs is not None, deadline, calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _collect(request, sub, rid, chat, job.logprobs is not None, deadline, plan)
@@ -286,6 +288,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
                        plan=structured.NO_TOOLS):
         parts: list[str] = []
         entries: list = []
+        gone = asyncio.ensure_future(_until_disconnected(request.receive))
         try:
             while True:
                 left = _left(deadline)
@@ -294,7 +297,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
                 try:
                     event = await sub.next(DISCONNECT_POLL_S if left is None else min(DISCONNECT_POLL_S, left))
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
+                    if gone.done():
                         return JSONResponse({}, status_code=499)     # nobody is listening
                     continue
                 if isinstance(event, Delta):
@@ -315,6 +318,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
                 elif isinstance(event, Failed):
                     raise _api_error(event)
         finally:
+            gone.cancel()
             sub.close()
 
     async def _sse(sub: Submission, rid: str, chat: bool, include_usage: bool, logprobs: bool, deadline,
@@ -387,6 +391,40 @@ class LoadingApp:
                     "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
                                 (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
+
+
+def _full(e: QueueFull) -> ApiError:
+    """The 503 of a request the scheduler cannot take (Retry-After when it is only full)."""
+    return ApiError(503, str(e), None, e.code, {"Retry-After": str(RETRY_AFTER_S)} if e.code == "queue_full" else None)
+
+
+def _check_room(scheduler) -> None:
+    """503 at once when the scheduler takes no request now (before any rendering or tokenizing)."""
+    try:
+        scheduler.check_room()
+    except QueueFull as e:
+        raise _full(e) from None
+
+
+class ClosingStream(StreamingResponse):
+    """A StreamingResponse that closes its body's generator however the stream ends.
+    Starlette leaves it suspended when a send raises (RequestGuard's write timeout, a
+    client that reads nothing): its cleanup, which cancels the request in the scheduler,
+    would wait for the garbage collector while the request decodes on."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _until_disconnected(receive) -> None:
+    """Returns once the client has gone. One receive() waits at a time: Request.is_disconnected,
+    polled, reads the socket on every call (up to 256 KiB), so bytes a client pipelines
+    behind a request that is still being answered would pile up in memory unbounded."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _api_error(failed: Failed) -> ApiError:

@@ -154,6 +154,13 @@ class BodyGuard:
         return await self.app(scope, replay, send)
 
 
+# what a connection past the cap gets when no other can give way (before it is closed)
+_FULL_BODY = json.dumps(error("the server is answering as many connections as it holds (--max-connections); "
+                              "retry shortly", "invalid_request_error", None, "too_many_connections")).encode()
+FULL_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+               b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_FULL_BODY), _FULL_BODY))
+
+
 class GuardedH11(H11Protocol):
     """uvicorn's h11 protocol, plus: request headers must arrive within `header_timeout`
     of the connection's start (or of the previous response), and at most `max_connections`
@@ -179,7 +186,8 @@ class GuardedH11(H11Protocol):
             live = [c for c in self.connections if c.transport is not None and not c.transport.is_closing()]
             if len(live) > self._max_connections:
                 waiting = [(since, c) for c in live if c is not self and (since := c._idle_since()) is not None]
-                if not waiting:
+                if not waiting:              # every one is being answered: say so, then close
+                    transport.write(FULL_ANSWER)
                     transport.close()
                     return
                 oldest = min(waiting, key=lambda w: w[0])[1]
@@ -221,8 +229,8 @@ class GuardedH11(H11Protocol):
             self._request_since = self.loop.time()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
+        super().on_response_complete()          # may start a pipelined request's cycle at once
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             self._arm()
 
     def connection_lost(self, exc) -> None:

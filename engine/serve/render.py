@@ -110,7 +110,7 @@ class TemplateRenderer:
             await asyncio.wait_for(self._available.acquire(), self.timeout)
         except asyncio.TimeoutError:
             raise ApiError(503, f"every chat template renderer stayed busy for {self.timeout:g} s; retry later",
-                           None, "template_busy") from None
+                           None, "template_busy", {"Retry-After": "1"}) from None
         worker = self._free.pop()
         try:
             left = max(self.timeout - (time.monotonic() - start), 0.05)

@@ -163,18 +163,29 @@ class Scheduler:
             self._cv.notify_all()
 
     # -- requests -------------------------------------------------------------------------
+    def check_room(self) -> None:
+        """Raises QueueFull when `submit` would refuse a request now: the HTTP layer asks
+        before rendering and tokenizing one, so a full server answers a burst cheaply
+        (submit still decides)."""
+        with self._cv:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        """(lock held) QueueFull unless a request can be taken now."""
+        if self.fault is not None:
+            raise QueueFull(self.fault, "device_fault")
+        if self._stopping or self.draining:
+            raise QueueFull("the server is shutting down", "shutting_down")
+        if len(self._waiting) + len(self._running) >= self.max_running + self.max_queue:
+            self.counts["rejected"] += 1
+            raise QueueFull(f"the server is full: {len(self._running)} running and "
+                            f"{len(self._waiting)} waiting (--max-queue {self.max_queue}); retry later")
+
     def submit(self, job: Job, emit) -> Handle:
         """Queue a job; `emit(event)` is called from the worker thread with Delta,
         then Finished or Failed. Raises QueueFull when the server is full."""
         with self._cv:
-            if self.fault is not None:
-                raise QueueFull(self.fault, "device_fault")
-            if self._stopping or self.draining:
-                raise QueueFull("the server is shutting down", "shutting_down")
-            if len(self._waiting) + len(self._running) >= self.max_running + self.max_queue:
-                self.counts["rejected"] += 1
-                raise QueueFull(f"the server is full: {len(self._running)} running and "
-                                f"{len(self._waiting)} waiting (--max-queue {self.max_queue}); retry later")
+            self._check_room()
             handle = Handle(f"{next(self._ids)}", job, emit)
             self._waiting.append(handle)
             self._cv.notify_all()

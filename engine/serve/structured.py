@@ -172,6 +172,15 @@ def _arguments(arguments):
     return arguments
 
 
+def _encodable(text: str) -> bool:
+    """True unless `text` holds a lone surrogate (UTF-8 cannot encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_calls(text: str) -> tuple[str | None, list[dict]]:
     """Output text -> (content, calls): every well-formed block (a JSON object with a
     string "name" between OPEN and the next CLOSE) becomes a call; the text around them,
@@ -185,10 +194,13 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
             obj = json.loads(text[start + len(OPEN):end])
         except (ValueError, RecursionError):
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _encodable(obj["name"]):
             continue
         args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append(tool_call(obj["name"], json.dumps(args, ensure_ascii=False)))
+        # a "\ud800" escape in the model's JSON is a lone surrogate no response can encode: such
+        # arguments stay escaped (ASCII JSON), the rest as the model wrote them
+        dumped = json.dumps(args, ensure_ascii=False)
+        calls.append(tool_call(obj["name"], dumped if _encodable(dumped) else json.dumps(args)))
         rest.append(text[at:start])
         at = pos
     tail = text[at:]

@@ -571,6 +571,7 @@ def test_queue_full_gives_503_and_a_queued_client_can_leave(served):
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(**kw)
         assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        assert e.value.response.headers["retry-after"] == "1"
         waiting.pop().close()                                            # leaves the queue at once
         wait_until(lambda: served.get("/state")["waiting"] == MAX_RUNNING - 1, "the queued request to leave")
         queued = threading.Thread(target=lambda: results.update(b=c.completions.create(**kw)))

@@ -360,31 +360,24 @@ def test_slow_bodies_get_408_and_give_way_to_real_requests(tiny_llama):
 
 def test_a_client_that_does_not_read_ends_its_request():
     """A response write that waits past --write-timeout (a client that reads nothing:
-    its socket's buffers full) ends the request: the app's send raises, so a stream's
-    cleanup runs (it cancels the request in the server), and the guard returns; a
-    client that reads is not timed out however long the response runs."""
+    its socket's buffers full) ends the request: the app's send raises, and the server's
+    stream response (ClosingStream) runs its generator's cleanup (which cancels the
+    request in the scheduler) before the guard returns; Starlette's own left it to the
+    garbage collector. A client that reads is not timed out however long it runs."""
+    from engine.serve.app import ClosingStream
     from engine.serve.limits import RequestGuard
 
     cleaned = []
 
-    async def app(scope, receive, send):
-        async def chunks():
-            try:
-                for i in range(1000):
-                    yield b"data: %d\n\n" % i
-            finally:
-                cleaned.append(True)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        gen = chunks()
+    async def chunks():
         try:
-            async for chunk in gen:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            for i in range(1000):
+                yield b"data: %d\n\n" % i
         finally:
-            await gen.aclose()
-        await send({"type": "http.response.body", "body": b""})
+            cleaned.append(True)
 
     async def run(stalls_after):
-        sent = []
+        sent, received = [], []
 
         async def send(message):
             if len(sent) >= stalls_after:
@@ -392,17 +385,143 @@ def test_a_client_that_does_not_read_ends_its_request():
             sent.append(message)
 
         async def receive():
+            if received:
+                await asyncio.Event().wait()          # the client stays connected
+            received.append(1)
             return {"type": "http.request", "body": b"", "more_body": False}
-        guard = RequestGuard(app, Limits(write_timeout=0.2))
+        guard = RequestGuard(ClosingStream(chunks()), Limits(write_timeout=0.2))
         t0 = time.monotonic()
         await asyncio.wait_for(guard({"type": "http", "method": "GET", "headers": []}, receive, send), 10)
-        return sent, time.monotonic() - t0
+        return sent, time.monotonic() - t0, list(cleaned)   # (before the loop runs anything else)
 
-    sent, took = asyncio.run(run(stalls_after=3))
-    assert len(sent) == 3 and cleaned == [True] and took < 5
+    sent, took, at_return = asyncio.run(run(stalls_after=3))
+    assert len(sent) == 3 and at_return == [True] and took < 5
     cleaned.clear()
-    sent, _ = asyncio.run(run(stalls_after=10 ** 6))
-    assert len(sent) == 1002 and cleaned == [True]
+    sent, _, at_return = asyncio.run(run(stalls_after=10 ** 6))
+    assert len(sent) == 1002 and at_return == [True]
+
+
+def _gated(model):
+    """Decoding waits on the returned Event (set it, then `del model.forward.decode_batch`)."""
+    gate, real = threading.Event(), model.forward.decode_batch
+    model.forward.decode_batch = lambda tokens, caches, **kw: gate.wait(WAIT_S) and real(tokens, caches, **kw)
+    return gate
+
+
+def test_bytes_pipelined_behind_a_waiting_request_are_not_read_into_memory(tiny_llama):
+    """A client whose plain request waits (queued, decoding) and that writes on: the
+    server reads at most one socket read of it (polling is_disconnected read 256 KiB
+    every 0.25 s, without bound), and the request is still answered."""
+    with served(tiny_llama) as s:
+        gate = _gated(s.model)
+        host, port = s.url.removeprefix("http://").split(":")
+        body = json.dumps(BODY).encode()
+        sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_until(lambda: s.app.state.scheduler.state()["running"], "the request to run")
+            def write_on():
+                try:
+                    sock.sendall(b"x" * (8 << 20))
+                except OSError:                  # closed below while it still blocks
+                    pass
+            threading.Thread(target=write_on, daemon=True).start()
+            time.sleep(2.0)                          # 8 polls of the old code: 2 MiB read
+            held = max(len(c.conn.trailing_data[0]) for c in s.server._server.server_state.connections)
+            assert held <= 320 << 10, held
+            gate.set()
+            sock.settimeout(WAIT_S)
+            answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+        finally:
+            gate.set()
+            sock.close()
+            del s.model.forward.decode_batch
+
+
+def test_a_pipelined_request_being_answered_is_not_taken_for_an_idle_connection(tiny_llama):
+    """A connection whose second, pipelined request runs is busy: past --max-connections
+    the one idle connection gives way, not it (it was re-armed as waiting for headers)."""
+    with served(tiny_llama, limits=Limits(max_connections=2)) as s:
+        gate = _gated(s.model)
+        host, port = s.url.removeprefix("http://").split(":")
+        body = json.dumps(BODY).encode()
+        a = socket.create_connection((host, int(port)), timeout=WAIT_S)
+        others = []
+        try:
+            a.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                      b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_until(lambda: s.app.state.scheduler.state()["running"], "the pipelined request to run")
+            for _ in range(2):                       # an idle one, then one past the cap
+                others.append(socket.create_connection((host, int(port)), timeout=WAIT_S))
+                time.sleep(0.2)
+            others[0].settimeout(5)
+            assert others[0].recv(1) == b""          # the idle one was closed to make room
+            gate.set()
+            answer = b""
+            while b'"usage"' not in answer and (chunk := a.recv(65536)):
+                answer += chunk
+            assert answer.count(b"HTTP/1.1 200") == 2 and b'"text_completion"' in answer, answer[-300:]
+        finally:
+            gate.set()
+            for c in [a, *others]:
+                c.close()
+            del s.model.forward.decode_batch
+
+
+def test_a_full_server_refuses_before_rendering_or_tokenizing(tiny_llama, monkeypatch):
+    """With every slot and queue place taken, a request gets its 503 (Retry-After) before
+    the server renders or tokenizes it: a burst cannot tie up the renderers and threads."""
+    with served(tiny_llama, max_queue=0) as s:
+        gate = _gated(s.model)
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            busy = pool.submit(request, s.url, "/v1/completions", BODY)
+            wait_until(lambda: s.app.state.scheduler.state()["running"], "the request to run")
+            made = []
+            for name in ("completion_job", "chat_job", "chat_messages"):
+                monkeypatch.setattr(jobs, name, lambda *a, name=name, **k: made.append(name))
+            for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", CHAT)):
+                req = urllib.request.Request(s.url + path, json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+                with pytest.raises(urllib.error.HTTPError) as e:
+                    urllib.request.urlopen(req, timeout=WAIT_S)
+                assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+                assert json.loads(e.value.read())["error"]["code"] == "queue_full"
+            assert made == []
+            monkeypatch.undo()
+            gate.set()
+            assert busy.result(WAIT_S)[0] == 200
+        finally:
+            gate.set()
+            pool.shutdown()
+            del s.model.forward.decode_batch
+
+
+def test_a_connection_past_a_cap_of_busy_ones_gets_503_with_retry_after(tiny_llama):
+    """When every connection is being answered, the one past --max-connections is told
+    so (503, Retry-After) before it is closed, not closed without a byte."""
+    with served(tiny_llama, limits=Limits(max_connections=1)) as s:
+        gate = _gated(s.model)
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            busy = pool.submit(request, s.url, "/v1/completions", BODY)
+            wait_until(lambda: s.app.state.scheduler.state()["running"], "the request to run")
+            host, port = s.url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=WAIT_S) as c:
+                answer = b""
+                while chunk := c.recv(4096):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer.lower(), answer[:200]
+            assert b"too_many_connections" in answer
+            gate.set()
+            assert busy.result(WAIT_S)[0] == 200
+        finally:
+            gate.set()
+            pool.shutdown()
+            del s.model.forward.decode_batch
 
 
 def test_a_request_past_its_timeout_is_ended(tiny_llama):

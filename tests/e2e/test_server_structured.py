@@ -285,6 +285,13 @@ def test_parse_calls():
     assert content == "a  b" and calls[0]["function"]["name"] == "f"     # a call cut short: dropped
     content, calls = parse_calls('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "argu')
     assert content is None and len(calls) == 1
+    # a "\ud800" escape is a lone surrogate once parsed: arguments stay escaped, a name is no call
+    content, calls = parse_calls('<tool_call>{"name": "f", "arguments": {"x": "\\ud800 \u00e9"}}</tool_call>')
+    args = calls[0]["function"]["arguments"]
+    assert json.loads(args) == {"x": "\ud800 \u00e9"} and args.isascii()
+    assert parse_calls('<tool_call>{"name": "\\ud800"}</tool_call>')[1] == []
+    assert json.loads(parse_calls('<tool_call>{"name": "f", "arguments": {"x": "\u00e9"}}</tool_call>')[1][0]
+                      ["function"]["arguments"]) == {"x": "\u00e9"}
     assert [calls_finish_reason(r, c) for r, c in (("length", "required"), ("stop", "auto"), ("stop", "required"),
                                                    ("stop", "function"))] == ["length", "tool_calls", "tool_calls",
                                                                               "stop"]      # (OpenAI's)
