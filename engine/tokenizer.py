@@ -410,9 +410,9 @@ class Tokenizer:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=bos, eos_token=eos, **extra)
         except jinja2.TemplateError as e:
-            raise EngineError(f"chat template failed: {e}") from None
-        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as e:   # the template's own bug
-            raise EngineError(f"chat template failed: {type(e).__name__}: {e}") from None
+            raise EngineError(f"chat template failed: {_cut(e)}") from None
+        except Exception as e:               # the template's own bug (RecursionError, MemoryError, ...)
+            raise EngineError(f"chat template failed: {type(e).__name__}: {_cut(e)}") from None
 
 
 class StreamDecoder:
@@ -440,17 +440,42 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
-    def tojson(value, indent=None, separators=None, sort_keys=False):   # HF's signature
-        return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):   # HF's signature
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     def strftime_now(fmt):
         return datetime.datetime.now().strftime(fmt)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
         return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise EngineError(f"chat template does not compile: {e}") from None
+    except Exception as e:                   # TemplateError; RecursionError, SyntaxError on junk
+        raise EngineError(f"chat template does not compile: {type(e).__name__}: {_cut(e)}") from None
+
+
+MAX_TEMPLATE_VALUE = 1 << 24     # items or characters a template's `*` may make (16M; a prompt is far less)
+
+
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """HF's sandbox, where `'x' * n` and `n ** m` cannot make values past MAX_TEMPLATE_VALUE
+    (the sandbox already bounds `range`)."""
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_VALUE:
+                raise jinja2.sandbox.SecurityError(f"a value of {len(seq)} x {n} items is past the template limit")
+        elif isinstance(left, int) and isinstance(right, int) and right > 0 and \
+                left.bit_length() * right > MAX_TEMPLATE_VALUE:
+            raise jinja2.sandbox.SecurityError(f"{left} ** {right} is past the template limit")
+        return super().call_binop(context, operator, left, right)
+
+
+def _cut(e: BaseException, n: int = 200) -> str:
+    """An exception's text for a one-line message."""
+    text = str(e)
+    return text if len(text) <= n else text[:n] + "..."

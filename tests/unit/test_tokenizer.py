@@ -175,6 +175,27 @@ def test_a_template_bug_is_an_engine_error_and_tojson_takes_hf_arguments():
     out = Tokenizer.from_metadata(meta).apply_chat_template([{"role": "user", "content": "hi"}],
                                                             add_generation_prompt=False)
     assert out == '{"content":"hi","role":"user"}'
+    meta["tokenizer.chat_template"] = "{{ messages[0] | tojson(ensure_ascii=False) }} {{ 'é' | tojson(true) }}"
+    out = Tokenizer.from_metadata(meta).apply_chat_template([{"role": "user", "content": "é"}],
+                                                            add_generation_prompt=False)
+    assert out == '{"role": "user", "content": "é"} "\\u00e9"'     # (GLM-4's, MiniCPM's tool templates)
+
+
+@pytest.mark.parametrize("template, kind", [
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "failed: RecursionError"),
+    ("{{ 'abc' | truncate(-5) }}", "failed: AssertionError"),
+    ("{{ 'x' * 2 ** 40 }}", "failed: .*past the template limit"),
+    ("{{ 2 ** (2 ** 40) }}", "failed: .*past the template limit"),
+    ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "does not compile: RecursionError"),
+    ("{% if 1 %}" * 200 + "{% endif %}" * 200, "does not compile"),
+])
+def test_any_template_failure_is_one_engine_error_line(template, kind):
+    """Whatever a (hostile or broken) template raises, at compile or render: one line, not a
+    traceback; values past the sandbox's bound are refused before they are made."""
+    meta = {**_byte_level_meta("gpt-2"), "tokenizer.chat_template": template}
+    with pytest.raises(EngineError, match=f"chat template {kind}") as e:
+        Tokenizer.from_metadata(meta).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
 
 
 # ---- hand-built SentencePiece ('llama') vocabulary -------------------------------------------
