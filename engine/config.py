@@ -251,6 +251,20 @@ def from_env(env=None) -> Settings:
     return replace(Settings(), **values)
 
 
+# Settings read from the environment itself (env_setting), not from the Settings a Model is
+# given: engine.load refuses them as keywords (they would have no effect)
+ENV_ONLY = {
+    "cpu_kernels": "read when the CPU backend is first imported",
+    "cuda_executor": "read when a CUDA backend is created",
+    "cuda_harness_memcheck": "read when the CUDA CPU harness is imported",
+}
+
+
+def env_name(field: str) -> str | None:
+    """The environment variable of a setting."""
+    return _BY_FIELD[field].env
+
+
 def env_setting(field: str, env=None):
     """One setting from the environment (or its default), for the few read at import."""
     spec = _BY_FIELD[field]

@@ -344,6 +344,9 @@ def load(path=None, backend: str | None = None, ctx: int | None = None, threads:
     path = model_path_or_default(inputs.model_path(path))
     if settings is not None and not isinstance(settings, config_mod.Settings):
         raise ConfigError(f"settings must be an engine.config.Settings, got {type(settings).__name__}")
+    for key in overrides.keys() & config_mod.ENV_ONLY:
+        raise ConfigError(f"{key} is read from the environment only ({config_mod.ENV_ONLY[key]}): set "
+                          f"{config_mod.env_name(key)} before that instead of engine.load({key}=...)")
     api = dict(overrides, backend=backend, ctx=ctx, threads=threads)
     settings = (settings or config_mod.from_env()).with_overrides("argument", **api)
     return Model(path, settings, snapkv=snapkv)

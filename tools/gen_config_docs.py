@@ -41,16 +41,23 @@ def _code(text) -> str:
 
 
 def settings_table() -> str:
-    from engine.config import SETTINGS
+    from engine.config import ENV_ONLY, SETTINGS
     from engine.serve.protocol import KV_FIELDS
 
+    read = {m for d in ("engine", "backends") for f in (ROOT / d).rglob("*.py")
+            for m in re.findall(r'env_setting\("(\w+)"', f.read_text(encoding="utf-8"))}
+    if read != set(ENV_ONLY):
+        raise SystemExit(f"gen_config_docs: env_setting() reads {sorted(read)}, ENV_ONLY names {sorted(ENV_ONLY)}")
     request_field = {field: name for name, field in KV_FIELDS.items()}
     request_field["kv_dtype"] = "kv_dtype"           # ChatRequest/CompletionRequest.kv_dtype
     rows = ["| setting | env var | CLI flag | Python API | server request field | default | range | meaning |",
             "|---|---|---|---|---|---|---|---|"]
     for spec in SETTINGS:
         # engine.load(**overrides) takes any Settings field; serve_* ones only mean something to `engine serve`
-        api = "" if spec.field.startswith("serve_") else f"`engine.load({spec.field}=...)`"
+        if spec.field in ENV_ONLY:
+            api = f"none: environment only ({ENV_ONLY[spec.field]})"
+        else:
+            api = "" if spec.field.startswith("serve_") else f"`engine.load({spec.field}=...)`"
         default = "unset" if spec.default is None else _code(spec.default)
         rows.append("| " + " | ".join(_cell(c) for c in (
             f"`{spec.field}`", _code(spec.env), _code(spec.flag), api,

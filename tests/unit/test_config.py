@@ -79,3 +79,12 @@ def test_kv_dtype_setting():
     assert config.resolve(cli={"kv_dtype": "RQ4_0:0-0=q8_0/rq4_0"}, env={}).kv_dtype == "rq4_0:0=q8_0/rq4_0"
     with pytest.raises(ConfigError, match="--kv-dtype: layer 1 is named twice"):
         config.resolve(cli={"kv_dtype": "tq4:0-1=q8_0:1=bf16"}, env={})
+
+
+def test_settings_read_from_the_environment_only_are_refused_as_load_keywords():
+    """engine.load(cuda_executor="cpu-harness") had no effect (the backend reads the
+    environment): one line naming the variable instead."""
+    import engine
+    from engine.errors import ConfigError
+    with pytest.raises(ConfigError, match="cuda_executor is read from the environment only .* set SHARPI_CUDA_EXECUTOR"):
+        engine.load("no-such.gguf", cuda_executor="cpu-harness")
