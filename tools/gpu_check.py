@@ -12,9 +12,11 @@ git-ignored). Subcommands:
             Vulkan loader, kp built for the device's Python 3.12; measures the whole call (tracked
             + untracked files + bundle) and fails over 62 MiB. --no-download: cut the models only,
             count a fixed allowance for the rest.
+  check     (CPU machine, just before the call) the bundle still matches the tree (SPIR-V of
+            every shader variant, the models) and the whole call still fits.
   run       (GPU machine) every step a subprocess with its own timeout, the whole under --budget-s
-            (450 s); writes report.json + report.md (+ logs.tar.gz, bench JSON: at most 8 files, what the
-            device tool returns) under --out after every step.
+            (500 s); writes report.json (with the bench JSON) + report.md + logs.tar.gz under --out
+            after every step (at most 5 files at once: the device tool returns 8).
   dry-run   prepare + run here: CUDA on the CPU harness, Vulkan on lavapipe, heavy steps scaled down.
   parity | tiny | env | install | derive | compile | vulkan-env   the steps themselves (used by run).
 
@@ -50,7 +52,8 @@ DEFAULT_BUNDLE = "gpu_bundle"
 WORK_DIR = ".gpu_check_work"     # run's scratch (git-ignored), removed at its end
 LIMIT_MIB = 62.0                 # the whole call: tracked + untracked files + bundle (the tool allows 64)
 ALLOWANCE_MIB = 7.0              # counted for wheels, Vulkan loader and kp when prepare --no-download skips them
-BUDGET_S = 450.0                 # run's whole budget (the device tool allows 600 s a command)
+BUDGET_S = 500.0                 # run's whole budget (the device tool allows 600 s a command; the call's
+                                 # timeout_s 560 leaves the rest for a step cut at the budget)
 SKIPPED = 3                      # a step's exit status meaning "skipped"; its last line says why
 SANITIZER_ERRORS = 86            # compute-sanitizer's exit status when it found errors (not a parity failure's 1)
 
@@ -321,6 +324,31 @@ def prepare(bundle: pathlib.Path, download: bool = True) -> dict:
     return manifest
 
 
+def check_bundle(bundle: pathlib.Path) -> list[str]:
+    """(CPU machine, just before the call) What would waste the one call: the problems, none
+    when the bundle still matches the tree (its SPIR-V the shaders' variants, its models cut
+    from the installed ones) and the whole call fits under LIMIT_MIB."""
+    if not (bundle / "manifest.json").is_file():
+        return [f"no bundle at {bundle} (python tools/gpu_check.py prepare)"]
+    manifest, problems = json.loads((bundle / "manifest.json").read_text()), []
+    sys.path.insert(0, str(REPO))
+    from backends.vulkan import shaders
+    want = {shaders._key(n, d) for n, d in shaders.variants()}
+    tar = bundle / "vulkan" / SPIRV_TAR
+    have = set(tarfile.open(tar).getnames()) if tar.is_file() else set()
+    if have != want:
+        problems.append(f"{SPIRV_TAR} holds {len(have & want)} of the shaders' {len(want)} variants now: "
+                        f"every Vulkan step would be skipped")
+    for cut in CUTS:
+        if not (bundle / "models" / cut.file).is_file():
+            problems.append(f"models/{cut.file} is missing")
+    sizes = call_size(bundle)
+    total = sum(sizes.values()) + manifest.get("allowance_bytes", 0)
+    if total > LIMIT_MIB * 2**20:
+        problems.append(f"the call would carry {total / 2**20:.1f} MiB, over {LIMIT_MIB:.0f} MiB")
+    return problems
+
+
 # -- run: steps as subprocesses -------------------------------------------------------------
 @dataclass
 class Step:
@@ -375,6 +403,10 @@ def _vulkan_env(bundle: pathlib.Path, pythonpath: str = "", work: pathlib.Path |
     ldconfig_exe = shutil.which("ldconfig") or next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig")
                                                      if os.access(p, os.X_OK)), None)
     ldconfig = subprocess.run([ldconfig_exe, "-p"], capture_output=True, text=True).stdout if ldconfig_exe else ""
+    # the driver's libraries may be mounted where only LD_LIBRARY_PATH finds them (not in the ld cache)
+    lib_dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d] + [
+        "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64"]
+    ldconfig += "".join(f" {p.name}\n" for d in lib_dirs for p in sorted(pathlib.Path(d).glob("lib*_nvidia.so*")))
     if "libvulkan.so.1" in ldconfig:
         notes.append("system Vulkan loader present")
     elif (bundle / "vulkan" / "libvulkan.so.1").is_file():
@@ -432,6 +464,7 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
     smol, gemma = models
     gemma_global = str(work / "gemma3-2l-v2k-global.gguf")
     bench_model = smol if dry else str(work / "smollm2-30l-bench.gguf")
+    logs = work / "logs"                 # bench JSON beside the logs: packed with them, copied into the report
     cores = os.cpu_count() or 1
     vk_env, _ = _vulkan_env(bundle, _pythonpath(work, dry), work)
     sanitizer = _sanitizer()
@@ -464,6 +497,8 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
               "no:cacheprovider", "--durations=15", "tests/cuda", "tests/backends", "-k", pytest_k]
     if not dry and (importlib.util.find_spec("xdist") or any((bundle / "wheels").glob("pytest_xdist-*.whl"))):
         pytest += ["-n", str(min(cores, 16))]
+    if importlib.util.find_spec("pytest_timeout"):     # a hung test ends its worker, not the step
+        pytest += ["--timeout", "60", "--timeout-method", "thread"]
     engine_cli = [sys.executable, "-m", "engine.cli", "bench", "--no-llama-cpp"]
     # each case's decode also without replay (every kernel launched from Python), from one prefill
     compare = ["--compare-replay"]
@@ -479,52 +514,56 @@ def plan(bundle: pathlib.Path, out: pathlib.Path, work: pathlib.Path, dry: bool)
     # so a fault or crash in one cannot spoil the next).
     steps = [
         Step("install", "carried wheels into a scratch site (only the missing ones)",
-             _me("install", "--bundle", str(bundle), "--site", str(work / "site")) + (["--all"] if dry else []), 60),
+             _me("install", "--bundle", str(bundle), "--site", str(work / "site")) + (["--all"] if dry else []), 60,
+             min_s=0),
         Step("env", "machine, driver, CUDA, NVRTC, compute capability, packages (after install: the "
-             "backends package imports gguf)", _me("env"), 60),
+             "backends package imports gguf)", _me("env"), 60, min_s=0),
         Step("derive-bench", "SmolLM2 blocks x15: the bench model (real shapes and depth)",
              None if dry else derive + ["--only", "bench"], 60, needs=("install",),
              skip_reason="dry run: the bench uses the cut SmolLM2" if dry else None),
         Step("parity-cuda-smollm2", "cut SmolLM2 (real weights): CPU vs CUDA logits, greedy tokens, SnapKV",
-             _me("parity", "--backend", "cuda", smol, *parity), 150, needs=("install",)),
+             _me("parity", "--backend", "cuda", smol, *parity), 150, needs=("install",), min_s=40),
         Step("bench-cuda", "engine bench --backend cuda (with and without SnapKV; decode with and without "
              "replay)",
-             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda"), *bench, *compare], 150,
-             needs=bench_needs),
+             engine_cli + [bench_model, "--backend", "cuda", "--out", str(logs / "bench-cuda"), *bench, *compare], 150,
+             needs=bench_needs, min_s=100),
+        # Vulkan never ran on a GPU: its parity, then issue 35's rows (128 / 2K, then 32K), before
+        # the CUDA checks that already passed on an H100 (2026-12-05)
+        Step("vulkan-env", "Vulkan loader, ICD, kp import, devices, SPIR-V", _me("vulkan-env", *([] if dry else ["--gpu"])),
+             60, env=vk_env, needs=("install",)),
+        Step("parity-vulkan-smollm2", "cut SmolLM2: CPU vs Vulkan logits, greedy tokens, SnapKV",
+             _me("parity", "--backend", "vulkan", smol, *parity), 150, env=vk_env, needs=("vulkan-env",), min_s=40),
+        Step("bench-vulkan", "engine bench --backend vulkan at 128 and 2048 tokens",
+             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(logs / "bench-vulkan"), *vk_bench,
+                           *compare], 90, env=vk_env, needs=("vulkan-env", *bench_needs), min_s=60),
+        Step("bench-vulkan-32k", "engine bench --backend vulkan at 32768 tokens (--share-prefill: one prefill)",
+             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(logs / "bench-vulkan-32k"), *vk_long,
+                           *compare], 150, env=vk_env, needs=("vulkan-env", *bench_needs),
+             min_s=120),   # started with less, a kill mid-prefill would leave no row at all
         sanitizer_step("memcheck", 75),
         sanitizer_step("racecheck", 75),
         sanitizer_step("synccheck", 60),
         Step("tiny-cuda-quick", "tiny random models, one of each: architectures, a KV format pair, SnapKV, decode_batch",
-             _me("tiny", "--backend", "cuda", "--quick"), 90, needs=("install",)),
+             _me("tiny", "--backend", "cuda", "--quick"), 90, needs=("install",), min_s=30),
         Step("derive-gemma", "Gemma 3 all-global variant of the cut model",
              derive + ["--only", "gemma"], 60, needs=("install",)),
         Step("parity-cuda-gemma3", "cut Gemma 3 (local layers past the window, and all global): CPU vs CUDA",
-             _me("parity", "--backend", "cuda", gemma, gemma_global, *gemma_prompt), 120, needs=("derive-gemma",)),
-        Step("vulkan-env", "Vulkan loader, ICD, kp import, devices, SPIR-V", _me("vulkan-env", *([] if dry else ["--gpu"])),
-             60, env=vk_env, needs=("install",)),
-        Step("parity-vulkan-smollm2", "cut SmolLM2: CPU vs Vulkan logits, greedy tokens, SnapKV",
-             _me("parity", "--backend", "vulkan", smol, *parity), 150, env=vk_env, needs=("vulkan-env",)),
-        Step("bench-vulkan", "engine bench --backend vulkan at 128 and 2048 tokens",
-             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan"), *vk_bench, *compare], 90,
-             env=vk_env, needs=("vulkan-env", *bench_needs)),
-        Step("parity-vulkan-gemma3", "cut Gemma 3: CPU vs Vulkan",
-             _me("parity", "--backend", "vulkan", gemma, gemma_global, *gemma_prompt), 120, env=vk_env,
-             needs=("vulkan-env", "derive-gemma")),
-        Step("tiny-cuda", "tiny random models: every architecture, weight type, KV format; SnapKV, decode_batch",
-             None if dry else _me("tiny", "--backend", "cuda", "--rest"), 150, needs=("install",),
-             skip_reason="dry run: tiny-cuda-quick only" if dry else None),
-        Step("pytest-cuda", f"pytest tests/cuda tests/backends -k {pytest_k!r} on the "
-             f"{'CPU harness' if dry else 'device'}", pytest, 150, needs=("install",)),
+             _me("parity", "--backend", "cuda", gemma, gemma_global, *gemma_prompt), 120, needs=("derive-gemma",),
+             min_s=30),
         Step("bench-cuda-chunk", "bench-cuda at 4K and 32K with --prefill-chunk 2048 (one prefill per length): "
              "prefill attention's grid grows with the chunk",
-             engine_cli + [bench_model, "--backend", "cuda", "--out", str(out / "bench-cuda-chunk"), *chunk_bench],
-             90, needs=bench_needs),
-        Step("bench-vulkan-32k", "engine bench --backend vulkan at 32768 tokens (--share-prefill: one prefill)",
-             engine_cli + [bench_model, "--backend", "vulkan", "--out", str(out / "bench-vulkan-32k"), *vk_long,
-                           *compare], 120, env=vk_env, needs=("vulkan-env", *bench_needs),
-             min_s=100),   # started with less, a kill mid-prefill would read as a failure
+             engine_cli + [bench_model, "--backend", "cuda", "--out", str(logs / "bench-cuda-chunk"), *chunk_bench],
+             90, needs=bench_needs, min_s=40),
+        Step("parity-vulkan-gemma3", "cut Gemma 3: CPU vs Vulkan",
+             _me("parity", "--backend", "vulkan", gemma, gemma_global, *gemma_prompt), 120, env=vk_env,
+             needs=("vulkan-env", "derive-gemma"), min_s=30),
+        Step("pytest-cuda", f"pytest tests/cuda tests/backends -k {pytest_k!r} on the "
+             f"{'CPU harness' if dry else 'device'}", pytest, 150, needs=("install",), min_s=60),
+        Step("tiny-cuda", "tiny random models: every architecture, weight type, KV format; SnapKV, decode_batch",
+             None if dry else _me("tiny", "--backend", "cuda", "--rest"), 150, needs=("install",),
+             skip_reason="dry run: tiny-cuda-quick only" if dry else None, min_s=110),
         Step("compile", "NVRTC compile of every kernel variant for the live arch: registers, spills",
-             _me("compile", *compile_), 150, tail_lines=90),
+             _me("compile", *compile_), 150, tail_lines=90, min_s=30),
     ]
     return steps
 
@@ -541,8 +580,11 @@ def _run_step(step: Step, env: dict, log: pathlib.Path, timeout: float) -> tuple
     with open(log, "w") as f:
         f.write(f"$ {' '.join(step.argv)}\n")
         f.flush()
+        # a process group of its own (not a session: a kill of this run reaches it, and
+        # _on_term ends the group), so its workers and a sanitizer's target end with it
         p = subprocess.Popen(step.argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+                             stdin=subprocess.DEVNULL, process_group=0)
+        _RUNNING[0] = p.pid
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -553,13 +595,27 @@ def _run_step(step: Step, env: dict, log: pathlib.Path, timeout: float) -> tuple
             except subprocess.TimeoutExpired:
                 pass
         _signal_group(p.pid, signal.SIGKILL)       # whatever it left running (workers, a sanitizer target)
-        if p.poll() is None:
+        _RUNNING[0] = None
+        try:
             p.wait(timeout=10)
+        except subprocess.TimeoutExpired:          # stuck in the driver: reported, the run goes on
+            f.write("\ngpu_check: the step's process did not end 10 s after SIGKILL\n")
     if rc is None:
         return "timeout", None
     if rc == SKIPPED:
         return "skipped", rc
     return ("ok" if rc == 0 else "failed"), rc
+
+
+_RUNNING: list[int | None] = [None]      # the running step's process group
+
+
+def _on_term(signum, frame) -> None:
+    """This run is being stopped (the device tool's limit): end the running step's group
+    first, so nothing runs on in the GPU after it; the report written so far stays."""
+    if _RUNNING[0] is not None:
+        _signal_group(_RUNNING[0], signal.SIGKILL)
+    raise SystemExit(128 + signum)
 
 
 def _signal_group(pid: int, sig) -> None:
@@ -624,8 +680,47 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_one(step: Step, env: dict, rec: dict, report: dict, out: pathlib.Path, logs: pathlib.Path,
+             left: float) -> None:
+    """Run one step and record it in `rec` (its log then goes into out/logs.tar.gz)."""
+    log = out / f"{step.name}.log"         # in out while it runs: a kill leaves it there
+    rec["status"], rec["reason"] = "running", None
+    write_report(out, report)
+    s0 = time.monotonic()
+    timeout = min(step.timeout, left)
+    status, rc = _run_step(step, env, log, timeout)
+    rec.update(status=status, rc=rc, duration_s=round(time.monotonic() - s0, 2), log=f"{LOGS_TAR}: logs/{step.name}.log",
+               tail=_tail(log, step.tail_lines), timeout_s=round(timeout, 1))
+    if status == "skipped":
+        rec["reason"] = (rec["tail"].splitlines() or ["?"])[-1][:300]
+    if status == "timeout":
+        rec["reason"] = (f"cut by the run's budget after {timeout:.0f} s (its own limit: {step.timeout:.0f} s)"
+                         if timeout < step.timeout else f"after {timeout:.0f} s")
+        rec["reason"] += " (stacks in its log: SIGABRT, faulthandler)"
+    elif status == "failed" and rc is not None and rc < 0:
+        try:
+            rec["reason"] = f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            rec["reason"] = f"killed by signal {-rc}"
+    elif status == "failed" and step.name.startswith("sanitizer-"):
+        text = log.read_text(errors="replace")
+        if "ERROR SUMMARY" not in text and "not supported" in text:   # it never ran the target
+            rec["status"], rec["reason"] = "skipped", "compute-sanitizer did not run on this device (see its log)"
+        elif rc == SANITIZER_ERRORS:
+            rec["reason"] = "sanitizer errors (see its log)"
+    if step.name == "env" and status == "ok":
+        report["environment"] = _last_json(log.read_text(errors="replace"))
+    shutil.move(str(log), str(logs / log.name))  # (not os.replace: out may be on another filesystem)
+    if step.name.startswith("bench-"):          # its JSON in the report too (the tool returns 8 files at most)
+        found = sorted((logs / step.name).glob("*.json"))
+        if found:
+            report.setdefault("bench", {})[step.name] = json.loads(found[-1].read_text())
+    _pack_logs(logs, out)
+
+
 def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, only: list[str] | None) -> int:
     t0 = time.monotonic()
+    signal.signal(signal.SIGTERM, _on_term)
     out.mkdir(parents=True, exist_ok=True)
     (REPO / WORK_DIR).mkdir(exist_ok=True)   # not /tmp: it may be noexec, and the wheels hold .so files
     work = pathlib.Path(tempfile.mkdtemp(prefix="run-", dir=REPO / WORK_DIR))
@@ -670,25 +765,12 @@ def run(bundle: pathlib.Path, out: pathlib.Path, dry: bool, budget_s: float, onl
         elif left < step.min_s:
             rec["reason"] = "time budget"
         else:
-            log = out / f"{step.name}.log"     # in out while it runs: a kill leaves it there
-            rec["status"], rec["reason"] = "running", None
-            write_report(out, report)
-            s0 = time.monotonic()
-            status, rc = _run_step(step, {**env, **step.env}, log, min(step.timeout, left))
-            rec.update(status=status, rc=rc, duration_s=round(time.monotonic() - s0, 2), log=f"{LOGS_TAR}: logs/{step.name}.log",
-                       tail=_tail(log, step.tail_lines), timeout_s=round(min(step.timeout, left), 1))
-            if status == "skipped":
-                rec["reason"] = (rec["tail"].splitlines() or ["?"])[-1][:300]
-            if status == "timeout":
-                rec["reason"] = f"after {rec['timeout_s']:.0f} s (stacks in its log: SIGABRT, faulthandler)"
-            elif status == "failed" and rc is not None and rc < 0:
-                rec["reason"] = f"killed by {signal.Signals(-rc).name}"
-            elif status == "failed" and rc == SANITIZER_ERRORS and step.name.startswith("sanitizer-"):
-                rec["reason"] = "sanitizer errors (see its log)"
-            if step.name == "env" and status == "ok":
-                report["environment"] = _last_json(log.read_text(errors="replace"))
-            os.replace(log, logs / log.name)
-            _pack_logs(logs, out)
+            try:
+                _run_one(step, {**env, **step.env}, rec, report, out, logs, left)
+            except Exception as e:               # noqa: BLE001 - this step's bookkeeping; the rest still run
+                import traceback
+                rec.update(status="error", reason=f"gpu_check: {type(e).__name__}: {e}"[:300],
+                           tail=traceback.format_exc()[-2000:])
         results[step.name] = rec
         report["duration_s"] = round(time.monotonic() - t0, 1)
         write_report(out, report)
@@ -1072,11 +1154,14 @@ def main(argv=None) -> int:
     p = sub.add_parser("prepare", help="write the bundle (CPU machine)")
     p.add_argument("--bundle", default=DEFAULT_BUNDLE)
     p.add_argument("--no-download", action="store_true", help="cut models only; count an allowance for the rest")
+    p = sub.add_parser("check", help="(CPU machine, just before the call) the bundle still matches the tree and "
+                                     "the call fits (exit 1 with the problems otherwise)")
+    p.add_argument("--bundle", default=DEFAULT_BUNDLE)
     for name, helptext in (("run", "run every step (GPU machine)"), ("dry-run", "prepare + run here, scaled down")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--bundle", default=DEFAULT_BUNDLE)
         p.add_argument("--out", default=os.environ.get("OUT") or "results/gpu_check")
-        p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's time (default 450 s)")
+        p.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"the whole run's time (default {BUDGET_S:.0f} s)")
         p.add_argument("--steps", help="comma-separated step names to run, with env and the steps they need "
                        "(the others are reported skipped)")
         if name == "dry-run":
@@ -1115,6 +1200,12 @@ def main(argv=None) -> int:
     if a.cmd == "prepare":
         prepare(pathlib.Path(a.bundle).resolve(), download=not a.no_download)
         return 0
+    if a.cmd == "check":
+        problems = check_bundle(pathlib.Path(a.bundle).resolve())
+        for line in problems:
+            print(f"gpu_check check: {line}", file=sys.stderr)
+        print("gpu_check check: " + ("the bundle is stale: run prepare again" if problems else "ready for the one call"))
+        return 1 if problems else 0
     if a.cmd in ("run", "dry-run"):
         bundle, dry = pathlib.Path(a.bundle).resolve(), a.cmd == "dry-run"
         if dry:

@@ -139,12 +139,14 @@ def test_dry_run_writes_a_complete_report(smollm2_path, tmp_path):
     assert all(steps[f"sanitizer-{t}"]["status"] == "skipped" for t in ("memcheck", "racecheck", "synccheck"))
     parity = [json.loads(line) for line in steps["parity-cuda-gemma3"]["tail"].splitlines() if line.startswith("{")]
     assert [r["layer_windows"] for r in parity] == [[512, 512], [0, 0]] and all(r["ok"] for r in parity)
-    bench = json.loads((out / "bench-cuda" / "bench-cuda.json").read_text())
+    bench = report["bench"]["bench-cuda"]                          # the bench JSON, in the report
+    with tarfile.open(out / gpu_check.LOGS_TAR) as t:               # and beside the logs
+        assert json.load(t.extractfile("logs/bench-cuda/bench-cuda.json")) == bench
     assert bench["backend"] == "cuda" and bench["cases"][0]["engine_snapkv"]["snapkv"]
     # --compare-replay: replayed and fresh decodes from one prefill, the same greedy tokens
     assert all(c[k]["replay_same_tokens"] == 2 for c in bench["cases"] for k in ("engine", "engine_snapkv"))
     returned = [f for f in out.rglob("*") if f.is_file()]          # the device tool returns at most 8
-    assert len(returned) <= 8, returned
+    assert sorted(f.name for f in returned) == ["logs.tar.gz", "report.json", "report.md"], returned
     with tarfile.open(out / gpu_check.LOGS_TAR) as t:
         assert {f"logs/{n}.log" for n, s in steps.items() if s["status"] == "ok"} <= set(t.getnames())
     md = (out / "report.md").read_text()
@@ -161,3 +163,34 @@ def test_one_call_command_is_in_the_help_and_the_doc():
     doc = (REPO / "docs" / "gpu_check.md").read_text()
     assert gpu_check.ONE_CALL_COMMAND in doc and json.dumps(gpu_check.ONE_CALL_CARRY) in doc
     assert "gpu_bundle/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_the_gpu_plan_measures_what_never_ran_on_a_gpu_first_and_fits_its_budget(tmp_path):
+    """The device plan (built here, as `run` builds it there): CUDA's parity and bench, then
+    Vulkan's parity and benches (never run on a GPU; issue 35's rows), before the CUDA
+    checks an H100 already passed; the steps that must start fit the budget by their
+    min_s; no step writes a file of its own into out (the tool returns 8 files)."""
+    steps = gpu_check.plan(tmp_path / "bundle", tmp_path / "out", tmp_path / "w", dry=False)
+    names = [s.name for s in steps]
+    first = ["install", "env", "derive-bench", "parity-cuda-smollm2", "bench-cuda", "vulkan-env",
+             "parity-vulkan-smollm2", "bench-vulkan", "bench-vulkan-32k"]
+    assert names[:len(first)] == first
+    assert names.index("tiny-cuda") > names.index("sanitizer-racecheck") and names[-1] == "compile"
+    assert sum(s.min_s for s in steps if s.name in first) <= gpu_check.BUDGET_S
+    for s in steps:
+        assert s.min_s <= s.timeout and not any(str(tmp_path / "out") in a for a in s.argv or [])
+        if s.name.startswith("bench-"):
+            assert s.argv[s.argv.index("--out") + 1] == str(tmp_path / "w" / "logs" / s.name)
+
+
+def test_check_finds_a_stale_bundle(tmp_path, monkeypatch):
+    """`check`, just before the call: a shader changed since prepare leaves SPIR-V for only
+    some variants (every Vulkan step skipped on the device): found here instead."""
+    assert gpu_check.check_bundle(tmp_path / "none") == [f"no bundle at {tmp_path / 'none'} "
+                                                         f"(python tools/gpu_check.py prepare)"]
+    bundle = tmp_path / "b"
+    (bundle / "models").mkdir(parents=True)
+    (bundle / "vulkan").mkdir()
+    (bundle / "manifest.json").write_text("{}")
+    problems = gpu_check.check_bundle(bundle)
+    assert any("holds 0 of the shaders'" in p for p in problems) and any("models/" in p for p in problems)
