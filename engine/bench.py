@@ -134,6 +134,14 @@ def _llama_cpp_case(llm, ids, n_decode: int) -> dict:
 LLAMA_CPP_CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}      # ggml_type values
 
 
+def llama_cpp_modes(flash_attn: str, cache_type: str) -> list[bool]:
+    """The flash-attention modes llama.cpp runs in: "both" (a speed ratio is claimed
+    against its faster mode), "on" or "off"; a quantized V cache needs it on."""
+    if llama_cpp_cache_types(cache_type)[1] != LLAMA_CPP_CACHE_TYPES["f16"]:
+        return [True]
+    return {"both": [False, True], "on": [True], "off": [False]}[flash_attn]
+
+
 def llama_cpp_cache_types(spec: str) -> tuple[int, int]:
     """llama.cpp's KV cache type, "f16" / "q8_0" / "q4_0" or KEYS/VALUES such as
     "q8_0/q4_0" -> (type_k, type_v) as ggml_type values."""
@@ -276,17 +284,22 @@ def run_bench(args, settings) -> int:
               f"device); compare with --backend cpu or cuda", file=sys.stderr)
         use_llama_cpp = False
     cache_type = args.llama_cache_type
-    flash_attn = args.llama_flash_attn or llama_cpp_cache_types(cache_type)[1] != LLAMA_CPP_CACHE_TYPES["f16"]
+    modes = llama_cpp_modes(getattr(args, "llama_flash_attn", "both"), cache_type)   # flash attention off / on
     prompts = [bench_prompt(model.tokenizer, n) for n in lengths]
 
-    def llama_run():
-        return run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens, gpu, flash_attn, cache_type)
+    def llama_run() -> dict | None:
+        """{flash_attn: its rows} for each mode, one child process each; None without GPU offload."""
+        runs = {fa: run_llama_cpp(path, model.ctx, threads, prompts, args.decode_tokens, gpu, fa, cache_type)
+                for fa in modes}
+        return None if any(r is None for r in runs.values()) else runs
     llama_runs = [llama_run()] if use_llama_cpp else []
     if use_llama_cpp and llama_runs[0] is None:
         print("llama.cpp: the installed build has no GPU offload; its columns are left out", file=sys.stderr)
         use_llama_cpp, llama_runs = False, []
     if use_llama_cpp:
-        print(f"llama.cpp: {cache_type} KV cache, flash attention {'on' if flash_attn else 'off'}, {threads} threads")
+        print(f"llama.cpp: {cache_type} KV cache, flash attention "
+              f"{' and '.join('on' if fa else 'off' for fa in modes)}, {threads} threads"
+              + ("; its columns: the faster mode per column (fa: with flash attention)" if len(modes) > 1 else ""))
     warm = bench_prompt(model.tokenizer, min(64, min(lengths)))     # fits the context the cases need
     evicting = model.snapkv is not None
     warm_evict = _warm_eviction(model.snapkv, max(lengths)) if evicting else None
@@ -305,11 +318,11 @@ def run_bench(args, settings) -> int:
     fresh_col = f" {'fresh':>10}" if fresh is not None else ""     # decode without replay
     header = (f"{'prompt':>7} {'KV':>5} | {'engine prefill':>14} {'decode':>10}{fresh_col} {'KV MiB':>7} |"
               + (f" {'SnapKV prefill':>14} {'decode':>10}{fresh_col} {'KV MiB':>7} |" if evicting else "")
-              + (f" {'llama.cpp prefill':>17} {'decode':>10} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else "")
+              + (f" {'llama.cpp prefill':>20} {'decode':>13} | {'ratio p':>7} {'ratio d':>7}" if use_llama_cpp else "")
               + (f"   (medians of {repeats} runs)" if repeats > 1 else ""))
     rows = []
 
-    def report_case(c: int, k, full, llama_row) -> None:
+    def report_case(c: int, k, full, llama_rows: dict | None) -> None:
         """A case's row, printed as the table's next line."""
         _, n, _, dtype = cases[c]
         row = {"prompt_tokens": n, "kv_dtype": dtype, "engine": full}
@@ -324,12 +337,23 @@ def run_bench(args, settings) -> int:
             if k["snapkv"]:
                 row["snapkv_overhead"] = k["snapkv"]["seconds"] / k["prefill_s"]   # share of prefill time
             line += f" {k['prefill_tok_s']:>10.1f} t/s {decode(k)}{k['kv_bytes'] / 2**20:>7.1f} |"
-        if llama_row is not None:
-            row["llama_cpp"] = llama_row
-            row["ratio_prefill"] = full["prefill_tok_s"] / llama_row["prefill_tok_s"]
-            row["ratio_decode"] = full["decode_tok_s"] / llama_row["decode_tok_s"]
-            line += (f" {llama_row['prefill_tok_s']:>13.1f} t/s {llama_row['decode_tok_s']:>6.1f} t/s |"
-                     f" {row['ratio_prefill']:>6.2f}x {row['ratio_decode']:>6.2f}x")
+        if llama_rows is not None:
+            # "llama_cpp": without flash attention where that ran, "llama_cpp_fa": with it; each
+            # ratio against the faster of the two (the one named in ratio_against)
+            row["llama_cpp"] = llama_rows.get(False, llama_rows.get(True))
+            if len(llama_rows) > 1:
+                row["llama_cpp_fa"] = llama_rows[True]
+            row["ratio_against"], cells = {}, ""
+            for what in ("prefill", "decode"):
+                fa = max(llama_rows, key=lambda m: llama_rows[m][f"{what}_tok_s"])
+                theirs = llama_rows[fa][f"{what}_tok_s"]
+                row[f"ratio_{what}"] = full[f"{what}_tok_s"] / theirs
+                row["ratio_against"][what] = "flash attention" if fa else "no flash attention"
+                cells += f" {theirs:>{13 if what == 'prefill' else 6}.1f} t/s {'fa' if fa and len(modes) > 1 else '  '}"
+            # llama.cpp's f16 rows are our bf16 ones; its q8_0 / q4_0 ours of the same name
+            row["kv_matched"] = (dtype == "bf16" and cache_type == "f16") or dtype == cache_type
+            ratios = f"{row['ratio_prefill']:>6.2f}x {row['ratio_decode']:>6.2f}x"
+            line += f"{cells} | " + (ratios if row["kv_matched"] else f"({ratios}: KV {dtype} vs {cache_type})")
         print(line, flush=True)
         rows.append(row)
 
@@ -345,7 +369,7 @@ def run_bench(args, settings) -> int:
                 out.append((k, _engine_case(model, ids, args.decode_tokens, snapkv=False, kv_dtype=dtype,
                                             fresh=fresh)))
             if live:
-                report_case(c, *out[-1], llama_runs[0][i] if use_llama_cpp else None)
+                report_case(c, *out[-1], {fa: llama_runs[0][fa][i] for fa in modes} if use_llama_cpp else None)
         return out
     if repeats == 1:
         print(header)
@@ -363,8 +387,9 @@ def run_bench(args, settings) -> int:
         for c, (i, *_) in enumerate(cases):
             report_case(c, _median_case([run[c][0] for run in ours_runs]) if evicting else None,
                         _median_case([run[c][1] for run in ours_runs]),
-                        _median_case([run[i] for run in llama_runs]) if use_llama_cpp else None)
-    llama_rows = [row["llama_cpp"] for row in rows] if use_llama_cpp else None
+                        {fa: _median_case([run[fa][i] for run in llama_runs]) for fa in modes}
+                        if use_llama_cpp else None)
+    llama_rows = [r for row in rows for r in (row.get("llama_cpp"), row.get("llama_cpp_fa")) if r]
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": os.path.basename(str(path)), "backend": model.backend.name, "threads": threads,
@@ -376,7 +401,8 @@ def run_bench(args, settings) -> int:
         "share_prefill": share, "repeats": repeats,
         "snapkv": model.snapkv.summary() if evicting else None,
         "llama_cpp": use_llama_cpp, "llama_cpp_gpu": use_llama_cpp and gpu,
-        "llama_cpp_flash_attn": use_llama_cpp and flash_attn,
+        # the modes llama.cpp ran in ("both": "llama_cpp" without flash attention, "llama_cpp_fa" with it)
+        "llama_cpp_flash_attn": (("both" if len(modes) > 1 else modes[0]) if use_llama_cpp else None),
         "llama_cpp_cache_type": cache_type if use_llama_cpp else None, "cases": rows,
         # every decode of one sequence above (warm-up included): ForwardPass.decode_stats;
         # --compare-replay's decodes without replay apart

@@ -359,8 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV types measured side by side, each prompt in each (e.g. bf16,tq4; default: --kv-dtype)")
     bench.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32, help="tokens decoded per case")
     bench.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip llama.cpp even if installed")
-    bench.add_argument("--llama-cpp-flash-attn", dest="llama_flash_attn", action="store_true",
-                       help="run llama.cpp with its flash-attention kernels (off by default in llama-cpp-python)")
+    bench.add_argument("--llama-cpp-flash-attn", dest="llama_flash_attn", nargs="?", const="on", default="both",
+                       choices=("both", "on", "off"),
+                       help="llama.cpp's flash-attention kernels: both (default: each mode in its own run, every "
+                            "ratio against the faster), on (the flag alone) or off (llama-cpp-python's default)")
     bench.add_argument("--llama-cpp-cache-type", dest="llama_cache_type", default="f16",
                        help="llama.cpp's KV cache: f16 (default), q8_0, q4_0 or KEYS/VALUES such as q8_0/q4_0 "
                             "(a quantized V turns its flash attention on, which it needs)")

@@ -1,7 +1,7 @@
 """Paired decode benchmark: the same prompt prefilled once per variant (KV type, and
 with --allocations the SnapKV allocation too), then decode timed in alternating
-rounds (bf16, tq4, bf16, tq4, ...), so machine noise that moves 10-20% between runs
-falls on every variant alike. Reports per round tok/s and the median of the
+rounds (bf16, tq4 | tq4, bf16 | ..., after one untimed warm-up round), so machine noise that
+moves 10-20% between runs falls on every variant alike. Reports per round tok/s and the median of the
 per-round ratios against the first variant. --replays off,on: each variant also with
 decode replay off and on (engine/replay.py; a copy of the one prefilled cache each).
 
@@ -49,7 +49,7 @@ def main() -> int:
     variants = [(d.strip(), x) for d in a.kv_dtypes.split(",") if d.strip() for x in allocations]
     names = [d if len(allocations) == 1 else f"{d}/{x}" for d, x in variants]   # the prefilled variants
     dtypes = [n if len(replays) == 1 else f"{n} replay {r}" for n in names for r in replays]
-    ctx = a.length + a.rounds * a.tokens + 1
+    ctx = a.length + (a.rounds + 1) * a.tokens + 1          # (+1: the warm-up round)
     model = engine.load(a.model, backend=a.backend, ctx=ctx, threads=a.threads, snapkv_budget=a.kv_budget,
                         decode_replay="on")
     ids = bench_prompt(model.tokenizer, a.length)
@@ -64,16 +64,19 @@ def main() -> int:
             d = name if len(replays) == 1 else f"{name} replay {r}"
             state[d] = [cache if i == 0 else cache.copy(), int(np.argmax(logits)), r]
     rates = {d: [] for d in dtypes}
-    for r in range(a.rounds):
-        for d in dtypes:
+    for r in range(-1, a.rounds):              # round -1: untimed warm-up (first decodes compile, record)
+        order = dtypes if r % 2 == 0 else dtypes[::-1]   # alternate which variant runs first
+        for d in order:
             cache, token, replay = state[d]
             with model.forward.without_replay() if replay == "off" else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 for _ in range(a.tokens):
                     token = int(np.argmax(model.forward.decode(token, cache)))
-                rates[d].append(a.tokens / (time.perf_counter() - t0))
+                if r >= 0:
+                    rates[d].append(a.tokens / (time.perf_counter() - t0))
             state[d][1] = token
-        print(f"round {r}: " + "  ".join(f"{d} {rates[d][-1]:.1f} tok/s" for d in dtypes), flush=True)
+        if r >= 0:
+            print(f"round {r}: " + "  ".join(f"{d} {rates[d][-1]:.1f} tok/s" for d in dtypes), flush=True)
     base = dtypes[0]
     report = {"length": a.length, "kv_budget": a.kv_budget, "tokens_per_round": a.tokens,
               "rounds": a.rounds, "tok_s": rates,

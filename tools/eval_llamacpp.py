@@ -124,8 +124,10 @@ def fidelity(args, rows: list[dict], path: str, tok: Tokenizer, ctx: int) -> int
             t0 -= done[(length, index)]["seconds"]
         else:
             if not llms:
-                llms = [Llama(**kw, type_k=LLAMA_CPP_CACHE_TYPES["f16"], type_v=LLAMA_CPP_CACHE_TYPES["f16"]),
-                        Llama(**kw, type_k=type_k, type_v=type_v, flash_attn=type_v != LLAMA_CPP_CACHE_TYPES["f16"])]
+                # both with flash attention (a quantized V needs it): they differ in the cache type alone
+                llms = [Llama(**kw, type_k=LLAMA_CPP_CACHE_TYPES["f16"], type_v=LLAMA_CPP_CACHE_TYPES["f16"],
+                              flash_attn=True),
+                        Llama(**kw, type_k=type_k, type_v=type_v, flash_attn=True)]
             m = fidelity_metrics(*(llama_teacher(llm, s.ids, s.continuation) for llm in llms))
         o = {"length": length, "index": index, "prompt_tokens": len(s.ids), "cache_type": args.cache_type,
              "llama_cpp_kl": m["kl"], "llama_cpp_top1": m["top1"], "seconds": time.perf_counter() - t0,

@@ -280,18 +280,21 @@ def bench_series(doc: dict) -> dict:
         add(f"ours, full cache{tag}", c["prompt_tokens"], c["engine"])
         if c.get("engine_snapkv"):
             add(f"ours, SnapKV{tag}", c["prompt_tokens"], c["engine_snapkv"])
+    fa = doc.get("llama_cpp_flash_attn")          # True / False, or "both" (then llama_cpp_fa is with it)
     for c in doc["cases"]:
         if c.get("llama_cpp") and (not several or c is next(d for d in doc["cases"]
                                                             if d["prompt_tokens"] == c["prompt_tokens"])):
-            add(f"llama.cpp ({doc.get('llama_cpp_cache_type') or 'f16'} KV"
-                + (", flash attention" if doc.get("llama_cpp_flash_attn") else "") + ")",
+            kv = doc.get("llama_cpp_cache_type") or "f16"
+            add(f"llama.cpp ({kv} KV" + (", flash attention" if fa is True else "") + ")",
                 c["prompt_tokens"], c["llama_cpp"])
+            if c.get("llama_cpp_fa"):
+                add(f"llama.cpp ({kv} KV, flash attention)", c["prompt_tokens"], c["llama_cpp_fa"])
     return out
 
 
 def _style(label: str, k: int) -> dict:
     if label.startswith("llama.cpp"):
-        return {"color": "k", "ls": "--", "marker": "s"}
+        return {"color": "k", "ls": ":" if "flash attention" in label else "--", "marker": "s"}
     return {"color": f"C{k}", "ls": "-", "marker": "o" if "full" in label else "^"}
 
 

@@ -121,18 +121,20 @@ def test_bench_repeats_report_medians(tiny_llama, tmp_path):
 
 def test_bench_repeats_alternate_with_llama_cpp(tiny_llama, tmp_path, monkeypatch):
     """The order of --repeats 4 beside llama.cpp: llama.cpp, ours | ours, llama.cpp |
-    llama.cpp, ours | ours, llama.cpp (its child process stands in for itself here: this
-    checks the order and the medians' ratios, not llama.cpp)."""
+    llama.cpp, ours | ours, llama.cpp, llama.cpp in both its flash-attention modes each
+    time, every ratio against the faster mode (its child process stands in for itself
+    here: this checks the order and the medians' ratios, not llama.cpp)."""
     import engine.bench as bench
     from engine.cli import main
     order = []
     monkeypatch.setattr(bench, "llama_cpp_available", lambda: True)
 
-    def llama(path, ctx, threads, prompts, n_decode, *a):
+    def llama(path, ctx, threads, prompts, n_decode, gpu, flash_attn, cache_type):
         order.append("L")
-        t = len([o for o in order if o == "L"])
-        return [{"prefill_tok_s": 10.0 * t, "decode_tok_s": 1.0 * t, "prefill_s": 1.0, "peak_rss_mib": 1.0}
-                for _ in prompts]
+        t = -(-len([o for o in order if o == "L"]) // 2)      # the t-th llama.cpp run, both modes
+        # with flash attention: prefill 3x faster, decode 2x slower
+        return [{"prefill_tok_s": 10.0 * t * (3 if flash_attn else 1), "decode_tok_s": t / (2 if flash_attn else 1),
+                 "prefill_s": 1.0, "peak_rss_mib": 1.0} for _ in prompts]
     monkeypatch.setattr(bench, "run_llama_cpp", llama)
     real = bench._engine_case
 
@@ -143,10 +145,14 @@ def test_bench_repeats_alternate_with_llama_cpp(tiny_llama, tmp_path, monkeypatc
     monkeypatch.setattr(bench, "_engine_case", ours)
     assert main(["bench", str(tiny_llama), "--lengths", "100", "--decode-tokens", "2", "--kv-budget", "0",
                  "--out", str(tmp_path), "--repeats", "4"]) == 0
-    assert order == ["L", "O", "O", "L", "L", "O", "O", "L"]
+    assert order == ["L", "L", "O", "O", "L", "L", "L", "L", "O", "O", "L", "L"]
     case = json.loads((tmp_path / "bench-cpu.json").read_text())["cases"][0]
     assert case["llama_cpp"]["runs_decode_tok_s"] == [1.0, 2.0, 3.0, 4.0] and case["llama_cpp"]["decode_tok_s"] == 2.5
+    assert case["llama_cpp_fa"]["prefill_tok_s"] == 75.0
     assert case["ratio_decode"] == case["engine"]["decode_tok_s"] / 2.5
+    assert case["ratio_prefill"] == case["engine"]["prefill_tok_s"] / 75.0
+    assert case["ratio_against"] == {"prefill": "flash attention", "decode": "no flash attention"}
+    assert case["kv_matched"] is True
 
 
 def test_bench_share_prefill(tiny_llama, tmp_path):
