@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -471,57 +472,53 @@ def test_a_pipelined_request_being_answered_is_not_taken_for_an_idle_connection(
             del s.model.forward.decode_batch
 
 
-def test_a_full_server_refuses_before_rendering_or_tokenizing(tiny_llama, monkeypatch):
-    """With every slot and queue place taken, a request gets its 503 (Retry-After) before
-    the server renders or tokenizes it: a burst cannot tie up the renderers and threads."""
-    with served(tiny_llama, max_queue=0) as s:
+@contextlib.contextmanager
+def one_request_running(model_path, **kw):
+    """A served tiny model with one plain request held inside its decode step: yields the
+    server; on exit the request goes on and must answer 200."""
+    with served(model_path, **kw) as s:
         gate = _gated(s.model)
         pool = concurrent.futures.ThreadPoolExecutor(1)
         try:
             busy = pool.submit(request, s.url, "/v1/completions", BODY)
             wait_until(lambda: s.app.state.scheduler.state()["running"], "the request to run")
-            made = []
-            for name in ("completion_job", "chat_job", "chat_messages"):
-                monkeypatch.setattr(jobs, name, lambda *a, name=name, **k: made.append(name))
-            for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", CHAT)):
-                req = urllib.request.Request(s.url + path, json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})
-                with pytest.raises(urllib.error.HTTPError) as e:
-                    urllib.request.urlopen(req, timeout=WAIT_S)
-                assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
-                assert json.loads(e.value.read())["error"]["code"] == "queue_full"
-            assert made == []
-            monkeypatch.undo()
+            yield s
             gate.set()
             assert busy.result(WAIT_S)[0] == 200
         finally:
             gate.set()
             pool.shutdown()
             del s.model.forward.decode_batch
+
+
+def test_a_full_server_refuses_before_rendering_or_tokenizing(tiny_llama, monkeypatch):
+    """With every slot and queue place taken, a request gets its 503 (Retry-After) before
+    the server renders or tokenizes it: a burst cannot tie up the renderers and threads."""
+    with one_request_running(tiny_llama, max_queue=0) as s:
+        made = []
+        for name in ("completion_job", "chat_job", "chat_messages"):
+            monkeypatch.setattr(jobs, name, lambda *a, name=name, **k: made.append(name))
+        for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", CHAT)):
+            req = urllib.request.Request(s.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=WAIT_S)
+            assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+            assert json.loads(e.value.read())["error"]["code"] == "queue_full"
+        assert made == []
+        monkeypatch.undo()
 
 
 def test_a_connection_past_a_cap_of_busy_ones_gets_503_with_retry_after(tiny_llama):
     """When every connection is being answered, the one past --max-connections is told
     so (503, Retry-After) before it is closed, not closed without a byte."""
-    with served(tiny_llama, limits=Limits(max_connections=1)) as s:
-        gate = _gated(s.model)
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        try:
-            busy = pool.submit(request, s.url, "/v1/completions", BODY)
-            wait_until(lambda: s.app.state.scheduler.state()["running"], "the request to run")
-            host, port = s.url.removeprefix("http://").split(":")
-            with socket.create_connection((host, int(port)), timeout=WAIT_S) as c:
-                answer = b""
-                while chunk := c.recv(4096):
-                    answer += chunk
-            assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer.lower(), answer[:200]
-            assert b"too_many_connections" in answer
-            gate.set()
-            assert busy.result(WAIT_S)[0] == 200
-        finally:
-            gate.set()
-            pool.shutdown()
-            del s.model.forward.decode_batch
+    with one_request_running(tiny_llama, limits=Limits(max_connections=1)) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as c:
+            answer = b""
+            while chunk := c.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer.lower(), answer[:200]
+        assert b"too_many_connections" in answer
 
 
 def test_a_request_past_its_timeout_is_ended(tiny_llama):
