@@ -270,8 +270,8 @@ def create_app(scheduler: Scheduler, model_id: str, api_key=None, limits: Limits
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             calls = structured.CallStream(plan.choice) if plan.parse else None
             return ClosingStream(_sse(sub, rid, chat, include_usage, job.logprobs is not None, deadline, calls),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _collect(request, sub, rid, chat, job.logprobs is not None, deadline, plan)
 
     def _timed_out() -> ApiError:
