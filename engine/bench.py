@@ -228,12 +228,20 @@ def _median_case(runs: list[dict]) -> dict:
     return case
 
 
+# Warm-up prompts reach this length where the cases do: past every backend's switch to its
+# long-cache kernels (the CPU's parallel decode above 1024 rows), which would otherwise
+# compile inside the first long case's timer (a fresh install's first SnapKV 4K decode: 4.6
+# instead of 54 tok/s)
+WARM_TOKENS = 1280
+
+
 def _warm_eviction(cfg, longest: int):
-    """(a policy like `cfg` with a small budget, the length of a warm-up prompt it
-    compacts, at most `longest`) so eviction's kernels are compiled and loaded before the
-    timed cases; None if no prompt that fits can be compacted."""
+    """(a policy like `cfg` with a budget of at most WARM_TOKENS - 64, the length of a
+    warm-up prompt it compacts, at most `longest`) so eviction's kernels, and decode over
+    a compacted cache of that many rows, are compiled and loaded before the timed cases;
+    None if no prompt that fits can be compacted."""
     import dataclasses
-    budget = cfg.sinks + cfg.recent + cfg.merge + 8
+    budget = max(cfg.sinks + cfg.recent + cfg.merge + 8, min(cfg.budget, WARM_TOKENS - 64, longest - 64))
     n = min(longest, budget + 64)
     if n <= budget or n < cfg.window:
         return None
@@ -300,7 +308,7 @@ def run_bench(args, settings) -> int:
         print(f"llama.cpp: {cache_type} KV cache, flash attention "
               f"{' and '.join('on' if fa else 'off' for fa in modes)}, {threads} threads"
               + ("; its columns: the faster mode per column (fa: with flash attention)" if len(modes) > 1 else ""))
-    warm = bench_prompt(model.tokenizer, min(64, min(lengths)))     # fits the context the cases need
+    warm = bench_prompt(model.tokenizer, min(WARM_TOKENS, max(lengths)))   # fits the context the cases need
     evicting = model.snapkv is not None
     warm_evict = _warm_eviction(model.snapkv, max(lengths)) if evicting else None
     for dtype in dtypes:
