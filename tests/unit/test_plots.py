@@ -57,7 +57,8 @@ def test_committed_images_are_current(fresh):
 def test_pages_show_the_plots():
     pages = {"evaluation.md": ["accuracy_vs_kv_bytes.png", "eviction_cost.png"],
              "kv-formats.md": ["accuracy_vs_kv_bytes.png"],
-             "benchmarks.md": ["bench_qwen2.5-coder-0.5b-cpu-2026-12-05.png", "bench_smollm2-cpu-2026-11-29.png",
+             "benchmarks.md": ["bench_qwen2.5-coder-0.5b-both-modes-cpu-2026-12-06.png",
+                               "bench_qwen2.5-coder-0.5b-cpu-2026-12-05.png", "bench_smollm2-cpu-2026-11-29.png",
                                "bench_gemma3-cpu-2026-11-29.png"],
              "index.md": ["bench_smollm2-cpu-2026-11-29.png"]}
     for page, images in pages.items():
@@ -65,7 +66,8 @@ def test_pages_show_the_plots():
         assert "python tools/plots.py" in text, page
         for img in images:
             assert f"](img/{img})" in text, (page, img)
-    assert "](docs/img/bench_qwen2.5-coder-0.5b-cpu-2026-12-05.png)" in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "](docs/img/bench_qwen2.5-coder-0.5b-both-modes-cpu-2026-12-06.png)" in \
+        (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_accuracy_points_match_the_pages(plots):
