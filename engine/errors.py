@@ -12,6 +12,11 @@ class EngineError(Exception):
         return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def cut(text: str, n: int = 64) -> str:
+    """Text from a file or an exception, cut to n characters for a one-line message."""
+    return text if len(text) <= n else text[:n] + "..."
+
+
 class ModelFileError(EngineError):
     """The model file is missing, not a GGUF, truncated or malformed."""
 

@@ -20,7 +20,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Regex, Tokenizer as HfTokenizer, models, normalizers, pre_tokenizers
 
-from engine.errors import ConfigError, EngineError, ModelFileError, UnsupportedError
+from engine.errors import ConfigError, EngineError, ModelFileError, UnsupportedError, cut
 
 # tokenizer.ggml.token_type values (llama.cpp `llama_token_type`)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -410,9 +410,9 @@ class Tokenizer:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=bos, eos_token=eos, **extra)
         except jinja2.TemplateError as e:
-            raise EngineError(f"chat template failed: {_cut(e)}") from None
+            raise EngineError(f"chat template failed: {cut(str(e), 200)}") from None
         except Exception as e:               # the template's own bug (RecursionError, MemoryError, ...)
-            raise EngineError(f"chat template failed: {type(e).__name__}: {_cut(e)}") from None
+            raise EngineError(f"chat template failed: {type(e).__name__}: {cut(str(e), 200)}") from None
 
 
 class StreamDecoder:
@@ -453,7 +453,7 @@ def _compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except Exception as e:                   # TemplateError; RecursionError, SyntaxError on junk
-        raise EngineError(f"chat template does not compile: {type(e).__name__}: {_cut(e)}") from None
+        raise EngineError(f"chat template does not compile: {type(e).__name__}: {cut(str(e), 200)}") from None
 
 
 MAX_TEMPLATE_VALUE = 1 << 24     # items or characters a template's `*` may make (16M; a prompt is far less)
@@ -474,8 +474,3 @@ class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
             raise jinja2.sandbox.SecurityError(f"{left} ** {right} is past the template limit")
         return super().call_binop(context, operator, left, right)
 
-
-def _cut(e: BaseException, n: int = 200) -> str:
-    """An exception's text for a one-line message."""
-    text = str(e)
-    return text if len(text) <= n else text[:n] + "..."

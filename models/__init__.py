@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import UnsupportedError
+from engine.errors import UnsupportedError, cut
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,7 @@ def register(spec: ArchSpec) -> ArchSpec:
 
 def get_arch(name: str) -> ArchSpec:
     if name not in _REGISTRY:
-        shown = name if len(name) <= 64 else name[:64] + "..."     # a file's string: cut for one line
-        raise UnsupportedError(f"unsupported architecture '{shown}'; supported: {', '.join(sorted(_REGISTRY))}")
+        raise UnsupportedError(f"unsupported architecture '{cut(name)}'; supported: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
 

@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 from backends.kvformat import KvFormat, KvSpec
 from models import ArchSpec, get_arch
 
-from ..errors import ModelFileError, UnsupportedError
+from ..errors import ModelFileError, UnsupportedError, cut
 from .reader import GgufFile
 
 
@@ -154,7 +154,7 @@ def _kind(value) -> str:
     """How a metadata value of the wrong type is described: "a string ('30')"."""
     names = {str: "a string", float: "a float", bool: "a bool", list: "an array", type(None): "a nested array"}
     text = repr(value)
-    return f"{names.get(type(value), type(value).__name__)} ({text[:40] + '...' if len(text) > 40 else text})"
+    return f"{names.get(type(value), type(value).__name__)} ({cut(text, 40)})"
 
 
 def model_config(g: GgufFile) -> ModelConfig:

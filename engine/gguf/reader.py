@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ..errors import ModelFileError, UnsupportedError
+from ..errors import ModelFileError, UnsupportedError, cut
 from .qtypes import SUPPORTED, SUPPORTED_NAMES, block_geometry
 
 GGUF_MAGIC = b"GGUF"
@@ -34,11 +34,6 @@ MAX_NESTING = 8      # arrays of arrays deeper than this: a malformed file (none
 MAX_ARRAY = 1 << 22
 MAX_TENSORS = 1 << 16
 MAX_TENSOR_NAME = 64
-
-
-def _shown(text: str, n: int = 64) -> str:
-    """A string from the file, quoted and cut for a one-line message."""
-    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 @dataclass(frozen=True)
@@ -203,13 +198,13 @@ class GgufFile:
         for _ in range(n_kv):
             key = c.string()
             if key in metadata:                      # as gguf-py and llama.cpp refuse it
-                raise _Malformed(f"metadata key {_shown(key)} appears twice")
+                raise _Malformed(f"metadata key {cut(key)!r} appears twice")
             metadata[key] = c.value(c.u32())
         infos = []
         for _ in range(n_tensors):
             name = c.string()
             if len(name.encode()) > MAX_TENSOR_NAME:
-                raise _Malformed(f"tensor name {_shown(name)} is longer than GGUF's {MAX_TENSOR_NAME} bytes")
+                raise _Malformed(f"tensor name {cut(name)!r} is longer than GGUF's {MAX_TENSOR_NAME} bytes")
             n_dims = c.u32()
             if n_dims > 8:
                 raise _Malformed(f"tensor {name} has {n_dims} dimensions")
