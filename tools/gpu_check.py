@@ -238,16 +238,28 @@ def _copy_linked_libs(modules: list[pathlib.Path], dest: pathlib.Path) -> list[s
     return copied
 
 
+def _spirv_keys() -> dict:
+    """The Vulkan backend's SPIR-V cache key of every shader variant -> (shader, defines)."""
+    sys.path.insert(0, str(REPO))
+    from backends.vulkan import shaders
+    return {shaders._key(n, d): (n, d) for n, d in shaders.variants()}
+
+
+def _tar_names(path: pathlib.Path) -> set[str]:
+    """The members of a tar file (none when it does not exist)."""
+    if not path.is_file():
+        return set()
+    with tarfile.open(path) as t:
+        return set(t.getnames())
+
+
 def _spirv_tar(dest: pathlib.Path) -> str:
     """Every Vulkan shader variant as SPIR-V (compiled here, or from this machine's cache)
     in one .tar.xz named by the backend's cache keys, unless dest holds exactly those."""
-    sys.path.insert(0, str(REPO))
+    keys = _spirv_keys()                 # (puts the repository on sys.path)
+    if _tar_names(dest) == set(keys):
+        return f"{len(keys)} variants (kept)"
     from backends.vulkan import shaders
-    keys = {shaders._key(n, d): (n, d) for n, d in shaders.variants()}
-    if dest.is_file():
-        with tarfile.open(dest) as t:
-            if set(t.getnames()) == set(keys):
-                return f"{len(keys)} variants (kept)"
     tmp = dest.with_suffix(".tmp")
     with tarfile.open(tmp, "w:xz") as t:
         for key, (name, defines) in sorted(keys.items()):
@@ -331,11 +343,7 @@ def check_bundle(bundle: pathlib.Path) -> list[str]:
     if not (bundle / "manifest.json").is_file():
         return [f"no bundle at {bundle} (python tools/gpu_check.py prepare)"]
     manifest, problems = json.loads((bundle / "manifest.json").read_text()), []
-    sys.path.insert(0, str(REPO))
-    from backends.vulkan import shaders
-    want = {shaders._key(n, d) for n, d in shaders.variants()}
-    tar = bundle / "vulkan" / SPIRV_TAR
-    have = set(tarfile.open(tar).getnames()) if tar.is_file() else set()
+    want, have = set(_spirv_keys()), _tar_names(bundle / "vulkan" / SPIRV_TAR)
     if have != want:
         problems.append(f"{SPIRV_TAR} holds {len(have & want)} of the shaders' {len(want)} variants now: "
                         f"every Vulkan step would be skipped")

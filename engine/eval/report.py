@@ -152,10 +152,13 @@ def paired_against(rows: list[dict], policies: list[str], reference: str = "full
 # -- JSON -----------------------------------------------------------------------------
 def write_doc(path: str, doc: dict) -> None:
     """`doc` as JSON at `path`, whole or not at all (a temporary file renamed over it)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    _dump(path + ".tmp", doc)
+    os.replace(path + ".tmp", path)
+
+
+def _dump(path: str, doc: dict) -> None:
+    with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=_jsonable)
-    os.replace(tmp, path)
 
 
 def _jsonable(x):
@@ -389,9 +392,7 @@ def write_all(out_dir: str, meta: dict, rows: list[dict], lengths: list[int], ta
     tmp = {k: f"{path}.tmp" for k, path in paths.items()}
     try:
         text = markdown(meta, summary, lengths, tasks)
-        with open(tmp["json"], "w") as f:
-            json.dump({"schema": SCHEMA_VERSION, "meta": meta, "summary": summary, "samples": rows}, f,
-                      indent=1, default=_jsonable)
+        _dump(tmp["json"], {"schema": SCHEMA_VERSION, "meta": meta, "summary": summary, "samples": rows})
         with open(tmp["markdown"], "w") as f:
             f.write(text)
         plot_heatmaps(tmp["heatmap"], rows, names, lengths)
