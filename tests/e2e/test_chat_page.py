@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 
-from test_server import _idle_after, held_worker, served, wait_until  # noqa: F401  (fixtures too)
+from test_server import _idle_after, served  # noqa: F401  (fixtures too)
+from waiting import held_worker, wait_until
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install -e .[test])")
 

@@ -5,7 +5,6 @@ hold the worker still; one test starts the real `engine serve` command).
 Every wait is bounded: `wait_until` polls at most WAIT_S seconds, every client
 call has a timeout, and a held worker is released after HOLD_S seconds at most.
 """
-import contextlib
 import dataclasses
 import json
 import os
@@ -18,7 +17,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from waiting import wait_until
+from waiting import held_worker, wait_until
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -30,7 +29,6 @@ from engine.snapkv import SnapKvConfig  # noqa: E402
 CTX = 1024
 MAX_RUNNING = 2        # the served fixture decodes two requests per batch
 WAIT_S = 20.0          # longest any poll waits
-HOLD_S = 30.0          # longest a held worker stays held
 DOC = ("The archive of the harbour office lists every ship that arrived in the spring. "
        "The Marigold came from Lisbon with wine, the Heron from Bergen with dried fish, "
        "and the Starling from Genoa with paper and glass. ") * 3 + \
@@ -106,24 +104,6 @@ def _idle_after(request):
     if "served" in request.fixturenames:
         s = request.getfixturevalue("served")
         wait_until(s.idle, "the server to be idle")      # no test leaves a request or cache behind
-
-
-@contextlib.contextmanager
-def held_worker(model):
-    """Hold the worker before every decode step until the gate opens (HOLD_S at most)."""
-    gate = threading.Event()
-    real = model.forward.decode_batch
-
-    def decode_batch(tokens, caches, **kw):
-        gate.wait(HOLD_S)
-        return real(tokens, caches, **kw)
-
-    model.forward.decode_batch = decode_batch
-    try:
-        yield gate
-    finally:
-        gate.set()
-        del model.forward.decode_batch
 
 
 def stream_text(stream, chat: bool):

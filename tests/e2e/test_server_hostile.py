@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from waiting import wait_until
+from waiting import held_worker, wait_until
 
 pytest.importorskip("uvicorn")
 
@@ -402,19 +402,11 @@ def test_a_client_that_does_not_read_ends_its_request():
     assert len(sent) == 1002 and at_return == [True]
 
 
-def _gated(model):
-    """Decoding waits on the returned Event (set it, then `del model.forward.decode_batch`)."""
-    gate, real = threading.Event(), model.forward.decode_batch
-    model.forward.decode_batch = lambda tokens, caches, **kw: gate.wait(WAIT_S) and real(tokens, caches, **kw)
-    return gate
-
-
 def test_bytes_pipelined_behind_a_waiting_request_are_not_read_into_memory(tiny_llama):
     """A client whose plain request waits (queued, decoding) and that writes on: the
     server reads at most one socket read of it (polling is_disconnected read 256 KiB
     every 0.25 s, without bound), and the request is still answered."""
-    with served(tiny_llama) as s:
-        gate = _gated(s.model)
+    with served(tiny_llama) as s, held_worker(s.model) as gate:
         host, port = s.url.removeprefix("http://").split(":")
         body = json.dumps(BODY).encode()
         sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
@@ -436,16 +428,13 @@ def test_bytes_pipelined_behind_a_waiting_request_are_not_read_into_memory(tiny_
             answer = sock.recv(65536)
             assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
         finally:
-            gate.set()
             sock.close()
-            del s.model.forward.decode_batch
 
 
 def test_a_pipelined_request_being_answered_is_not_taken_for_an_idle_connection(tiny_llama):
     """A connection whose second, pipelined request runs is busy: past --max-connections
     the one idle connection gives way, not it (it was re-armed as waiting for headers)."""
-    with served(tiny_llama, limits=Limits(max_connections=2)) as s:
-        gate = _gated(s.model)
+    with served(tiny_llama, limits=Limits(max_connections=2)) as s, held_worker(s.model) as gate:
         host, port = s.url.removeprefix("http://").split(":")
         body = json.dumps(BODY).encode()
         a = socket.create_connection((host, int(port)), timeout=WAIT_S)
@@ -466,29 +455,21 @@ def test_a_pipelined_request_being_answered_is_not_taken_for_an_idle_connection(
                 answer += chunk
             assert answer.count(b"HTTP/1.1 200") == 2 and b'"text_completion"' in answer, answer[-300:]
         finally:
-            gate.set()
             for c in [a, *others]:
                 c.close()
-            del s.model.forward.decode_batch
 
 
 @contextlib.contextmanager
 def one_request_running(model_path, **kw):
     """A served tiny model with one plain request held inside its decode step: yields the
     server; on exit the request goes on and must answer 200."""
-    with served(model_path, **kw) as s:
-        gate = _gated(s.model)
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        try:
-            busy = pool.submit(request, s.url, "/v1/completions", BODY)
-            wait_until(lambda: s.app.state.scheduler.state()["running"], "the request to run")
-            yield s
-            gate.set()
-            assert busy.result(WAIT_S)[0] == 200
-        finally:
-            gate.set()
-            pool.shutdown()
-            del s.model.forward.decode_batch
+    with served(model_path, **kw) as s, concurrent.futures.ThreadPoolExecutor(1) as pool, \
+            held_worker(s.model) as gate:       # (the gate opens before the pool waits for the request)
+        busy = pool.submit(request, s.url, "/v1/completions", BODY)
+        wait_until(lambda: s.app.state.scheduler.state()["running"], "the request to run")
+        yield s
+        gate.set()
+        assert busy.result(WAIT_S)[0] == 200
 
 
 def test_a_full_server_refuses_before_rendering_or_tokenizing(tiny_llama, monkeypatch):
